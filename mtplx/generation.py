@@ -1,0 +1,260 @@
+"""Solo decoding: plain autoregressive (`generate_ar`, the baseline) and MTP speculative
+decoding (`generate_mtpk`). Both share one prefill partition so greedy outputs are comparable
+token for token: the prompt body in chunks, then the last prompt token alone.
+
+One MTP cycle (depth K):
+  primary x0 (pending from the last cycle, or sampled from the last logits)
+  -> K chained drafts from the MTP head (its history entries for accepted tokens folded into the
+     same head forward)
+  -> one target verify forward over [x0, d1..dK]
+  -> accept drafts left to right (greedy: equal to argmax; sampled: verify_one_token), the first
+     rejection emits the residual sample; if all are accepted a bonus token comes from the last
+     verify row. The emitted correction/bonus is the next cycle's pending primary.
+  -> trim the target KV of rejected positions; the MTP head's history keeps target hiddens only.
+RNG order per cycle (same as the cohort lane): primary, drafts, accept draws/residual, bonus.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .sampling import SamplerConfig, distribution, sample, token_counts, verify_one_token
+
+PREFILL_CHUNK = 512
+
+
+class CapacityError(ValueError):
+    """prompt + max_tokens does not fit the model's context window."""
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    finish_reason: str                  # "stop" | "length" | "cancelled"
+    stats: dict = field(default_factory=dict)
+
+
+def check_request(model, prompt_ids, max_tokens: int) -> list[int]:
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids is empty; a prompt needs at least one token")
+    if int(max_tokens) < 1:
+        raise ValueError(f"max_tokens={max_tokens} is invalid: must be >= 1")
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})")
+    if len(prompt) + int(max_tokens) > model.max_context:
+        raise CapacityError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+            f"window of {model.max_context} tokens")
+    return prompt
+
+
+def prefill(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFILL_CHUNK,
+            cancelled: Callable[[], bool] = lambda: False):
+    """Run the prompt through the target (and prime the MTP history when mtp_cache is given).
+
+    Returns (logits_last [V], hidden_last [1, 1, H]), or None when cancelled between chunks.
+    """
+    body = prompt[:-1]
+    for start in range(0, len(body), chunk):
+        if cancelled():
+            return None
+        piece = body[start:start + chunk]
+        h = model.hidden(mx.array([piece]), cache)
+        if mtp_cache is not None:
+            # History entries (h_i, token_{i+1}) for every body position i.
+            model.draft_hidden(h, mx.array([prompt[start + 1:start + 1 + len(piece)]]), mtp_cache)
+        mx.eval([c.state for c in cache] + ([c.state for c in mtp_cache] if mtp_cache else []))
+    if cancelled():
+        return None
+    h_last = model.hidden(mx.array([prompt[-1:]]), cache)
+    logits_last = model.logits(h_last)[0, -1]
+    mx.eval(logits_last, h_last)
+    return logits_last, h_last
+
+
+class _Row:
+    """Per-request decode bookkeeping shared by the solo paths: budget, stops, penalties, RNG."""
+
+    def __init__(self, model, sampler, max_tokens, seed, stop_token_ids):
+        self.sampler = sampler
+        self.max_tokens = int(max_tokens)
+        self.stop = frozenset(int(t) for t in stop_token_ids)
+        self.rng = np.random.default_rng(seed)
+        self.vocab = model.vocab_size
+        self.tokens: list[int] = []
+        self.finish_reason: Optional[str] = None
+        self.counts = np.zeros(self.vocab, dtype=np.int64) if sampler.has_penalties else None
+
+    def dist(self, logits_row, cfg=None) -> np.ndarray:
+        return distribution(np.array(logits_row, dtype=np.float64), cfg or self.sampler, self.counts)
+
+    def emit(self, token: int, on_token=None) -> bool:
+        """Record a token; returns True when the row is finished."""
+        self.tokens.append(token)
+        if self.counts is not None:
+            self.counts[token] += 1
+        if on_token is not None:
+            on_token(token)
+        if token in self.stop:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+
+def _finish_stats(row: _Row, t_start, t_decode, prompt_len, extra) -> dict:
+    t_end = time.perf_counter()
+    decode_s = max(t_end - t_decode, 1e-9)
+    n = len(row.tokens)
+    stats = {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": n,
+        "prompt_eval_time_s": t_decode - t_start,
+        "decode_elapsed_s": decode_s,
+        "decode_tok_s": n / decode_s,
+        "elapsed_s": t_end - t_start,
+        "end_to_end_tok_s": n / max(t_end - t_start, 1e-9),
+    }
+    stats.update(extra)
+    return stats
+
+
+def generate_ar(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig = SamplerConfig(),
+                seed: int = 0, stop_token_ids: Iterable[int] = frozenset(), on_token=None) -> GenerationResult:
+    """Plain autoregressive decoding: one [1, 1] target forward per token."""
+    prompt = check_request(model, prompt_ids, max_tokens)
+    row = _Row(model, sampler, max_tokens, seed, stop_token_ids)
+    t_start = time.perf_counter()
+    cache = model.make_cache()
+    logits, _ = prefill(model, prompt, cache)
+    t_decode = time.perf_counter()
+    if sampler.is_greedy and not sampler.has_penalties:
+        # Pipelined like mlx-lm: build step n+1 on the device before reading token n.
+        y = mx.argmax(logits)
+        mx.async_eval(y)
+        while True:
+            nxt = mx.argmax(model.logits(model.hidden(y.reshape(1, 1), cache))[0, -1])
+            mx.async_eval(nxt)
+            if row.emit(int(y.item()), on_token):
+                break
+            y = nxt
+    else:
+        while True:
+            token = sample(row.dist(logits), row.rng)
+            if row.emit(token, on_token):
+                break
+            logits = model.logits(model.hidden(mx.array([[token]]), cache))[0, -1]
+    stats = _finish_stats(row, t_start, t_decode, len(prompt), {"mode": "ar", "generation_mode": "ar",
+                                                               "verify_calls": 0})
+    return GenerationResult(row.tokens, row.finish_reason, stats)
+
+
+def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig = SamplerConfig(),
+                  draft_sampler: Optional[SamplerConfig] = None, depth: int = 1, seed: int = 0,
+                  stop_token_ids: Iterable[int] = frozenset(), omit_speculative_bonus: bool = False,
+                  on_token=None) -> GenerationResult:
+    """MTP speculative decoding with the model's own head (depth 1-3). Exact: greedy output equals
+    `generate_ar`; sampled output keeps the target distribution."""
+    if model.mtp is None:
+        raise ValueError(f"this model has no MTP head ({model.mtp_disabled_reason}); use generate_ar")
+    if not 1 <= int(depth) <= 3:
+        raise ValueError(f"depth={depth} is invalid: must be 1, 2 or 3")
+    prompt = check_request(model, prompt_ids, max_tokens)
+    draft_sampler = draft_sampler or sampler
+    row = _Row(model, sampler, max_tokens, seed, stop_token_ids)
+    greedy = sampler.is_greedy and draft_sampler.is_greedy and not sampler.has_penalties
+    t_start = time.perf_counter()
+    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+    logits_last, h_last = prefill(model, prompt, cache, mtp_cache)
+    t_decode = time.perf_counter()
+    hist_h, hist_t = [], []          # MTP history entries owed for accepted drafts (target hiddens)
+    pending: Optional[int] = None    # correction/bonus already emitted, next cycle's primary
+    accepted = rejected = cycles = 0
+
+    while True:
+        cycles += 1
+        if pending is None:
+            x0 = int(mx.argmax(logits_last).item()) if greedy else sample(row.dist(logits_last), row.rng)
+            if row.emit(x0, on_token):
+                break
+        else:
+            x0 = pending
+        k = min(int(depth), row.max_tokens - len(row.tokens))
+
+        # Drafts: history entries + (h_last, x0) in one head forward, then chain on its own output.
+        h_in = mx.concatenate(hist_h + [h_last], axis=1)
+        t_in = mx.array([hist_t + [x0]])
+        mtp_base = mtp_cache[0].offset + len(hist_t)   # MTP position of the (h_last, x0) entry
+        g = model.draft_hidden(h_in, t_in, mtp_cache)[:, -1:]
+        drafts, draft_probs = [], []
+        for j in range(k):
+            q_logits = model.logits(g)[0, -1]
+            if greedy:
+                d = mx.argmax(q_logits)
+            else:
+                q = row.dist(q_logits, draft_sampler)
+                d = sample(q, row.rng)
+                draft_probs.append(q)
+            drafts.append(d)
+            if j + 1 < k:
+                d_arr = d.reshape(1, 1) if greedy else mx.array([[d]])
+                g = model.draft_hidden(g, d_arr, mtp_cache)
+        d_ids = mx.stack(drafts).reshape(1, k) if greedy else mx.array([drafts])
+
+        # One verify forward over [x0, d1..dk].
+        H = model.hidden(mx.concatenate([mx.array([[x0]]), d_ids], axis=1), cache)
+        L = model.logits(H)[0]
+        if greedy:
+            target_ids = mx.argmax(L, axis=-1)
+            mx.eval(target_ids, d_ids)
+            target_ids, drafts = target_ids.tolist(), d_ids[0].tolist()
+
+        # Accept left to right; emit accepted drafts, then correction or bonus.
+        a, finished, pending = 0, False, None
+        for j in range(k):
+            if greedy:
+                ok, tok = drafts[j] == target_ids[j], target_ids[j]
+            else:
+                ok, tok = verify_one_token(row.dist(L[j]), draft_probs[j], drafts[j], row.rng)
+            if ok:
+                a += 1
+                accepted += 1
+                if row.emit(tok, on_token):
+                    finished = True
+                    break
+            else:
+                rejected += 1
+                finished = row.emit(tok, on_token)
+                pending = tok
+                break
+        if finished:
+            break
+        if a == k and not omit_speculative_bonus and len(row.tokens) < row.max_tokens:
+            bonus = target_ids[k] if greedy else sample(row.dist(L[k]), row.rng)
+            if row.emit(bonus, on_token):
+                break
+            pending = bonus
+
+        # Commit: keep x0 and the accepted drafts; the head's history keeps target hiddens.
+        for c in cache:
+            c.trim(k - a)
+        for c in mtp_cache:
+            c.trim(c.offset - (mtp_base + 1))
+        hist_h = [H[:, j:j + 1] for j in range(a)]
+        hist_t = drafts[:a]
+        h_last, logits_last = H[:, a:a + 1], L[a]
+
+    stats = _finish_stats(row, t_start, t_decode, len(prompt), {
+        "mode": "mtp", "generation_mode": "mtp", "mtp_depth": int(depth),
+        "accepted_drafts": accepted, "rejected_drafts": rejected, "verify_calls": cycles,
+        "acceptance_rate": accepted / max(accepted + rejected, 1),
+        "mean_tokens_per_verify": len(row.tokens) / max(cycles, 1),
+    })
+    return GenerationResult(row.tokens, row.finish_reason, stats)

@@ -1,0 +1,1 @@
+"""Model loading, architectures, the MTP head and caches."""

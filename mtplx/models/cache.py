@@ -1,0 +1,98 @@
+"""A ragged batched KV cache: one shared buffer, per-row logical lengths.
+
+mlx-lm's `BatchKVCache` left-pads rows and trims all rows alike; speculative cohorts need each
+row to keep 0, 1 or 2 of the positions a verify wrote. Here every row writes its new positions at
+its own offset (so RoPE positions are per row and no padding token is ever attended to), and
+`commit_rows` moves each row's offset back over the positions it rejected. Those slots become
+dead: the causal mask never reaches past a row's offset, and the next write overwrites them.
+
+Protocol (what mlx-lm's attention layers call): `offset` (an int32 array [B], read as the RoPE
+position), `update_and_fetch(keys, values)`, `make_mask(N, ...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+STEP = 256
+
+
+class RaggedKVCache:
+    def __init__(self, keys: mx.array, values: mx.array, lengths: Sequence[int]):
+        self.keys, self.values = keys, values          # [B, H, capacity, D]
+        self.lengths = np.asarray(lengths, dtype=np.int64).copy()  # host truth, per row
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+
+    @classmethod
+    def merge(cls, caches: Sequence, headroom: int = 0) -> "RaggedKVCache":
+        """Merge per-row mlx-lm KVCaches (each [1, H, L_i, D]) into one ragged batch."""
+        lengths = [c.offset for c in caches]
+        ref = next(c for c in caches if c.keys is not None)
+        _, H, _, Dk = ref.keys.shape
+        Dv = ref.values.shape[3]
+        cap = -(-(max(lengths) + headroom + 1) // STEP) * STEP
+        rows_k, rows_v = [], []
+        for c, n in zip(caches, lengths):
+            pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
+            rows_k.append(mx.pad(c.keys[..., :n, :], pad))
+            rows_v.append(mx.pad(c.values[..., :n, :], pad))
+        return cls(mx.concatenate(rows_k), mx.concatenate(rows_v), lengths)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        cap = self.keys.shape[2]
+        if needed <= cap:
+            return
+        grow = -(-(needed - cap) // STEP) * STEP
+        B, H, _, Dk = self.keys.shape
+        self.keys = mx.concatenate([self.keys, mx.zeros((B, H, grow, Dk), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate(
+            [self.values, mx.zeros((B, H, grow, self.values.shape[3]), self.values.dtype)], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, H, T, _ = keys.shape
+        span = int(self.lengths.max()) + T
+        self._ensure_capacity(span)
+        pos = self.offset[:, None] + mx.arange(T, dtype=mx.int32)[None]          # [B, T]
+        self.keys = mx.put_along_axis(
+            self.keys, mx.broadcast_to(pos[:, None, :, None], keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(pos[:, None, :, None], values.shape), values, axis=2)
+        self.lengths = self.lengths + T
+        self.offset = self.offset + T
+        return self.keys[..., :span, :], self.values[..., :span, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None) -> mx.array:
+        """[B, 1, N, S]: query i of row b (at position offset_b + i) sees keys j <= offset_b + i."""
+        span = int(self.lengths.max()) + N
+        q_pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]       # [B, N]
+        mask = mx.arange(span, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None]
+        return mask[:, None]
+
+    def advance(self, delta: np.ndarray) -> None:
+        """Move each row's offset by delta (negative to drop the positions just written)."""
+        delta = np.asarray(delta, dtype=np.int64)
+        if delta.any():
+            self.lengths = self.lengths + delta
+            self.offset = mx.array(self.lengths, dtype=mx.int32)
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def commit_rows(caches: Sequence[RaggedKVCache], written: int, keep: np.ndarray) -> None:
+    """After a forward that wrote `written` positions per row, keep `keep[b]` of them."""
+    delta = np.asarray(keep, dtype=np.int64) - written
+    for c in caches:
+        c.advance(delta)

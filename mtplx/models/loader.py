@@ -1,0 +1,192 @@
+"""Load an HF-layout checkpoint into an mlx-lm target model plus our MTP head.
+
+mlx-lm drops `mtp.*` weights for every MTP-capable architecture, so the target is loaded through
+mlx-lm with those weights set aside, and the head is built from them here.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.utils import _get_classes
+from mlx_lm.utils import load_model as mlx_lm_load_model
+
+from .mtp_head import MTPHead
+
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "assets" / "mtplx-tiny-py"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint could not be loaded; the message says what to fix."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    pass
+
+
+class UnsupportedModelError(ModelLoadError):
+    pass
+
+
+class CheckpointShapeError(ModelLoadError):
+    pass
+
+
+def _architectures() -> dict[str, ModuleType]:
+    from . import qwen3
+
+    table = {}
+    for module in (qwen3,):
+        for model_type in module.MODEL_TYPES:
+            table[model_type] = module
+    return table
+
+
+@dataclass
+class MTPModel:
+    """A loaded checkpoint: the mlx-lm target, our MTP head (or None) and the tokenizer."""
+
+    target: nn.Module
+    mtp: Optional[MTPHead]
+    tokenizer: object
+    config: dict
+    path: Path
+    arch: ModuleType
+    mtp_disabled_reason: Optional[str] = None
+    eos_token_ids: frozenset = field(default_factory=frozenset)
+
+    @property
+    def model_id(self) -> str:
+        return self.path.name
+
+    @property
+    def max_context(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 2048)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def hidden(self, tokens: mx.array, cache=None) -> mx.array:
+        return self.arch.hidden_states(self.target, tokens, cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self.arch.logits(self.target, hidden)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.arch.embed(self.target, tokens)
+
+    def draft_hidden(self, hidden: mx.array, next_tokens: mx.array, mtp_cache) -> mx.array:
+        return self.mtp(hidden, self.embed(next_tokens), mtp_cache)
+
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.target)
+
+    def make_mtp_cache(self) -> list:
+        return [KVCache() for _ in self.mtp.layers]
+
+
+def _read_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelNotFoundError(f"{path} has no config.json; pass an HF-layout model directory")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError(f"{cfg_path} has no 'model_type' field")
+    return config
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # transformers raises many types here
+        raise ModelLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
+
+
+def _mtp_weights(path: Path) -> dict:
+    weights = {}
+    for wf in sorted(glob.glob(str(path / "model*.safetensors"))):
+        for k, v in mx.load(wf).items():
+            if k.startswith("mtp."):
+                weights[k[len("mtp."):]] = v
+    return weights
+
+
+def _build_mtp(arch: ModuleType, args, config: dict, weights: dict) -> MTPHead:
+    n_layers = int(config.get("mtp_num_hidden_layers") or 1)
+    head = MTPHead(arch.hidden_size(args), arch.rms_norm_eps(args),
+                   lambda: arch.make_mtp_block(args), num_layers=n_layers)
+    if any(k.endswith(".scales") for k in weights):
+        q = config.get("mtplx_mtp_quantization") or config.get("quantization") or {}
+        nn.quantize(head, group_size=int(q.get("group_size", 64)), bits=int(q.get("bits", 4)),
+                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise CheckpointShapeError(f"MTP head weights do not match the config: {exc}") from exc
+    mx.eval(head.parameters())
+    return head
+
+
+def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
+    """Load a checkpoint directory; None loads the shipped default model."""
+    path = Path(path) if path is not None else SHIPPED_MODEL
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    config = _read_config(path)
+    arch = _architectures().get(config["model_type"])
+    if arch is None:
+        raise UnsupportedModelError(
+            f"model_type {config['model_type']!r} is not supported; supported: {sorted(_architectures())}")
+    if not glob.glob(str(path / "model*.safetensors")):
+        raise ModelNotFoundError(f"{path} has no model*.safetensors weights")
+
+    def classes(config):
+        model_cls, args_cls = _get_classes(config)
+
+        class Target(model_cls):
+            def sanitize(self, weights):
+                weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
+                return super().sanitize(weights) if hasattr(super(), "sanitize") else weights
+
+        Target.__name__ = model_cls.__name__
+        return Target, args_cls
+
+    try:
+        target, config = mlx_lm_load_model(path, get_model_classes=classes)
+    except ValueError as exc:
+        raise CheckpointShapeError(f"target weights in {path} do not match config.json: {exc}") from exc
+    target.eval()
+
+    mtp, reason = None, None
+    weights = _mtp_weights(path) if load_mtp else {}
+    if not load_mtp:
+        reason = "MTP disabled by load_mtp=False"
+    elif not weights:
+        reason = f"checkpoint {path.name} has no mtp.* weights"
+    else:
+        mtp = _build_mtp(arch, target.args, config, weights)
+        mtp.eval()
+
+    tokenizer = _load_tokenizer(path)
+    eos = config.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos_ids.add(int(tokenizer.eos_token_id))
+    return MTPModel(target=target, mtp=mtp, tokenizer=tokenizer, config=config, path=path, arch=arch,
+                    mtp_disabled_reason=reason, eos_token_ids=frozenset(int(e) for e in eos_ids))
