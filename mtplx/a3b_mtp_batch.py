@@ -108,3 +108,339 @@ class InstalledA3BMTPBatchLane:
     config_fingerprint: str
     selfcheck: dict = field(compare=False)
     prefill_chunk: int = PREFILL_CHUNK
+
+
+# ---------------------------------------------------------------- installation
+
+def _route_id(model, width: int, numerics: str) -> str:
+    return f"{model.model_id}_mtp_batch_b{width}_t{VERIFY_T}_m{VERIFY_T * width}_{numerics.replace('-', '_')}"
+
+
+def _fingerprint(model, numerics: str, route_id: str) -> str:
+    blob = json.dumps(model.config, sort_keys=True, default=str).encode()
+    return f"{hashlib.sha256(blob).hexdigest()[:16]}:{numerics}:{route_id}"
+
+
+def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughput",
+                               selfcheck: bool = True) -> InstalledA3BMTPBatchLane:
+    """Bind a fixed-width cohort lane to a model, after a numerical self-check at real shapes."""
+    if getattr(model, "mtp", None) is None:
+        raise ValueError(f"cannot install an MTP batch lane: the model has no MTP head "
+                         f"({getattr(model, 'mtp_disabled_reason', 'no mtp.* weights')})")
+    if isinstance(width, bool) or not isinstance(width, int) or not MIN_WIDTH <= width <= MAX_WIDTH:
+        raise ValueError(f"width={width!r} is invalid: must be an integer in [{MIN_WIDTH}, {MAX_WIDTH}]")
+    if numerics not in NUMERICS_PROFILES:
+        raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS_PROFILES}")
+    route_id = _route_id(model, width, numerics)
+    lane = InstalledA3BMTPBatchLane(
+        model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics,
+        route_id=route_id, config_fingerprint=_fingerprint(model, numerics, route_id),
+        selfcheck={"skipped": True})
+    if selfcheck:
+        receipt = run_selfcheck(lane)
+        if not receipt["ok"]:
+            raise LaneSelfCheckError(f"lane {route_id} refused to install: {receipt['failures']}")
+        object.__setattr__(lane, "selfcheck", receipt)
+    return lane
+
+
+def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
+    """Batched rows vs solo rows (greedy parity), row isolation, commits of 0/1/2, at lane width."""
+    from .generation import generate_ar
+    from .sampling import GREEDY
+
+    model, W = lane.model, lane.width
+    t0 = time.perf_counter()
+    vocab = model.vocab_size
+    rng = np.random.default_rng(0)
+    lengths = [1 + (7 * b) % 23 for b in range(W)]
+    prompts = [tuple(int(t) for t in rng.integers(3, vocab, size=n)) for n in lengths]
+    budgets = [3 + (5 * b) % 9 for b in range(W)]       # mixed: rows go inert at different cycles
+    failures = []
+
+    def cohort(ps):
+        reqs = [A3BMTPBatchRequest(request_id=str(b), prompt_ids=p, sampler=GREEDY, max_tokens=m)
+                for b, (p, m) in enumerate(zip(ps, budgets))]
+        return generate_a3b_mtp_batch(lane, reqs, _keep_log=True)
+
+    first = cohort(prompts)
+    for b, (p, m) in enumerate(zip(prompts, budgets)):
+        solo = generate_ar(model, p, m, GREEDY).tokens
+        if first.streams[b].tokens != solo:
+            failures.append(f"row {b}: batched greedy {first.streams[b].tokens} != solo {solo}")
+    swapped = [tuple(int(t) for t in rng.integers(3, vocab, size=5))] + prompts[1:]
+    second = cohort(swapped)
+    for b in range(1, W):
+        if second.streams[b].tokens != first.streams[b].tokens:
+            failures.append(f"row {b} changed when row 0's prompt changed (row isolation)")
+    keeps = sorted(set(first.keep_log))
+    if 0 not in keeps or 2 not in keeps:
+        failures.append(f"the self-check cohort did not exercise commits 0 and 2 (saw {keeps})")
+    return {"ok": not failures, "failures": failures, "rows": W, "commit_keeps_seen": keeps,
+            "greedy_parity_rows": W, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+# ---------------------------------------------------------------- the cohort driver
+
+class _LaneRow:
+    """One cohort row's own state: request, budget, stops, penalties, RNG, output."""
+
+    def __init__(self, req: Optional[A3BMTPBatchRequest], vocab: int):
+        self.req = req
+        self.live = req is not None
+        self.sampler = req.sampler if req else SamplerConfig(temperature=0.0)
+        self.draft_sampler = (req.draft_sampler or req.sampler) if req else self.sampler
+        self.rng = np.random.default_rng(req.seed if req else 0)
+        self.counts = np.zeros(vocab, dtype=np.int64) if self.sampler.has_penalties else None
+        self.result = A3BMTPBatchStreamResult(request_id=req.request_id if req else "",
+                                              prompt_tokens=len(req.prompt_ids) if req else 0)
+        self.pending: Optional[int] = None
+        self.owes_history = False
+
+    def dist(self, logits_row, cfg=None):
+        return distribution(logits_row, cfg or self.sampler, self.counts)
+
+    def finish(self, reason: str, cycles: int) -> None:
+        if self.result.finish_reason is not None:
+            return
+        self.result.finish_reason = reason
+        self.result.cycles = cycles
+        self.result.terminal_perf_s = time.perf_counter()
+        self.live = False
+        try:
+            self.req.on_terminal(reason, cycles)
+        except Exception:  # a client's callback never breaks the cohort
+            pass
+
+    def emit(self, token: int, cycles: int) -> bool:
+        """Record a token; returns True when the row has finished."""
+        r = self.result
+        r.tokens.append(token)
+        if self.counts is not None:
+            self.counts[token] += 1
+        try:
+            self.req.on_token(token)
+        except Exception:
+            self.finish("cancelled", cycles)
+            return True
+        if token in self.req.stop_token_ids:
+            self.finish("stop", cycles)
+        elif len(r.tokens) >= self.req.max_tokens:
+            self.finish("length", cycles)
+        return not self.live
+
+
+def _validate(lane, requests) -> None:
+    n = len(requests)
+    if not MIN_WIDTH <= n <= lane.width:
+        raise ValueError(f"a cohort needs {MIN_WIDTH}..{lane.width} requests for lane {lane.route_id}; got {n}")
+    for r in requests:
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id}: prompt_ids is empty")
+        if r.max_tokens < 1:
+            raise ValueError(f"request {r.request_id}: max_tokens={r.max_tokens} must be >= 1")
+        bad = [t for t in r.prompt_ids if not 0 <= t < lane.model.vocab_size]
+        if bad:
+            raise ValueError(f"request {r.request_id}: token id {bad[0]} is outside the vocabulary")
+        if len(r.prompt_ids) + r.max_tokens > lane.model.max_context:
+            raise A3BMTPBatchCapacityError(
+                f"request {r.request_id}: prompt ({len(r.prompt_ids)}) + max_tokens ({r.max_tokens}) "
+                f"exceeds the context window of {lane.model.max_context} tokens")
+
+
+def _prefill_row(lane, row: _LaneRow):
+    """Prefill one row alone at its own length; a cancelled or padding row gets a dummy [0]."""
+    model = lane.model
+    req = row.req
+    if row.live and req.cancelled():
+        row.live = False
+        row.finish("cancelled", 0)
+    prompt = list(req.prompt_ids) if row.live else [0]
+    cache, mtp_cache, start = model.make_cache(), model.make_mtp_cache(), 0
+    hook = None
+    if row.live and req.session_restore is not None:
+        from .prefix_cache import restore
+
+        try:
+            state = req.session_restore()
+            if state is not None and len(state.key) <= len(prompt) and tuple(prompt[:len(state.key)]) == state.key:
+                cache, mtp_cache = restore(state)
+                start = row.result.cached_tokens = state.cached_tokens
+        except Exception:
+            cache, mtp_cache, start = model.make_cache(), model.make_mtp_cache(), 0
+            row.result.cached_tokens = 0
+    if row.live and req.session_commit is not None:
+        from .prefix_cache import snapshot
+
+        def hook(m):
+            try:
+                req.session_commit(snapshot(prompt, m, cache, mtp_cache))
+            except Exception:
+                pass
+    out = prefill(model, prompt, cache, mtp_cache, lane.prefill_chunk,
+                  cancelled=req.cancelled if row.live else _never, start=start, boundary_hook=hook)
+    if out is None:  # cancelled between chunks
+        row.finish("cancelled", 0)
+        cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+        out = prefill(model, [0], cache, mtp_cache)
+    return cache, mtp_cache, out[0], out[1]
+
+
+def _merge_mtp(per_row: list) -> list:
+    """Merge per-row MTP caches; an empty history (1-token prompt) becomes a zero-length row."""
+    merged = []
+    for layer in range(len(per_row[0])):
+        caches = [row[layer] for row in per_row]
+        ref = next((c for c in caches if c.keys is not None), None)
+        if ref is None:
+            raise RuntimeError("no row has MTP history; prompts must be prefilled first")
+        for c in caches:
+            if c.keys is None:
+                c.keys = mx.zeros((1,) + ref.keys.shape[1:2] + (0,) + ref.keys.shape[3:], ref.keys.dtype)
+                c.values = mx.zeros((1,) + ref.values.shape[1:2] + (0,) + ref.values.shape[3:], ref.values.dtype)
+                c.offset = 0
+        merged.append(RaggedKVCache.merge(caches, headroom=VERIFY_T))
+    return merged
+
+
+def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_log: bool = False) -> A3BMTPBatchResult:
+    """Decode 2..width requests as one fixed-width cohort. Rows are returned in request order."""
+    requests = list(requests)
+    _validate(lane, requests)
+    model, W = lane.model, lane.width
+    vocab = model.vocab_size
+    rows = [_LaneRow(requests[b] if b < len(requests) else None, vocab) for b in range(W)]
+    t_prefill = time.perf_counter()
+
+    per_row = [_prefill_row(lane, row) for row in rows]
+    caches = [RaggedKVCache.merge([pr[0][layer] for pr in per_row], headroom=VERIFY_T)
+              for layer in range(len(per_row[0][0]))]
+    mtp_caches = _merge_mtp([pr[1] for pr in per_row])
+    logits_last = mx.stack([pr[2] for pr in per_row])                  # [W, V]
+    h_last = mx.concatenate([pr[3] for pr in per_row], axis=0)         # [W, 1, H]
+    del per_row
+    hist_h, hist_tok = h_last, np.zeros(W, dtype=np.int64)
+    for row in rows:
+        if row.live:
+            row.req.on_decode_start()
+    t_decode = time.perf_counter()
+
+    greedy = all(r.sampler.is_greedy and r.draft_sampler.is_greedy and not r.sampler.has_penalties
+                 for r in rows if r.req is not None)
+    logits_host = None if greedy else np.array(logits_last, dtype=np.float64)
+    max_cycles = max(r.max_tokens for r in requests) + 2
+    cycles = accepted = rejected = 0
+    keep_log = []
+
+    while any(r.live for r in rows):
+        cycles += 1
+        if cycles > max_cycles:
+            raise RuntimeError(f"cohort exceeded its safety cap of {max_cycles} cycles")
+        for row in rows:
+            if row.live and row.req.cancelled():
+                row.finish("cancelled", cycles - 1)
+        active = np.array([r.live for r in rows])
+        if not active.any():
+            break
+        has_pending = np.array([r.live and r.pending is not None for r in rows])
+        pending = np.array([r.pending if r.pending is not None else 0 for r in rows], dtype=np.int64)
+        owes = np.array([r.live and r.owes_history for r in rows])
+
+        # 1. primary token per row
+        if greedy:
+            x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
+                          mx.argmax(logits_last, axis=-1).astype(mx.uint32))
+        else:
+            x0_host = pending.copy()
+            for b, row in enumerate(rows):
+                if active[b] and not has_pending[b]:
+                    x0_host[b] = sample(row.dist(logits_host[b]), row.rng)
+            x0 = mx.array(x0_host, dtype=mx.uint32)
+
+        # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]
+        owes_mx = mx.array(owes)
+        slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
+        slot0_t = mx.where(owes_mx, mx.array(hist_tok, dtype=mx.uint32), x0)
+        g = model.draft_hidden(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
+                               mtp_caches)
+        g = mx.take_along_axis(g, mx.array(owes.astype(np.int32))[:, None, None], axis=1)  # [W, 1, H]
+        q_logits = model.logits(g)[:, 0]                                                  # [W, V]
+        commit_rows(mtp_caches, 2, np.where(active, 1 + owes, 0))
+        if greedy:
+            d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
+        else:
+            q_host = np.array(q_logits, dtype=np.float64)
+            q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
+            for b, row in enumerate(rows):
+                if active[b]:
+                    q_probs[b] = row.dist(q_host[b], row.draft_sampler)
+                    d_host[b] = sample(q_probs[b], row.rng)
+            d = mx.array(d_host, dtype=mx.uint32)
+
+        # 3. verify: target forward over [W, 2] = [x0, draft]
+        H = model.hidden(mx.stack([x0, d], axis=1), caches)   # [W, 2, Hd]
+        L = model.logits(H)                                    # [W, 2, V]
+        if greedy:
+            target_ids = mx.argmax(L, axis=-1)
+            mx.eval(x0, d, target_ids)
+            x0_host, d_host, target_ids = np.array(x0), np.array(d), np.array(target_ids)
+        else:
+            L_host = np.array(L, dtype=np.float64)
+
+        # 4. per-row decision, same RNG order as the solo path
+        keep = np.zeros(W, dtype=np.int64)
+        for b, row in enumerate(rows):
+            if not active[b]:
+                continue
+            if not has_pending[b] and row.emit(int(x0_host[b]), cycles):
+                continue
+            draft = int(d_host[b])
+            if greedy:
+                ok, tok = draft == int(target_ids[b, 0]), int(target_ids[b, 0])
+            else:
+                ok, tok = verify_one_token(row.dist(L_host[b, 0]), q_probs[b], draft, row.rng)
+            row.pending, row.owes_history = None, ok
+            if ok:
+                accepted += 1
+                row.result.accepted_drafts += 1
+                if row.emit(tok, cycles):
+                    continue
+                keep[b] = 2
+                if not row.req.omit_speculative_bonus and len(row.result.tokens) < row.req.max_tokens:
+                    bonus = int(target_ids[b, 1]) if greedy else sample(row.dist(L_host[b, 1]), row.rng)
+                    if not row.emit(bonus, cycles):
+                        row.pending = bonus
+            else:
+                rejected += 1
+                row.result.rejected_drafts += 1
+                keep[b] = 1
+                if not row.emit(tok, cycles):
+                    row.pending = tok
+            hist_tok[b] = draft
+        for b, row in enumerate(rows):
+            if active[b] and not row.live:
+                keep[b] = 0           # finished this cycle: freeze its state
+        if _keep_log:
+            keep_log.extend(int(k) for k, a in zip(keep, active) if a)
+
+        # 5. commit: each row keeps 0/1/2 verify positions; last logits/hidden follow
+        commit_rows(caches, VERIFY_T, keep)
+        sel = mx.array(np.maximum(keep - 1, 0).astype(np.int32))[:, None, None]
+        hist_h = H[:, 0:1]
+        h_last = mx.take_along_axis(H, sel, axis=1)
+        if greedy:
+            logits_last = mx.take_along_axis(L, sel, axis=1)[:, 0]
+        else:
+            logits_host = L_host[np.arange(W), np.maximum(keep - 1, 0)]
+        for b, row in enumerate(rows):
+            if row.live:
+                row.result.cycles = cycles
+
+    t_end = time.perf_counter()
+    result = A3BMTPBatchResult(
+        streams=[r.result for r in rows[:len(requests)]], cycles=cycles, accepted_drafts=accepted,
+        rejected_drafts=rejected, route_id=lane.route_id, width_histogram={W: cycles},
+        real_width=len(requests), fixed_width=W, prefill_s=t_decode - t_prefill, decode_s=t_end - t_decode)
+    if _keep_log:
+        result.keep_log = keep_log
+    return result

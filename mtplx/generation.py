@@ -25,7 +25,7 @@ import numpy as np
 
 from .sampling import SamplerConfig, distribution, sample, token_counts, verify_one_token
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 256
 
 
 class CapacityError(ValueError):
@@ -56,21 +56,28 @@ def check_request(model, prompt_ids, max_tokens: int) -> list[int]:
 
 
 def prefill(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFILL_CHUNK,
-            cancelled: Callable[[], bool] = lambda: False):
+            cancelled: Callable[[], bool] = lambda: False, start: int = 0, boundary_hook=None):
     """Run the prompt through the target (and prime the MTP history when mtp_cache is given).
 
+    The body (prompt[:-1]) is split at absolute multiples of `chunk`, then the last prompt token
+    runs alone, so every path (AR, MTP, cohort rows, prefix restores) uses one partition.
+    `start` is a chunk boundary whose state the caches already hold (a prefix restore);
+    `boundary_hook(m)` is called after the last full chunk boundary m (for prefix snapshots).
     Returns (logits_last [V], hidden_last [1, 1, H]), or None when cancelled between chunks.
     """
     body = prompt[:-1]
-    for start in range(0, len(body), chunk):
+    last_boundary = ((len(body)) // chunk) * chunk if mtp_cache is not None else 0
+    for s in range(start, len(body), chunk):
         if cancelled():
             return None
-        piece = body[start:start + chunk]
+        piece = body[s:s + chunk]
         h = model.hidden(mx.array([piece]), cache)
         if mtp_cache is not None:
             # History entries (h_i, token_{i+1}) for every body position i.
-            model.draft_hidden(h, mx.array([prompt[start + 1:start + 1 + len(piece)]]), mtp_cache)
+            model.draft_hidden(h, mx.array([prompt[s + 1:s + 1 + len(piece)]]), mtp_cache)
         mx.eval([c.state for c in cache] + ([c.state for c in mtp_cache] if mtp_cache else []))
+        if boundary_hook is not None and s + len(piece) == last_boundary and last_boundary > start:
+            boundary_hook(last_boundary)
     if cancelled():
         return None
     h_last = model.hidden(mx.array([prompt[-1:]]), cache)
