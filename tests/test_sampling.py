@@ -1,0 +1,112 @@
+"""Sampling config validation and the exactness of speculative acceptance (statistical)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from mtplx.sampling import (SamplerConfig, distribution, sample, speculative_output_marginal,
+                            token_counts, verify_one_token)
+
+# Chi-square tests below run at a false-alarm rate of 1e-4 each (critical value from the exact
+# survival function for even degrees of freedom), with fixed seeds, so they are deterministic;
+# a broken acceptance rule shifts the marginal by far more than the test can miss.
+ALPHA = 1e-4
+
+
+def chi2_sf_even(x: float, df: int) -> float:
+    assert df % 2 == 0
+    k = df // 2
+    return math.exp(-x / 2) * sum((x / 2) ** i / math.factorial(i) for i in range(k))
+
+
+def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> float:
+    n = counts.sum()
+    mask = probs > 0
+    assert counts[~mask].sum() == 0, "a token outside the target's support was emitted"
+    expected = n * probs[mask]
+    return float(((counts[mask] - expected) ** 2 / expected).sum())
+
+
+def spec_draws(p, q, n, seed):
+    rng = np.random.default_rng(seed)
+    out = np.zeros(p.size, dtype=np.int64)
+    for _ in range(n):
+        d = sample(q, rng)
+        _, tok = verify_one_token(p, q, d, rng)
+        out[tok] += 1
+    return out
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_speculative_marginal_matches_target(case):
+    rng = np.random.default_rng(100 + case)
+    V = 7  # df = 6
+    p = rng.dirichlet(np.ones(V) * 0.7)
+    q = rng.dirichlet(np.ones(V) * 0.7)
+    if case == 3:
+        q = np.roll(p, 2)  # draft badly wrong: most drafts rejected, the residual carries p
+    np.testing.assert_allclose(speculative_output_marginal(p, q), p, atol=1e-12)
+    counts = spec_draws(p, q, 20_000, seed=case)
+    assert chi2_sf_even(chi2_stat(counts, p), V - 1) > ALPHA
+
+
+def test_marginal_with_real_sampler_pipeline():
+    """p and q from distribution() with top-k/top-p cuts: supports differ, output still ~ p."""
+    rng = np.random.default_rng(5)
+    logits_p, logits_q = rng.normal(size=40) * 2, rng.normal(size=40) * 2
+    cfg = SamplerConfig(temperature=0.8, top_p=0.9, top_k=6)
+    p, q = distribution(logits_p, cfg), distribution(logits_q, cfg)
+    counts = spec_draws(p, q, 20_000, seed=11)
+    support = p > 0
+    df = int(support.sum()) - 1
+    if df % 2:  # merge the two rarest support tokens to get an even df for the exact sf
+        idx = np.where(support)[0][np.argsort(p[support])[:2]]
+        p = p.copy(); counts = counts.copy()
+        p[idx[0]] += p[idx[1]]; counts[idx[0]] += counts[idx[1]]
+        p[idx[1]] = 0; counts[idx[1]] = 0
+        df -= 1
+    assert chi2_sf_even(chi2_stat(counts, p), df) > ALPHA
+
+
+def test_a_wrong_rule_is_detected():
+    """The test has power: accepting every draft (a classic bug) fails it."""
+    rng = np.random.default_rng(3)
+    p, q = rng.dirichlet(np.ones(7)), rng.dirichlet(np.ones(7))
+    draws = np.bincount([sample(q, rng) for _ in range(20_000)], minlength=7)
+    assert chi2_sf_even(chi2_stat(draws, p), 6) < ALPHA
+
+
+def test_greedy_distribution_is_argmax_with_lowest_id_ties():
+    p = distribution(np.array([1.0, 3.0, 3.0, 0.0]), SamplerConfig(temperature=0.0))
+    assert p.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_filters_and_penalties():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1]))
+    p = distribution(logits, SamplerConfig(temperature=1.0, top_p=1.0, top_k=2))
+    np.testing.assert_allclose(p, [4 / 7, 3 / 7, 0, 0])
+    p = distribution(logits, SamplerConfig(temperature=1.0, top_p=0.65, top_k=0))
+    np.testing.assert_allclose(p, [4 / 7, 3 / 7, 0, 0])
+    p = distribution(logits, SamplerConfig(temperature=1.0, top_p=1.0, top_k=0, min_p=0.6))
+    np.testing.assert_allclose(p, [4 / 7, 3 / 7, 0, 0])
+    counts = token_counts([0, 0], 4)
+    cfg = SamplerConfig(temperature=0.0, frequency_penalty=1.0)
+    assert distribution(np.array([2.5, 1.0, 0.0, 0.0]), cfg, counts).argmax() == 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -1), ("top_k", 2.5), ("min_p", 1.1), ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0), ("temperature", "hot"),
+])
+def test_sampler_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplerConfig(**{field: value})
+
+
+def test_sampler_config_is_hashable_with_mtplx_defaults():
+    cfg = SamplerConfig()
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.presence_penalty) == (0.6, 0.95, 20, 0.0)
+    assert hash(cfg) == hash(SamplerConfig()) and cfg == SamplerConfig()
+    assert SamplerConfig(temperature=0).is_greedy
