@@ -1,0 +1,503 @@
+"""OpenAI protocol for the HTTP front door: request models, response shapes, errors, the cohort
+compatibility key, an incremental UTF-8-safe detokenizer and a stop-string matcher.
+
+No MLX here: the Ray Serve ingress imports this module, and the ingress must never load MLX
+(`tests/test_http.py` checks it). Only pydantic, numpy-free stdlib and `mtplx.sampling`
+(numpy only) are used.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Iterable, List, Literal, Optional, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..sampling import SamplerConfig
+
+MAX_STOP_STRINGS = 4
+GENERATION_MODES = ("mtp", "ar")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}
+
+
+class OpenAIError(Exception):
+    """An error answered to the client as {"error": {...}} with an HTTP status."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": str(message), "type": type, "param": param, "code": code}}
+
+
+def invalid_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
+    return OpenAIError(message, status=400, param=param, code=code)
+
+
+def model_not_found(model: str, served: Sequence[str]) -> OpenAIError:
+    return OpenAIError(f"The model {model!r} does not exist; this server serves {list(served)}",
+                       status=404, param="model", code="model_not_found")
+
+
+def route_not_found(method: str, path: str) -> OpenAIError:
+    return OpenAIError(f"No route for {method} {path}", status=404, type="not_found_error",
+                       code="not_found")
+
+
+def context_length_exceeded(prompt_tokens: int, max_tokens: int, max_context: int,
+                            param: str = "max_tokens") -> OpenAIError:
+    return OpenAIError(
+        f"This model's maximum context length is {max_context} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+        f"completion). Please reduce the prompt or max_tokens.",
+        status=400, param=param, code="context_length_exceeded")
+
+
+def internal_error(message: str) -> OpenAIError:
+    return OpenAIError(message, status=500, type="server_error", code="internal_error")
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(message, status=503, type="server_error", code="service_unavailable")
+
+
+def from_validation_error(exc: ValidationError) -> OpenAIError:
+    """The first pydantic error as a 400 naming the offending field."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return invalid_request(str(exc))
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "json_invalid":
+        return invalid_request(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}",
+                               code="invalid_json")
+    if err.get("type") == "missing":
+        return invalid_request(f"Missing required parameter: {param!r}", param=param,
+                               code="missing_required_parameter")
+    extra = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    where = f"for {param!r}" if param else "in the request body"
+    return invalid_request(f"Invalid value {where}: {msg}{extra}", param=param, code="invalid_value")
+
+
+# ----------------------------------------------------------------------------------------------
+# Request models
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[ContentPart], None] = None
+    name: Optional[str] = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise invalid_request(
+                    f"Content part type {part.type!r} is not supported (text only; no vision or audio)",
+                    param=f"messages.{index}.content.{j}.type", code="unsupported_content")
+            pieces.append(part.text)
+        return "".join(pieces)
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by chat and completions requests (plus the mtplx extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=-1, strict=True)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    seed: Optional[int] = Field(default=None, strict=True)
+    stop: Union[str, List[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(default=None, strict=True)
+    user: Optional[str] = None
+    logprobs: Optional[Union[bool, int]] = None
+    logit_bias: Optional[dict] = None
+    # mtplx extensions
+    generation_mode: Optional[Literal["mtp", "ar"]] = None
+    omit_speculative_bonus: bool = False
+    session_id: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v):
+        if v is None:
+            return None
+        items = [v] if isinstance(v, str) else list(v)
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
+        if any(s == "" for s in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return items
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v):
+        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
+            raise ValueError("seed must fit in 64 bits")
+        return v
+
+    def common_checks(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise invalid_request(f"n={self.n} is not supported: this server returns exactly one choice (n=1)",
+                                  param="n", code="unsupported_value")
+        if self.logprobs not in (None, False, 0):
+            raise invalid_request("logprobs are not supported", param="logprobs", code="unsupported_value")
+        if self.logit_bias:
+            raise invalid_request("logit_bias is not supported", param="logit_bias", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("stream_options is only allowed when stream is true",
+                                  param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def stop_strings(self) -> List[str]:
+        return list(self.stop or [])
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: List[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
+    tools: Optional[list] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list] = None
+    response_format: Optional[dict] = None
+    top_logprobs: Optional[int] = None
+
+    def checks(self) -> None:
+        self.common_checks()
+        if self.tools or self.functions:
+            raise invalid_request("tools / function calling are not supported", param="tools",
+                                  code="unsupported_value")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid_request("response_format other than text is not supported",
+                                  param="response_format", code="unsupported_value")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise invalid_request("max_tokens and max_completion_tokens disagree; send one",
+                                  param="max_completion_tokens")
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def checks(self) -> None:
+        self.common_checks()
+        if self.echo:
+            raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
+        if self.best_of not in (None, 1):
+            raise invalid_request("best_of is not supported", param="best_of", code="unsupported_value")
+        if self.suffix:
+            raise invalid_request("suffix is not supported", param="suffix", code="unsupported_value")
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def single_prompt(self) -> Union[str, List[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise invalid_request("prompt is empty", param="prompt")
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return list(p)
+        if len(p) != 1:
+            raise invalid_request(f"batched prompts ({len(p)}) are not supported: send one prompt per request",
+                                  param="prompt", code="unsupported_value")
+        return p[0]
+
+
+def parse_request(cls, raw: bytes):
+    """Validate a JSON body into `cls`, raising OpenAIError(400) naming the field on failure."""
+    if not raw:
+        raise invalid_request("The request body is empty; send a JSON object", code="invalid_json")
+    try:
+        req = cls.model_validate_json(raw)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    req.checks()
+    return req
+
+
+def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None) -> SamplerConfig:
+    """SamplerConfig from the request; omitted fields take the model's / mtplx defaults."""
+    values = dict(defaults or {})
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v is not None:
+            values[name] = v
+    if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
+        values["top_k"] = 0
+    try:
+        return SamplerConfig(**values)
+    except ValueError as exc:
+        msg = str(exc)
+        param = None
+        if msg.startswith("SamplerConfig."):
+            param = msg[len("SamplerConfig."):].split("=", 1)[0]
+        raise invalid_request(msg, param=param, code="invalid_value") from None
+    except TypeError as exc:
+        raise invalid_request(str(exc)) from None
+
+
+def compatibility_key(model_id: str, omit_speculative_bonus: bool, sampler: SamplerConfig,
+                      draft_sampler: Optional[SamplerConfig] = None, generation_mode: str = "mtp") -> tuple:
+    """Which requests may share a cohort: same model, generation mode, omit-bonus flag, target
+    sampler and draft sampler. Seeds stay out (each row owns its RNG)."""
+    return (str(generation_mode), str(model_id), bool(omit_speculative_bonus), sampler,
+            draft_sampler if draft_sampler is not None else sampler)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+
+
+def render_chat(tokenizer, messages: List[ChatMessage]) -> str:
+    convo = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+             for i, m in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja errors (e.g. role order rules of a template)
+        raise invalid_request(f"messages could not be rendered with the model's chat template: {exc}",
+                              param="messages") from None
+
+
+def encode_chat(tokenizer, messages: List[ChatMessage]) -> List[int]:
+    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+
+
+def encode_prompt(tokenizer, prompt: Union[str, List[int]], vocab_size: int) -> List[int]:
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise invalid_request("prompt is empty", param="prompt")
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                              param="prompt", code="invalid_value")
+    return list(prompt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {
+        "prompt_tokens": int(prompt_tokens),
+        "completion_tokens": int(completion_tokens),
+        "total_tokens": int(prompt_tokens) + int(completion_tokens),
+        "prompt_tokens_details": {"cached_tokens": int(cached_tokens or 0)},
+    }
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
+                  stats: Optional[dict]) -> dict:
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
+    }
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: Optional[str] = None,
+               **extra) -> dict:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    chunk.update(extra)
+    return chunk
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
+                        stats: Optional[dict]) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
+    }
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: Optional[str] = None,
+                     **extra) -> dict:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "system_fingerprint": None,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    chunk.update(extra)
+    return chunk
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage_: dict, stats: Optional[dict]) -> dict:
+    """The extra last chunk of stream_options.include_usage: empty choices, usage set."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [], "usage": usage_, "mtplx_stats": stats}
+
+
+def models_list(model_ids: Iterable[str], created: int, max_context: Optional[int] = None) -> dict:
+    data = []
+    for mid in model_ids:
+        entry = {"id": mid, "object": "model", "created": created, "owned_by": "mtplx"}
+        if max_context:
+            entry["max_model_len"] = int(max_context)
+        data.append(entry)
+    return {"object": "list", "data": data}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ----------------------------------------------------------------------------------------------
+# Incremental detokenization
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas, never splitting a UTF-8 character.
+
+    Decodes a short sliding window (the tokens since the last clean boundary) rather than the whole
+    sequence, so cost per step stays small; a window ending in U+FFFD (an incomplete byte sequence
+    of a byte-level BPE) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: List[int] = []
+        self._start = 0      # window start: a token boundary where decoding is clean
+        self._read = 0       # tokens up to here have been turned into text
+        self.text = ""
+
+    def _decode(self, ids) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, tokens: Iterable[int]) -> str:
+        self.ids.extend(int(t) for t in tokens)
+        if len(self.ids) == self._read:
+            return ""
+        prefix = self._decode(self.ids[self._start:self._read])
+        full = self._decode(self.ids[self._start:])
+        if (full.endswith("\ufffd") or len(full) <= len(prefix)) and len(self.ids) - self._read < 8:
+            # An incomplete UTF-8 character at the end: wait for the token that completes it.
+            # (Genuinely invalid bytes are let through as U+FFFD after 8 tokens.)
+            return ""
+        delta = full[len(prefix):]
+        self._start, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character at the very end decodes as U+FFFD)."""
+        if self._read == len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self._start:self._read])
+        full = self._decode(self.ids[self._start:])
+        delta = full[len(prefix):] if full.startswith(prefix) else full
+        self._start = self._read = len(self.ids)
+        self.text += delta
+        return delta
+
+
+class StopStringMatcher:
+    """Matches stop strings on streamed text. Text that could be the start of a stop string is held
+    back; on a match the text is cut before the stop string and `stopped` becomes True."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        if self.stopped or not delta:
+            return ""
+        if not self.stops:
+            return delta
+        text = self._buf + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._buf = ""
+            return text[:min(hits)]
+        keep = 0
+        for n in range(min(self._hold, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                keep = n
+                break
+        self._buf = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        out, self._buf = ("" if self.stopped else self._buf), ""
+        return out
