@@ -1,0 +1,1151 @@
+"""The cohort service of the ``mtp_batch`` lane: ``MTPBatchJob`` and ``MTPBatchGenerationService``.
+
+Three stages (see the user docs of this module):
+
+1. **Job creation.** One ``MTPBatchJob`` per request: prompt ids, budget, samplers, seed, stop ids,
+   a ``token_callback`` that receives ``[token]`` per committed non-stop token, and the
+   ``compatibility_key`` that decides which jobs may share a cohort.
+2. **Cohort formation.** ``submit(job)`` queues the job for the one model-owner thread, which seals
+   cohorts FIFO: the head job's ``compatibility_key`` defines the cohort, up to 8 jobs with that key
+   are taken (waiting up to ``batch_wait_s`` for more), jobs with other keys stay queued.
+   ``submit_cohort(jobs)`` takes a cohort sealed upstream (the Ray ingress seals with
+   ``@serve.batch``) and only splits it by key. A cohort of one runs the solo MTP path; 2..8 jobs run
+   through ``generate_a3b_mtp_batch`` on the narrowest installed lane that fits
+   (``_lane_for_real_width``; ``MTPLX_MTP_BATCH_FORCE_WIDTH`` pins a width). Numerics profile
+   ``b1-exact`` runs every sealed job serially through the solo runner.
+3. **Decode window and statistics.** The driver calls ``job.mark_decode_started`` when decoding
+   begins (after every row's prefill) and stamps each row's ``terminal_perf_s``;
+   ``_complete_cohort_job`` turns those into ``decode_elapsed_s``, ``decode_tok_s`` and the rest of
+   the stats contract and merges the sealed-width truth into ``job.request_observability``.
+
+All MLX work (lane installation, prefill, decode) runs on the service's single model-owner thread:
+MLX state is thread-affine. ``submit`` and ``cancel`` are safe from any thread; token callbacks and
+result publication run on the owner thread, so a consumer on another thread must hand tokens over
+itself (``AsyncTokenStream`` does that for an asyncio loop, e.g. in the Ray replica).
+
+Deliberate difference from MTPLX: a cohort row's future resolves **at that row's own terminal**
+(the driver's ``on_terminal``), not after the whole cohort has drained and been finalized. MTPLX
+publishes successful rows only after the longest row ends, so a 3-token answer waits for a
+500-token neighbour; here it does not. The owner finalize still runs once per cohort after the
+driver returns, and its failure still poisons the service (the queue fails, later submits fail),
+but it can no longer take back results that were already published. Cancelled and errored rows
+fail at once in both designs.
+
+Other choices worth knowing:
+
+* ``completion_tokens = len(job.tokens)`` and ``result["tokens"]`` include a terminal stop token,
+  as in MTPLX; ``result["_mtp_batch_stop_token_ids"]`` lets the caller strip it before detokenizing.
+* A request that can never run (empty prompt, token id out of range, prompt + max_tokens over the
+  context window) fails alone at ``submit`` instead of failing the cohort it would have joined.
+* ``job.cancel()`` fails the job's future at once wherever it is; a queued job never reaches MLX,
+  an admitted row drops out of its cohort at the driver's next cycle while its peers continue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import secrets
+import statistics
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Hashable, Iterable, Optional
+
+from ..sampling import SamplerConfig
+
+FORCE_WIDTH_ENV = "MTPLX_MTP_BATCH_FORCE_WIDTH"
+MAX_COHORT_ROWS = 8                    # MTPLX's seal cap (hard-coded there too)
+DEFAULT_WIDTHS = (3, 8)
+DEFAULT_BATCH_WAIT_S = 0.02
+NUMERICS = ("throughput", "b1-exact")
+SOLO_ROUTE_ID = "mtp_b1_solo"
+B1_EXACT_ROUTE_ID = "mtp_batch_b1_exact_serial"
+MTP_DEPTH = 1
+
+
+class MTPBatchCancelled(RuntimeError):
+    """Default ``cancel_error``: the request was cancelled."""
+
+
+class MTPBatchServiceClosed(RuntimeError):
+    """The service was shut down (or poisoned); the job was not run."""
+
+
+class MTPBatchOwnerFinalizeError(MTPBatchServiceClosed):
+    """The owner finalize of a cohort failed: the service is poisoned."""
+
+
+def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus: bool,
+                                sampler: SamplerConfig, draft_sampler: Optional[SamplerConfig]) -> tuple:
+    """The default compatibility key: (model id, omit-bonus flag, target sampler, draft sampler).
+
+    Samplers are frozen dataclasses, so temperature/top_p/top_k (and penalties) are all part of it:
+    greedy and sampled requests never share a cohort, nor do different draft samplers.
+    """
+    return (model_id, bool(omit_speculative_bonus), sampler, draft_sampler)
+
+
+def _default_cancel_error(job: "MTPBatchJob") -> BaseException:
+    return MTPBatchCancelled(f"request {job.request_id} cancelled")
+
+
+def _failsafe(hook: Optional[Callable]) -> Optional[Callable]:
+    """Wrap a session hook so that it can never break a cohort (errors read as 'no state')."""
+    if hook is None:
+        return None
+
+    def safe(*args, **kwargs):
+        try:
+            return hook(*args, **kwargs)
+        except Exception:
+            return None
+
+    safe.__wrapped__ = hook
+    return safe
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs
+
+
+class MTPBatchJob:
+    """One request of the ``mtp_batch`` lane.
+
+    Constructor fields follow MTPLX. ``solo_runner=None`` means the built-in solo MTP path
+    (``generate_mtpk`` with this job's fields, streaming through ``emit_token``); otherwise it is a
+    callable ``(job) -> result dict`` (or a ``GenerationResult``) used when the job runs alone.
+    ``compatibility_key=None`` uses ``mtp_batch_compatibility_key(None, omit_bonus, sampler,
+    draft_sampler)``. ``seed=None`` draws a fresh seed (recorded in ``job.seed``).
+    """
+
+    def __init__(self, request_id: str, prompt_ids: Iterable[int], max_tokens: int,
+                 sampler: Optional[SamplerConfig] = None, draft_sampler: Optional[SamplerConfig] = None,
+                 seed: Optional[int] = 0, stop_token_ids: Iterable[int] = frozenset(),
+                 token_callback: Optional[Callable[[list], None]] = None,
+                 compatibility_key: Optional[Hashable] = None, generation_limits: Optional[dict] = None,
+                 solo_runner: Optional[Callable[["MTPBatchJob"], Any]] = None,
+                 cancel_error: Optional[Callable[["MTPBatchJob"], BaseException]] = None, *,
+                 prefill_callback: Optional[Callable[[dict], None]] = None,
+                 cancel_event: Optional[threading.Event] = None,
+                 request_observability: Optional[dict] = None,
+                 omit_speculative_bonus: bool = False, session_id: Optional[str] = None,
+                 session_restore: Optional[Callable[[], Any]] = None,
+                 session_commit: Optional[Callable[..., Any]] = None):
+        self.request_id = str(request_id)
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.max_tokens = max(1, int(max_tokens))
+        self.sampler = sampler if sampler is not None else SamplerConfig()
+        self.draft_sampler = draft_sampler
+        self.seed = int(seed) if seed is not None else secrets.randbits(63)
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.token_callback = token_callback
+        self.omit_speculative_bonus = bool(omit_speculative_bonus)
+        self.compatibility_key = (compatibility_key if compatibility_key is not None else
+                                  mtp_batch_compatibility_key(None, self.omit_speculative_bonus,
+                                                              self.sampler, self.draft_sampler))
+        self.generation_limits = dict(generation_limits or {})
+        self.solo_runner = solo_runner
+        self.cancel_error = cancel_error or _default_cancel_error
+        self.prefill_callback = prefill_callback
+        self.cancel_event = cancel_event if cancel_event is not None else threading.Event()
+        self.request_observability = request_observability if request_observability is not None else {}
+        self.session_id = session_id
+        self.session_restore = session_restore
+        self.session_commit = session_commit
+
+        # runtime
+        self.future: Future = Future()
+        self.tokens: list[int] = []
+        self.token_times: list[float] = []
+        self.callback_error: Optional[BaseException] = None
+        self.created_s = time.perf_counter()
+        self.admitted_s: Optional[float] = None
+        self.decode_started_s: Optional[float] = None
+        self.completed_s: Optional[float] = None
+        self._lock = threading.Lock()
+        self._resolved = False
+        self._service: Optional["MTPBatchGenerationService"] = None
+        self._group: Optional[object] = None      # identity of an upstream-sealed cohort
+
+    def __repr__(self) -> str:
+        return (f"MTPBatchJob(request_id={self.request_id!r}, prompt={len(self.prompt_ids)} tokens, "
+                f"max_tokens={self.max_tokens}, tokens={len(self.tokens)}, done={self.future.done()})")
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    def emit_token(self, token: int) -> None:
+        """Record a committed token (stop tokens included); forward non-stop tokens as ``[token]``.
+
+        A no-op once the job is cancelled. A raising ``token_callback`` cancels this job and fails
+        its future with that exception; it never raises into the driver.
+        """
+        if self.cancel_requested():
+            return
+        token = int(token)
+        self.tokens.append(token)
+        self.token_times.append(time.perf_counter())
+        if self.token_callback is None or token in self.stop_token_ids:
+            return
+        try:
+            self.token_callback([token])
+        except Exception as exc:  # row-local: the cohort and its peers never see it
+            self.callback_error = exc
+            self.cancel_event.set()
+            self._fail(exc)
+
+    def emit_prefill(self, event: dict) -> None:
+        """Forward a prefill progress event; callback errors are swallowed."""
+        if self.prefill_callback is None:
+            return
+        try:
+            self.prefill_callback(dict(event))
+        except Exception:
+            pass
+
+    def mark_decode_started(self) -> None:
+        """Stamp the start of this row's decode window (perf_counter; the first call wins)."""
+        if self.decode_started_s is None:
+            self.decode_started_s = time.perf_counter()
+
+    # -- cancellation ------------------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Cancel the job from any thread. Its future fails at once with ``cancel_error(job)``:
+        a queued job never runs; an admitted row leaves its cohort at the driver's next cycle.
+        Returns False when the job had already finished."""
+        self.cancel_event.set()
+        service = self._service
+        if service is not None:
+            service._on_job_cancelled(self)
+        return self._fail(self._cancel_exception())
+
+    def cancel_requested(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def _cancel_exception(self) -> BaseException:
+        if self.callback_error is not None:
+            return self.callback_error
+        try:
+            exc = self.cancel_error(self)
+        except Exception as err:  # a broken cancel_error must not leave the future hanging
+            return MTPBatchCancelled(f"request {self.request_id} cancelled ({type(err).__name__}: {err})")
+        if not isinstance(exc, BaseException):
+            return MTPBatchCancelled(f"request {self.request_id} cancelled")
+        return exc
+
+    # -- resolution (first one wins) ---------------------------------------------------------
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._resolved:
+                return False
+            self._resolved = True
+            self.completed_s = time.perf_counter()
+            return True
+
+    def _succeed(self, result: dict) -> bool:
+        if not self._claim():
+            return False
+        self.completed_s = result.get("_completed_s", self.completed_s)
+        self.future.set_result(result)
+        return True
+
+    def _fail(self, exc: BaseException) -> bool:
+        if not self._claim():
+            return False
+        self.future.set_exception(exc)
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats
+
+
+def _valid_time(t, lo: float, hi: float) -> bool:
+    return isinstance(t, (int, float)) and math.isfinite(t) and lo <= t <= hi
+
+
+class _Cohort:
+    """What the owner knows about one sealed cohort while it runs."""
+
+    __slots__ = ("jobs", "real_width", "fixed_width", "route_id", "policy", "lane_name", "numerics",
+                 "started_s")
+
+    def __init__(self, jobs, real_width, fixed_width, route_id, policy, lane_name, numerics):
+        self.jobs = jobs
+        self.real_width = real_width
+        self.fixed_width = fixed_width
+        self.route_id = route_id
+        self.policy = policy
+        self.lane_name = lane_name
+        self.numerics = numerics
+        self.started_s = time.perf_counter()
+
+
+def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycles: int,
+                  accepted: int, rejected: int, terminal_perf_s: Optional[float],
+                  cached_tokens: int, solo: bool, extra_stats: Optional[dict] = None) -> dict:
+    """The per-request result dict and its stats, from the job's own timestamps."""
+    completed_s = time.perf_counter()
+    decode_started_s = job.decode_started_s
+    if not _valid_time(decode_started_s, cohort.started_s, completed_s):
+        decode_started_s = cohort.started_s
+    decode_ended_s = (terminal_perf_s if _valid_time(terminal_perf_s, decode_started_s, completed_s)
+                      else completed_s)
+    decode_elapsed_s = max(decode_ended_s - decode_started_s, 1e-9)
+    request_elapsed_s = max(completed_s - job.created_s, 1e-9)
+    admitted_s = job.admitted_s if job.admitted_s is not None else cohort.started_s
+    n = len(job.tokens)
+    prompt_tokens = len(job.prompt_ids)
+    stats = dict(extra_stats or {})
+    stats.update({
+        "request_id": job.request_id,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": n,
+        "cached_tokens": int(cached_tokens),
+        "prompt_eval_time_s": decode_started_s - cohort.started_s,
+        "prefill_wall_time_s": decode_started_s - cohort.started_s,
+        "decode_elapsed_s": decode_elapsed_s,
+        "decode_tok_s": n / decode_elapsed_s,
+        "tok_s": n / decode_elapsed_s,
+        "elapsed_s": completed_s - cohort.started_s,
+        "request_elapsed_s": request_elapsed_s,
+        "end_to_end_tok_s": n / request_elapsed_s,
+        "queue_wait_s": admitted_s - job.created_s,
+        "request_started_s": job.created_s,
+        "mode": "mtp",
+        "generation_mode": "mtp",
+        "mtp_depth": MTP_DEPTH,
+        "requested_mtp_depth": MTP_DEPTH,
+        "speculative_depth": MTP_DEPTH,
+        "requested_speculative_depth": MTP_DEPTH,
+        "verify_calls": int(cycles),
+        "target_verify_cycles": int(cycles),
+        "accepted_drafts": int(accepted),
+        "rejected_drafts": int(rejected),
+        "row_accepted_drafts": int(accepted),
+        "row_rejected_drafts": int(rejected),
+        "acceptance_rate": accepted / max(accepted + rejected, 1),
+        "scheduler_lane": cohort.lane_name,
+        "scheduler_mode": "mtp_batch",
+        "scheduler_policy": cohort.policy,
+        "active_batch_size": cohort.real_width,
+        "mtp_batch_real_width": cohort.real_width,
+        "mtp_batch_fixed_width": cohort.fixed_width,
+        "mtp_batch_route_id": cohort.route_id,
+        "mtp_batch_numerics": cohort.numerics,
+        "mtp_disabled_reason": None,
+        "repetition_stop_triggered": False,
+        "finish_reason": finish_reason,
+        "server_seed": job.seed,
+    })
+    # The sealed-width truth overrides whatever the caller estimated at submit time; then the
+    # caller's observability is merged over the stats (later envelope stages re-apply it).
+    obs = job.request_observability
+    obs.update({"scheduler_policy": cohort.policy, "scheduler_lane": cohort.lane_name,
+                "mtp_batch_fixed_width": cohort.fixed_width, "mtp_batch_real_width": cohort.real_width,
+                "mtp_batch_route_id": cohort.route_id, "active_batch_size": cohort.real_width})
+    stats.update(obs)
+    return {
+        "request_id": job.request_id,
+        "tokens": list(job.tokens),
+        "stats": stats,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": n,
+        "cached_tokens": int(cached_tokens),
+        "finish_reason": finish_reason,
+        "elapsed_s": stats["elapsed_s"],
+        "request_elapsed_s": request_elapsed_s,
+        "tok_s": stats["decode_tok_s"],
+        "end_to_end_tok_s": stats["end_to_end_tok_s"],
+        "_token_times": list(job.token_times),
+        "_generation_limits": dict(job.generation_limits),
+        "_mtp_batch_stop_token_ids": sorted(job.stop_token_ids),
+        "_mtp_batch_solo": solo,
+        "_completed_s": completed_s,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The service
+
+
+class _SoloCancelled(Exception):
+    pass
+
+
+class MTPBatchGenerationService:
+    """Seals compatible jobs into cohorts and runs them on one model-owner thread.
+
+    ``lanes``: installed lanes (a mapping width -> lane, or an iterable of lanes); may be empty for
+    ``numerics="b1-exact"``. ``driver``: the cohort driver, ``generate_a3b_mtp_batch`` by default
+    (tests pass fakes). ``owner_finalize(jobs) -> receipt``: runs on the owner thread once per
+    sealed cohort after it ran; raising, or a receipt with ``cleared: False``, poisons the service.
+    Use ``for_model`` to build one with its own lanes.
+    """
+
+    def __init__(self, model=None, lanes=None, *, driver: Optional[Callable] = None,
+                 batch_wait_s: float = DEFAULT_BATCH_WAIT_S, numerics: Optional[str] = None,
+                 owner_finalize: Optional[Callable[[list], Any]] = None,
+                 max_cohort_rows: int = MAX_COHORT_ROWS, start: bool = True):
+        self.model = model
+        self.batch_wait_s = max(0.0, float(batch_wait_s))
+        self._driver = driver
+        self._owner_finalize = owner_finalize
+        self._max_rows_cap = int(max_cohort_rows)
+        raw = os.environ.get(FORCE_WIDTH_ENV, "").strip()
+        try:
+            self.forced_width: Optional[int] = int(raw) if raw else None
+        except ValueError:
+            raise ValueError(f"{FORCE_WIDTH_ENV}={raw!r} is invalid: must be an integer width") from None
+        self._lanes: dict[int, Any] = {}
+        self.numerics = numerics
+        self._set_lanes(lanes or {})
+        if self.numerics is None:
+            self.numerics = "throughput"
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics={self.numerics!r} is invalid: choose one of {NUMERICS}")
+
+        self._cond = threading.Condition()
+        self._pending: deque[MTPBatchJob] = deque()
+        self._active: set = set()
+        self._calls: deque = deque()
+        self._closed_error: Optional[BaseException] = None
+        self._stopping = False
+        self._busy = False
+        self._thread: Optional[threading.Thread] = None
+        self._owner_ident: Optional[int] = None
+        self._stats = {
+            "last_real_width": None, "last_fixed_width": None, "last_route_id": None,
+            "last_error": None, "last_owner_finalize": None, "poisoned": None,
+            "batch_histogram": {}, "fixed_width_histogram": {},
+            "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
+            "solo_runs": 0, "cohorts_run": 0, "driver_errors": 0,
+            "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
+            "requests_cancelled": 0, "completion_tokens": 0,
+        }
+        if start:
+            self.start()
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def for_model(cls, model, widths: Iterable[int] = DEFAULT_WIDTHS,
+                  batch_wait_s: float = DEFAULT_BATCH_WAIT_S, numerics: str = "throughput",
+                  **kwargs) -> "MTPBatchGenerationService":
+        """A running service with its own lanes, installed (and self-checked) on its owner thread.
+        ``b1-exact`` installs no lane: every job runs through the solo path."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS}")
+        service = cls(model, {}, batch_wait_s=batch_wait_s, numerics=numerics, **kwargs)
+        if numerics != "b1-exact":
+            try:
+                service.install_lanes(widths).result()
+            except BaseException:
+                service.shutdown(timeout_s=5)
+                raise
+        return service
+
+    def install_lanes(self, widths: Iterable[int]) -> Future:
+        """Install lanes of these widths on the owner thread (adds to the installed set)."""
+        widths = sorted({int(w) for w in widths})
+        if not widths:
+            raise ValueError("widths is empty: install at least one lane width")
+
+        def install():
+            from ..a3b_mtp_batch import install_a3b_mtp_batch_lane
+
+            lanes = dict(self._lanes)
+            for w in widths:
+                if w not in lanes:
+                    lanes[w] = install_a3b_mtp_batch_lane(self.model, w, numerics=self.numerics)
+            self._set_lanes(lanes)
+            return sorted(lanes)
+
+        return self.call_on_owner(install)
+
+    def _set_lanes(self, lanes) -> None:
+        if not isinstance(lanes, dict):
+            lanes = {lane.width: lane for lane in lanes}
+        lanes = {int(w): lane for w, lane in lanes.items()}
+        for w, lane in lanes.items():
+            if getattr(lane, "width", w) != w:
+                raise ValueError(f"lane {getattr(lane, 'route_id', lane)!r} has width {lane.width}, "
+                                 f"installed under {w}")
+        profiles = {getattr(lane, "numerics", None) for lane in lanes.values()} - {None}
+        if len(profiles) > 1:
+            raise ValueError(f"installed lanes disagree on the numerics profile: {sorted(profiles)}")
+        if profiles:
+            (profile,) = profiles
+            if self.numerics is None:
+                self.numerics = profile
+            elif self.numerics != profile:
+                raise ValueError(f"lanes are {profile!r} but the service was asked for {self.numerics!r}")
+        if lanes and self.forced_width is not None and self.forced_width not in lanes:
+            raise ValueError(f"{FORCE_WIDTH_ENV}={self.forced_width} is not an installed width "
+                             f"{sorted(lanes)}")
+        self._lanes = lanes
+
+    @property
+    def installed_widths(self) -> list:
+        return sorted(self._lanes)
+
+    @property
+    def max_cohort_rows(self) -> int:
+        if self.numerics == "b1-exact" or not self._lanes:
+            return self._max_rows_cap
+        return min(self._max_rows_cap, max(self._lanes))
+
+    def _lane_for_real_width(self, real_width: int):
+        """(fixed_width, lane): the forced width if it fits, else the narrowest lane that fits."""
+        if self.forced_width is not None and self.forced_width in self._lanes \
+                and self.forced_width >= real_width:
+            return self.forced_width, self._lanes[self.forced_width]
+        for w in sorted(self._lanes):
+            if w >= real_width:
+                return w, self._lanes[w]
+        raise ValueError(f"no installed lane fits a cohort of {real_width} rows "
+                         f"(installed widths {self.installed_widths})")
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._owner_main, name="mtplx-model-owner", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop admitting work, fail queued jobs, cancel active rows and wait for the owner thread.
+
+        Raises RuntimeError when the owner did not finalize its active rows within ``timeout_s``.
+        """
+        with self._cond:
+            if self._closed_error is None:
+                self._closed_error = MTPBatchServiceClosed("MTP batch service is shut down")
+            pending, self._pending = list(self._pending), deque()
+            calls, self._calls = list(self._calls), deque()
+            active = list(self._active)
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        for job in pending:
+            job._fail(MTPBatchServiceClosed("MTP batch service is shut down"))
+        for fut, *_ in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(MTPBatchServiceClosed("MTP batch service is shut down"))
+        for job in active:
+            job.cancel()
+        if thread is not None and thread.ident != threading.get_ident():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise RuntimeError("owner did not finalize active requests before shutdown")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # -- submission --------------------------------------------------------------------------
+
+    def submit(self, job: MTPBatchJob) -> Future:
+        """Queue a job for FIFO sealing; returns ``job.future``."""
+        self._enqueue([job], group=None)
+        return job.future
+
+    def submit_cohort(self, jobs: Iterable[MTPBatchJob]) -> list:
+        """Queue a cohort sealed upstream (e.g. by ``@serve.batch``): it is split by
+        ``compatibility_key`` (first-seen order, at most ``max_cohort_rows`` per part) and each part
+        runs as one cohort without a gather wait. Returns the futures in the given order."""
+        jobs = list(jobs)
+        order: list = []
+        for job in jobs:
+            for key, members in order:
+                if key == job.compatibility_key and len(members) < self.max_cohort_rows:
+                    members.append(job)
+                    break
+            else:
+                order.append((job.compatibility_key, [job]))
+        for _, members in order:
+            self._enqueue(members, group=object())
+        return [job.future for job in jobs]
+
+    def _enqueue(self, jobs: list, group) -> None:
+        for job in jobs:
+            if not isinstance(job, MTPBatchJob):
+                raise TypeError(f"submit expects MTPBatchJob, got {type(job).__name__}")
+            if job._service is not None:
+                raise ValueError(f"job {job.request_id!r} was already submitted")
+        accepted = []
+        for job in jobs:
+            job._service = self
+            job._group = group
+            job.future.add_done_callback(lambda f, j=job: self._count_outcome(j, f))
+            error = self._admission_error(job)
+            if error is not None:
+                job._fail(error)
+            else:
+                accepted.append(job)
+        with self._cond:
+            self._stats["requests_submitted"] += len(jobs)
+            closed = self._closed_error
+            if closed is None:
+                for job in accepted:
+                    if not job.future.done():
+                        self._pending.append(job)
+                self._cond.notify_all()
+        if closed is not None:
+            for job in accepted:
+                job._fail(type(closed)(str(closed)))
+
+    def _admission_error(self, job: MTPBatchJob) -> Optional[BaseException]:
+        if job.cancel_requested():
+            return job._cancel_exception()
+        if self.model is None:
+            if not job.prompt_ids:
+                return ValueError("prompt_ids is empty; a prompt needs at least one token")
+            return None
+        from ..generation import check_request
+
+        try:
+            check_request(self.model, job.prompt_ids, job.max_tokens)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _on_job_cancelled(self, job: MTPBatchJob) -> None:
+        with self._cond:
+            try:
+                self._pending.remove(job)
+            except ValueError:
+                pass
+
+    def _count_outcome(self, job: MTPBatchJob, fut: Future) -> None:
+        with self._cond:
+            if fut.cancelled() or fut.exception() is not None:
+                key = "requests_cancelled" if job.cancel_requested() else "requests_failed"
+            else:
+                key = "requests_completed"
+                self._stats["completion_tokens"] += fut.result()["completion_tokens"]
+            self._stats[key] += 1
+
+    def call_on_owner(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the model-owner thread between cohorts (MLX work that is
+        not a request: lane installation, warm-up, a health probe). Returns a Future."""
+        fut: Future = Future()
+        with self._cond:
+            if self._closed_error is not None:
+                fut.set_exception(type(self._closed_error)(str(self._closed_error)))
+                return fut
+            self._calls.append((fut, fn, args, kwargs))
+            self._cond.notify_all()
+        return fut
+
+    # -- the owner thread --------------------------------------------------------------------
+
+    def _owner_main(self) -> None:
+        self._owner_ident = threading.get_ident()
+        while True:
+            with self._cond:
+                self._busy = False
+                while not self._calls and not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._busy = True
+                calls, self._calls = list(self._calls), deque()
+            for fut, fn, args, kwargs in calls:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    fut.set_exception(exc)
+            jobs = self._seal(wait=True)
+            if jobs:
+                self._run_sealed(jobs)
+
+    def _drain_cancelled_locked(self) -> list:
+        dropped = [j for j in self._pending if j.cancel_requested() or j.future.done()]
+        for job in dropped:
+            self._pending.remove(job)
+        return dropped
+
+    def _seal(self, wait: bool = True) -> list:
+        """Take the next cohort off the queue (FIFO by the head job's key); may wait for more."""
+        with self._cond:
+            dropped = self._drain_cancelled_locked()
+            selected = []
+            if self._pending and not self._stopping:
+                head = self._pending[0]
+                limit = self.max_cohort_rows
+                if head._group is not None:
+                    selected = [j for j in self._pending if j._group is head._group]
+                else:
+                    key = head.compatibility_key
+                    deadline = time.monotonic() + self.batch_wait_s
+                    while True:
+                        selected = [j for j in self._pending
+                                    if j._group is None and j.compatibility_key == key][:limit]
+                        remaining = deadline - time.monotonic()
+                        if not wait or len(selected) >= limit or remaining <= 0 or self._stopping:
+                            break
+                        self._cond.wait(remaining)
+                        dropped += self._drain_cancelled_locked()
+                now = time.perf_counter()
+                for job in selected:
+                    self._pending.remove(job)
+                    job.admitted_s = now
+                    self._active.add(job)
+                if selected:
+                    n = len(selected)
+                    self._stats["last_real_width"] = n
+                    hist = self._stats["batch_histogram"]
+                    hist[str(n)] = hist.get(str(n), 0) + 1
+        for job in dropped:
+            job._fail(job._cancel_exception())
+        return selected
+
+    def pump_once(self) -> bool:
+        """Seal and run one cohort without the gather wait, on the calling thread. For tests and
+        for services built with ``start=False``; never call it while the owner thread runs."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("pump_once is for a service without a running owner thread")
+        jobs = self._seal(wait=False)
+        if jobs:
+            self._run_sealed(jobs)
+        return bool(jobs)
+
+    def _run_sealed(self, jobs: list) -> None:
+        try:
+            if self.numerics == "b1-exact":
+                for job in jobs:
+                    self._run_solo(job, b1_exact=True)
+            elif len(jobs) == 1:
+                self._run_solo(jobs[0], b1_exact=False)
+            else:
+                self._run_cohort(jobs)
+        except BaseException as exc:  # a bug of ours: fail this cohort, keep the service alive
+            self._record_error(exc)
+            for job in jobs:
+                job._fail(exc)
+        finally:
+            for job in jobs:   # nothing admitted may hang, whatever happened above
+                if not job.future.done():
+                    job._fail(job._cancel_exception() if job.cancel_requested() else
+                              RuntimeError(f"request {job.request_id}: the cohort ended without a result"))
+            self._finalize(jobs)
+
+    def _record_error(self, exc: BaseException) -> None:
+        with self._cond:
+            self._stats["last_error"] = f"{type(exc).__name__}: {exc}"
+
+    def _finalize(self, jobs: list) -> None:
+        """Owner finalize, once per sealed cohort; a failure poisons the service."""
+        receipt, failure = None, None
+        if self._owner_finalize is not None:
+            try:
+                receipt = self._owner_finalize(list(jobs))
+                cleanup = receipt.get("mlx_cache_cleanup", receipt) if isinstance(receipt, dict) else None
+                if isinstance(cleanup, dict) and cleanup.get("cleared") is False:
+                    failure = f"receipt reports cleared=False: {receipt}"
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+        else:
+            receipt = {"owner_finalize": None}
+        with self._cond:
+            for job in jobs:
+                self._active.discard(job)
+            self._stats["last_owner_finalize"] = receipt if failure is None else {"error": failure}
+            if failure is None:
+                return
+            message = f"MTP batch owner finalize failed: {failure}"
+            self._stats["poisoned"] = message
+            self._stats["last_error"] = message
+            self._closed_error = MTPBatchOwnerFinalizeError(message)
+            self._stopping = True
+            pending, self._pending = list(self._pending), deque()
+            calls, self._calls = list(self._calls), deque()
+            self._cond.notify_all()
+        for job in pending:
+            job._fail(MTPBatchOwnerFinalizeError(message))
+        for fut, *_ in calls:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(MTPBatchOwnerFinalizeError(message))
+
+    # -- solo --------------------------------------------------------------------------------
+
+    def _run_solo(self, job: MTPBatchJob, b1_exact: bool) -> None:
+        if job.cancel_requested() or job.future.done():
+            job._fail(job._cancel_exception())
+            return
+        if b1_exact:
+            cohort = _Cohort([job], 1, 1, B1_EXACT_ROUTE_ID, "serial_b1_exact", "mtp_batch_b1_exact",
+                             "b1-exact")
+        else:
+            cohort = _Cohort([job], 1, 1, SOLO_ROUTE_ID, "solo_mtp", "mtp_batch", self.numerics)
+        with self._cond:
+            self._stats["solo_runs"] += 1
+            self._stats["last_fixed_width"] = 1
+            self._stats["last_route_id"] = cohort.route_id
+        job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
+        try:
+            if job.solo_runner is None:
+                out = self._builtin_solo(job)
+            else:
+                out = job.solo_runner(job)
+        except _SoloCancelled:
+            job._fail(job._cancel_exception())
+            return
+        except Exception as exc:  # solo failures stay local to the job
+            self._record_error(exc)
+            job._fail(exc)
+            return
+        if job.cancel_requested():
+            job._fail(job._cancel_exception())
+            return
+        tokens, finish_reason, runner_stats, extra = _unpack_solo(out)
+        if not job.tokens and tokens:       # a runner that did not stream through emit_token
+            job.tokens = [int(t) for t in tokens]
+        if job.decode_started_s is None:
+            pe = runner_stats.get("prompt_eval_time_s")
+            job.decode_started_s = (cohort.started_s + pe if isinstance(pe, (int, float)) and pe >= 0
+                                    else cohort.started_s)
+        job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
+                          "tokens_done": len(job.prompt_ids), "cached_tokens": 0})
+        cycles = int(runner_stats.get("verify_calls", 0) or 0)
+        accepted = int(runner_stats.get("accepted_drafts", 0) or 0)
+        rejected = int(runner_stats.get("rejected_drafts", 0) or 0)
+        with self._cond:
+            self._stats["target_verify_cycles"] += cycles
+            self._stats["accepted_draft_tokens"] += accepted
+            self._stats["rejected_draft_tokens"] += rejected
+            hist = self._stats["fixed_width_histogram"]
+            hist["1"] = hist.get("1", 0) + cycles
+        result = _build_result(job, cohort, finish_reason=finish_reason or "length", cycles=cycles,
+                               accepted=accepted, rejected=rejected, terminal_perf_s=None,
+                               cached_tokens=int(runner_stats.get("cached_tokens", 0) or 0), solo=True,
+                               extra_stats={k: v for k, v in runner_stats.items()
+                                            if k in ("acceptance_rate", "mean_tokens_per_verify")})
+        for k, v in extra.items():
+            result.setdefault(k, v)
+        job._succeed(result)
+
+    def _builtin_solo(self, job: MTPBatchJob):
+        from ..generation import generate_mtpk
+
+        if self.model is None:
+            raise RuntimeError("the built-in solo MTP path needs the service's model "
+                               "(pass model= or give the job a solo_runner)")
+
+        def on_token(token):
+            if job.cancel_requested():
+                raise _SoloCancelled()
+            job.emit_token(token)
+            if job.cancel_requested():   # the callback failed: stop decoding this job
+                raise _SoloCancelled()
+
+        return generate_mtpk(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
+                             draft_sampler=job.draft_sampler, depth=MTP_DEPTH, seed=job.seed,
+                             stop_token_ids=job.stop_token_ids,
+                             omit_speculative_bonus=job.omit_speculative_bonus, on_token=on_token)
+
+    # -- cohorts -----------------------------------------------------------------------------
+
+    def _run_cohort(self, jobs: list) -> None:
+        from ..a3b_mtp_batch import A3BMTPBatchRequest
+
+        driver = self._driver
+        if driver is None:
+            from ..a3b_mtp_batch import generate_a3b_mtp_batch as driver
+        n = len(jobs)
+        fixed_width, lane = self._lane_for_real_width(n)
+        cohort = _Cohort(jobs, n, fixed_width, lane.route_id, f"fixed_mtp_batch_width_{fixed_width}",
+                         "mtp_batch", self.numerics)
+        with self._cond:
+            self._stats["last_fixed_width"] = fixed_width
+            self._stats["last_route_id"] = lane.route_id
+            self._stats["cohorts_run"] += 1
+        for job in jobs:
+            job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0,
+                              "mtp_batch_real_width": n, "mtp_batch_fixed_width": fixed_width})
+        requests = []
+        for i, job in enumerate(jobs):
+            requests.append(A3BMTPBatchRequest(
+                request_id=str(i), prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
+                draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
+                stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
+                on_token=job.emit_token, on_decode_start=self._decode_start_hook(job),
+                on_terminal=self._terminal_hook(job, cohort), cancelled=job.cancel_requested,
+                repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
+                session_restore=_failsafe(job.session_restore),
+                session_commit=_failsafe(job.session_commit)))
+        try:
+            result = driver(lane, requests)
+        except Exception as exc:  # fails this cohort only; the next one runs normally
+            with self._cond:
+                self._stats["driver_errors"] += 1
+            self._record_error(exc)
+            for job in jobs:
+                job._fail(exc)
+            return
+        with self._cond:
+            s = self._stats
+            s["target_verify_cycles"] += int(result.cycles)
+            s["accepted_draft_tokens"] += int(result.accepted_drafts)
+            s["rejected_draft_tokens"] += int(result.rejected_drafts)
+            s["last_route_id"] = result.route_id
+            hist = s["fixed_width_histogram"]
+            for w, c in (result.width_histogram or {}).items():
+                hist[str(w)] = hist.get(str(w), 0) + int(c)
+        for job, stream in zip(jobs, result.streams):
+            if not job.future.done():   # rows whose terminal the driver did not report
+                self._complete_cohort_job(job, stream, cohort)
+
+    def _decode_start_hook(self, job: MTPBatchJob) -> Callable[[], None]:
+        def on_decode_start():
+            job.mark_decode_started()
+            job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
+                              "tokens_done": len(job.prompt_ids)})
+        return on_decode_start
+
+    def _terminal_hook(self, job: MTPBatchJob, cohort: _Cohort) -> Callable:
+        def on_terminal(reason, cycles, stream=None):
+            """Publish the row at its own terminal. The row's draft counts come with the
+            driver's per-row stream; a driver that does not pass it gets the row published
+            when it returns (exact stats beat early ones)."""
+            if reason == "cancelled":
+                job._fail(job._cancel_exception())
+            elif stream is not None:
+                self._complete_cohort_job(job, stream, cohort)
+        return on_terminal
+
+    def _complete_cohort_job(self, job: MTPBatchJob, stream, cohort: _Cohort) -> None:
+        """Resolve one cohort row from its driver stream (``A3BMTPBatchStreamResult``)."""
+        reason = getattr(stream, "finish_reason", None)
+        if reason == "cancelled" or job.cancel_requested():
+            job._fail(job._cancel_exception())
+            return
+        if reason is None:
+            job._fail(RuntimeError(f"request {job.request_id}: the driver returned no finish reason"))
+            return
+        result = _build_result(
+            job, cohort, finish_reason=reason, cycles=int(getattr(stream, "cycles", 0) or 0),
+            accepted=int(getattr(stream, "accepted_drafts", 0) or 0),
+            rejected=int(getattr(stream, "rejected_drafts", 0) or 0),
+            terminal_perf_s=getattr(stream, "terminal_perf_s", None),
+            cached_tokens=int(getattr(stream, "cached_tokens", 0) or 0), solo=False)
+        job._succeed(result)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            s = self._stats
+            return {
+                "pending": len(self._pending),
+                "active": len(self._active),
+                "pump_scheduled": bool(self._busy or self._pending or self._calls),
+                "installed_widths": self.installed_widths,
+                "forced_width": self.forced_width,
+                "numerics": self.numerics,
+                "route_ids": {str(w): lane.route_id for w, lane in sorted(self._lanes.items())},
+                "config_fingerprints": {str(w): getattr(lane, "config_fingerprint", None)
+                                        for w, lane in sorted(self._lanes.items())},
+                "batch_wait_s": self.batch_wait_s,
+                "max_cohort_rows": self.max_cohort_rows,
+                "last_real_width": s["last_real_width"],
+                "last_fixed_width": s["last_fixed_width"],
+                "last_route_id": s["last_route_id"],
+                "last_error": s["last_error"],
+                "batch_histogram": dict(s["batch_histogram"]),
+                "fixed_width_histogram": dict(s["fixed_width_histogram"]),
+                "target_verify_cycles": s["target_verify_cycles"],
+                "accepted_draft_tokens": s["accepted_draft_tokens"],
+                "rejected_draft_tokens": s["rejected_draft_tokens"],
+                "solo_runs": s["solo_runs"],
+                "cohorts_run": s["cohorts_run"],
+                "driver_errors": s["driver_errors"],
+                "requests_submitted": s["requests_submitted"],
+                "requests_completed": s["requests_completed"],
+                "requests_failed": s["requests_failed"],
+                "requests_cancelled": s["requests_cancelled"],
+                "completion_tokens": s["completion_tokens"],
+                "last_owner_finalize": s["last_owner_finalize"],
+                "poisoned": s["poisoned"],
+                "shut_down": self._closed_error is not None,
+                "owner_alive": bool(self._thread is not None and self._thread.is_alive()),
+            }
+
+
+def _unpack_solo(out) -> tuple:
+    """(tokens, finish_reason, stats, extra result keys) from a solo runner's return value."""
+    if isinstance(out, dict):
+        stats = dict(out.get("stats") or {})
+        extra = {k: v for k, v in out.items() if k not in ("tokens", "stats", "finish_reason")}
+        return list(out.get("tokens") or []), out.get("finish_reason") or stats.get("finish_reason"), \
+            stats, extra
+    tokens = getattr(out, "tokens", None)
+    if tokens is None:
+        raise TypeError(f"solo_runner returned {type(out).__name__}; expected a result dict or a "
+                        f"GenerationResult")
+    return list(tokens), getattr(out, "finish_reason", None), dict(getattr(out, "stats", {}) or {}), {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-over to an asyncio consumer (the Ray replica uses this; nothing here imports Ray)
+
+
+_END = object()
+
+
+class AsyncTokenStream:
+    """A thread-safe ``token_callback`` whose tokens are consumed on an asyncio loop.
+
+    Create it on the loop, pass ``stream.push`` as the job's ``token_callback``, ``bind`` the job's
+    future, then ``async for tokens in stream`` (lists of ints, in commit order) ends when the
+    future resolves; ``await stream.result()`` gives the result dict or raises its error::
+
+        stream = AsyncTokenStream()
+        job = MTPBatchJob(..., token_callback=stream.push)
+        stream.bind(service.submit(job))
+        async for toks in stream: ...
+        result = await stream.result()
+
+    If the loop has closed (the client went away), ``push`` raises, which cancels the job.
+    """
+
+    def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None):
+        self.loop = loop or asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.future: Optional[Future] = None
+
+    def push(self, tokens) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, [int(t) for t in tokens])
+
+    def bind(self, future: Future) -> Future:
+        self.future = future
+
+        def done(_f):
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, _END)
+            except RuntimeError:  # loop closed: nobody is listening
+                pass
+
+        future.add_done_callback(done)
+        return future
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        if self.future is None:
+            raise RuntimeError("bind(future) before iterating")
+        while True:
+            item = await self.queue.get()
+            if item is _END:
+                return
+            yield item
+
+    async def result(self) -> dict:
+        if self.future is None:
+            raise RuntimeError("bind(future) before awaiting the result")
+        return await asyncio.wrap_future(self.future)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark: what the service costs on top of the driver
+
+
+_BENCH_PROMPTS = (
+    "def fibonacci(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\n\ndef list_files(path):\n",
+    "def parse_args(argv):\n    parser = ",
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "def read_json(path):\n    with open(path) as f:\n",
+    "class Point:\n    def __init__(self, x, y):\n",
+    "def merge_sort(items):\n    if len(items) <= 1:\n",
+)
+
+
+def bench_service_overhead(model, n_prompts: int = 8, min_tokens: int = 128, max_tokens: int = 256,
+                           rounds: int = 3, width: int = 8, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+                           service: Optional[MTPBatchGenerationService] = None) -> dict:
+    """Aggregate tok/s of one greedy cohort through the service (``n_prompts`` concurrent submits)
+    vs the driver called directly on the same cohort (on the same owner thread), median of
+    ``rounds``, interleaved. Stop tokens are off so both arms decode the same token counts
+    (budgets spread evenly over [min_tokens, max_tokens]). Returns a dict; ``overhead_pct`` is the
+    aggregate tok/s lost through the service."""
+    from ..a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch
+
+    if not 2 <= n_prompts <= MAX_COHORT_ROWS:
+        raise ValueError(f"n_prompts={n_prompts} must be in [2, {MAX_COHORT_ROWS}]")
+    own = service is None
+    if own:
+        service = MTPBatchGenerationService.for_model(model, widths=(width,), batch_wait_s=batch_wait_s)
+    greedy = SamplerConfig(temperature=0.0)
+    prompts = [model.tokenizer.encode(_BENCH_PROMPTS[i % len(_BENCH_PROMPTS)]) for i in range(n_prompts)]
+    step = (max_tokens - min_tokens) / max(n_prompts - 1, 1)
+    budgets = [int(round(min_tokens + i * step)) for i in range(n_prompts)]
+    total = sum(budgets)
+    key = mtp_batch_compatibility_key(model.model_id, False, greedy, None)
+
+    def direct():
+        fixed_width, lane = service._lane_for_real_width(n_prompts)
+        reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=tuple(p), sampler=greedy, seed=i,
+                                   max_tokens=m) for i, (p, m) in enumerate(zip(prompts, budgets))]
+        t0 = time.perf_counter()
+        res = generate_a3b_mtp_batch(lane, reqs)
+        wall = time.perf_counter() - t0
+        return wall, [s.tokens for s in res.streams]
+
+    def through_service():
+        jobs = [MTPBatchJob(request_id=f"bench-{i}", prompt_ids=p, max_tokens=m, sampler=greedy,
+                            seed=i, stop_token_ids=(), token_callback=lambda toks: None,
+                            compatibility_key=key)
+                for i, (p, m) in enumerate(zip(prompts, budgets))]
+        t0 = time.perf_counter()
+        futures = [service.submit(j) for j in jobs]
+        results = [f.result() for f in futures]
+        wall = time.perf_counter() - t0
+        return wall, [r["tokens"] for r in results], results
+
+    try:
+        service.call_on_owner(direct).result()        # warm-up (allocations, caches)
+        direct_walls, service_walls, same_tokens = [], [], True
+        decode_tok_s = []
+        for _ in range(rounds):
+            d_wall, d_tokens = service.call_on_owner(direct).result()
+            s_wall, s_tokens, results = through_service()
+            direct_walls.append(d_wall)
+            service_walls.append(s_wall)
+            same_tokens &= d_tokens == s_tokens
+            decode_tok_s.append(sum(r["stats"]["decode_tok_s"] for r in results))
+        d_med, s_med = statistics.median(direct_walls), statistics.median(service_walls)
+        direct_tps, service_tps = total / d_med, total / s_med
+        return {
+            "n_prompts": n_prompts, "budgets": budgets, "completion_tokens": total, "rounds": rounds,
+            "fixed_width": service._lane_for_real_width(n_prompts)[0], "batch_wait_s": batch_wait_s,
+            "direct_wall_s": direct_walls, "service_wall_s": service_walls,
+            "direct_tok_s": direct_tps, "service_tok_s": service_tps,
+            "overhead_pct": 100.0 * (1.0 - service_tps / direct_tps),
+            "sum_row_decode_tok_s_median": statistics.median(decode_tok_s),
+            "identical_tokens": bool(same_tokens),
+            "service_snapshot": service.snapshot(),
+        }
+    finally:
+        if own:
+            service.shutdown()
+
+
+__all__ = [
+    "MTPBatchJob", "MTPBatchGenerationService", "MTPBatchCancelled", "MTPBatchServiceClosed",
+    "MTPBatchOwnerFinalizeError", "AsyncTokenStream", "mtp_batch_compatibility_key",
+    "bench_service_overhead", "FORCE_WIDTH_ENV",
+]
