@@ -85,7 +85,8 @@ def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus:
     Samplers are frozen dataclasses, so temperature/top_p/top_k (and penalties) are all part of it:
     greedy and sampled requests never share a cohort, nor do different draft samplers.
     """
-    return (model_id, bool(omit_speculative_bonus), sampler, draft_sampler)
+    return (model_id, bool(omit_speculative_bonus), sampler,
+            draft_sampler if draft_sampler is not None else sampler)
 
 
 def _default_cancel_error(job: "MTPBatchJob") -> BaseException:

@@ -1,0 +1,591 @@
+"""The cohort service (mtplx/server/mtp_batch.py) against the shipped model and the real lanes.
+
+Fake drivers appear only where a rare fault must be forced (a driver error). Jobs are queued while
+the model-owner thread is held (`held_owner`), so which jobs share a cohort is deterministic.
+"""
+
+import asyncio
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from mtplx.a3b_mtp_batch import generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.generation import generate_ar, generate_mtpk
+from mtplx.sampling import SamplerConfig
+from mtplx.server.mtp_batch import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchCancelled,
+                                    MTPBatchGenerationService, MTPBatchJob,
+                                    MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
+
+GREEDY = SamplerConfig(temperature=0.0)
+HOT = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)   # sampled, wide support
+SNIPPETS = ["def add(a, b):\n", "import os\n", "class Node:\n", "for i in range(3):\n",
+            "def main():\n    ", "x = [1, 2, 3]\n", "while True:\n", "# utils\ndef f(x):\n",
+            "return None\n"]
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def lanes(model):
+    return {w: install_a3b_mtp_batch_lane(model, w) for w in (3, 8)}
+
+
+@pytest.fixture
+def make_service(model, lanes):
+    made = []
+
+    def make(**kwargs):
+        kwargs.setdefault("batch_wait_s", 0.02)
+        lanes_arg = kwargs.pop("lanes", lanes)
+        service = MTPBatchGenerationService(model, lanes_arg, **kwargs)
+        made.append(service)
+        return service
+
+    yield make
+    for service in made:
+        service.shutdown(timeout_s=30)
+
+
+@pytest.fixture
+def service(make_service):
+    return make_service()
+
+
+@pytest.fixture
+def prompts(model):
+    return [model.tokenizer.encode(s) for s in SNIPPETS]
+
+
+@contextmanager
+def held_owner(service):
+    """Keep the owner thread busy so submitted jobs queue up; release on exit."""
+    started, gate = threading.Event(), threading.Event()
+    fut = service.call_on_owner(lambda: (started.set(), gate.wait(TIMEOUT)))
+    assert started.wait(TIMEOUT)
+    try:
+        yield
+    finally:
+        gate.set()
+        fut.result(TIMEOUT)
+
+
+def job(prompt, max_tokens=8, sampler=GREEDY, seed=0, rid=None, key=None, **kw):
+    return MTPBatchJob(request_id=rid or f"req-{seed}", prompt_ids=prompt, max_tokens=max_tokens,
+                       sampler=sampler, seed=seed, stop_token_ids=kw.pop("stop_token_ids", ()),
+                       compatibility_key=key or ("tiny", False, sampler, None), **kw)
+
+
+def run_held(service, jobs):
+    with held_owner(service):
+        futures = [service.submit(j) for j in jobs]
+    return [f.result(TIMEOUT) for f in futures]
+
+
+# ------------------------------------------------------------------------------ seed examples
+
+
+def test_seed_example_create_job_and_read_stats(model, capsys):
+    service = MTPBatchGenerationService.for_model(model, widths=(3, 8), batch_wait_s=0.02)
+    try:
+        sampler = SamplerConfig(temperature=0.7)   # the example's key refers to these two names
+        draft_sampler = SamplerConfig()
+        # --- seed example 1, as written
+        job = MTPBatchJob(
+            request_id="mtpbatch-1234",
+            prompt_ids=[101, 102, 103],
+            max_tokens=256,
+            sampler=SamplerConfig(temperature=0.7),
+            draft_sampler=SamplerConfig(),
+            seed=42,
+            stop_token_ids={0},
+            token_callback=lambda toks: print("token:", toks),
+            compatibility_key=("my-model", False, sampler, draft_sampler),
+            generation_limits={},
+            solo_runner=None,
+            cancel_error=lambda j: RuntimeError("cancelled"),
+        )
+        future = service.submit(job)
+        # --- seed example 3, as written
+        result = future.result()
+        stats = result["stats"]
+        print(f"Decode time: {stats['decode_elapsed_s']:.3f}s")
+        print(f"Tokens per second: {stats['decode_tok_s']:.1f}")
+        print(f"Fixed width used: {stats['mtp_batch_fixed_width']}")
+    finally:
+        service.shutdown()
+    out = capsys.readouterr().out.splitlines()
+    streamed = [line for line in out if line.startswith("token: [")]
+    non_stop = [t for t in result["tokens"] if t != 0]
+    assert streamed == [f"token: [{t}]" for t in non_stop]
+    assert result["tokens"] == generate_mtpk(model, [101, 102, 103], 256, SamplerConfig(temperature=0.7),
+                                             SamplerConfig(), seed=42, stop_token_ids={0}).tokens
+    assert f"Fixed width used: 1" in out
+    assert stats["decode_elapsed_s"] > 0 and stats["decode_tok_s"] > 0
+    assert service.snapshot()["installed_widths"] == [3, 8]
+
+
+def test_seed_example_server_path_job(model, service):
+    """Seed example 2 (the server excerpt) verbatim, with the server's names stood in locally."""
+    import uuid
+
+    class _StreamCancelled(Exception):
+        pass
+
+    def _default_stop_tokens(tokenizer):
+        return set(model.eos_token_ids)
+
+    def _mtp_batch_compatibility_key(lane, omit, sampler, draft_sampler):
+        return (lane, omit, sampler, draft_sampler)
+
+    def _run_generation(state, prompt_ids, **solo_kwargs):
+        r = generate_mtpk(state.model, prompt_ids, **solo_kwargs)
+        return {"tokens": r.tokens, "finish_reason": r.finish_reason, "stats": r.stats}
+
+    class state:
+        runtime = model
+    state.model = model
+    prefill_events = []
+    kwargs = {"token_callback": lambda toks: None, "prefill_callback": prefill_events.append,
+              "session_id": "s-1"}
+    response_id, prompt_ids, response_max = None, model.tokenizer.encode("def main():\n"), 12
+    sampler, draft_sampler, generation_seed, omit_bonus, lane = GREEDY, None, 7, False, "mtp_batch"
+    generation_limits, cancel_event, request_observability = {}, threading.Event(), {"client": "t"}
+    session_restore_hook = session_commit_hook = None
+    solo_kwargs = {"max_tokens": response_max, "sampler": sampler, "seed": generation_seed,
+                   "stop_token_ids": _default_stop_tokens(model.tokenizer)}
+
+    job = MTPBatchJob(
+        request_id=response_id or f"mtpbatch-{uuid.uuid4().hex}",
+        prompt_ids=prompt_ids,
+        max_tokens=response_max,
+        sampler=sampler,
+        draft_sampler=draft_sampler,
+        seed=generation_seed,
+        stop_token_ids=_default_stop_tokens(state.runtime.tokenizer),
+        token_callback=kwargs.get("token_callback"),
+        prefill_callback=kwargs.get("prefill_callback"),
+        compatibility_key=_mtp_batch_compatibility_key(lane, omit_bonus, sampler, draft_sampler),
+        generation_limits=generation_limits,
+        solo_runner=lambda _job: _run_generation(state, prompt_ids, **solo_kwargs),
+        cancel_error=lambda item: _StreamCancelled(f"request {item.request_id} cancelled"),
+        cancel_event=cancel_event,
+        request_observability=request_observability,
+        omit_speculative_bonus=omit_bonus,
+        session_id=kwargs.get("session_id"),
+        session_restore=session_restore_hook,
+        session_commit=session_commit_hook,
+    )
+    result = service.submit(job).result(TIMEOUT)
+    assert result["tokens"] == generate_ar(model, prompt_ids, response_max, GREEDY,
+                                           stop_token_ids=model.eos_token_ids).tokens
+    assert result["_mtp_batch_solo"] is True
+    assert result["stats"]["client"] == "t" and result["stats"]["scheduler_policy"] == "solo_mtp"
+    assert [e["phase"] for e in prefill_events] == ["started", "completed"]
+
+
+# ------------------------------------------------------------------------------ sealing and lanes
+
+
+@pytest.mark.parametrize("n, fixed", [(2, 3), (5, 8)])
+def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n, fixed):
+    jobs = [job(prompts[i], max_tokens=6 + 3 * i, seed=i) for i in range(n)]
+    results = run_held(service, jobs)
+    for i, r in enumerate(results):
+        s = r["stats"]
+        assert (s["mtp_batch_real_width"], s["mtp_batch_fixed_width"]) == (n, fixed)
+        assert s["scheduler_policy"] == f"fixed_mtp_batch_width_{fixed}"
+        assert s["mtp_batch_route_id"] == lanes[fixed].route_id
+        assert r["_mtp_batch_solo"] is False
+        # greedy cohort rows equal plain AR (exactness through the service wiring)
+        assert r["tokens"] == generate_ar(model, prompts[i], 6 + 3 * i, GREEDY).tokens
+    snap = service.snapshot()
+    assert snap["batch_histogram"] == {str(n): 1}
+    assert snap["last_real_width"] == n and snap["last_fixed_width"] == fixed
+    assert snap["last_route_id"] == lanes[fixed].route_id
+    assert set(snap["fixed_width_histogram"]) == {str(fixed)}
+    assert snap["target_verify_cycles"] == snap["fixed_width_histogram"][str(fixed)] > 0
+
+
+def test_force_width_env(monkeypatch, make_service, prompts):
+    monkeypatch.setenv(FORCE_WIDTH_ENV, "8")
+    service = make_service()
+    monkeypatch.delenv(FORCE_WIDTH_ENV)          # read once, at construction
+    assert service.snapshot()["forced_width"] == 8
+    results = run_held(service, [job(prompts[i], seed=i) for i in range(2)])
+    assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {8}
+
+    monkeypatch.setenv(FORCE_WIDTH_ENV, "3")
+    service = make_service()
+    results = run_held(service, [job(prompts[i], seed=i) for i in range(5)])   # 3 does not fit 5
+    assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {8}
+    results = run_held(service, [job(prompts[i], seed=i) for i in range(2)])
+    assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {3}
+
+
+@pytest.mark.parametrize("value", ["5", "eight"])
+def test_force_width_env_must_name_an_installed_width(monkeypatch, make_service, value):
+    monkeypatch.setenv(FORCE_WIDTH_ENV, value)
+    with pytest.raises(ValueError, match=FORCE_WIDTH_ENV):
+        make_service()
+
+
+def test_cohort_seals_at_eight_and_ninth_waits(service, prompts):
+    jobs = [job(prompts[i], max_tokens=5, seed=i, rid=f"r{i}") for i in range(9)]
+    results = run_held(service, jobs)
+    assert [r["stats"]["mtp_batch_real_width"] for r in results] == [8] * 8 + [1]
+    assert results[8]["stats"]["scheduler_policy"] == "solo_mtp"
+    # the ninth was admitted only after the first cohort ran
+    assert jobs[8].admitted_s > max(j.decode_started_s for j in jobs[:8])
+    assert service.snapshot()["batch_histogram"] == {"8": 1, "1": 1}
+
+
+def test_different_keys_seal_separately_fifo(service, prompts):
+    kinds = [GREEDY, HOT, GREEDY, HOT, GREEDY]
+    jobs = [job(prompts[i], max_tokens=6, sampler=s, seed=i) for i, s in enumerate(kinds)]
+    results = run_held(service, jobs)
+    greedy_rows = [r for r, s in zip(results, kinds) if s is GREEDY]
+    hot_rows = [r for r, s in zip(results, kinds) if s is HOT]
+    assert {r["stats"]["mtp_batch_real_width"] for r in greedy_rows} == {3}
+    assert {r["stats"]["mtp_batch_real_width"] for r in hot_rows} == {2}
+    # the head job's key sealed first; the other key waited in the queue
+    assert max(jobs[i].admitted_s for i in (0, 2, 4)) < min(jobs[i].admitted_s for i in (1, 3))
+    assert service.snapshot()["batch_histogram"] == {"3": 1, "2": 1}
+
+
+def test_submit_cohort_splits_by_key_without_waiting(make_service, prompts):
+    service = make_service(batch_wait_s=5.0)     # a gather wait would show in the timing
+    kinds = [GREEDY, HOT, GREEDY, HOT, GREEDY]
+    jobs = [job(prompts[i], max_tokens=4, sampler=s, seed=i) for i, s in enumerate(kinds)]
+    t0 = time.perf_counter()
+    futures = service.submit_cohort(jobs)
+    results = [f.result(TIMEOUT) for f in futures]
+    assert time.perf_counter() - t0 < 5.0
+    assert [r["stats"]["mtp_batch_real_width"] for r in results] == [3, 2, 3, 2, 3]
+    assert service.snapshot()["batch_histogram"] == {"3": 1, "2": 1}
+
+
+def test_one_job_runs_the_solo_mtp_path(model, service, prompts):
+    j = job(prompts[0], max_tokens=16, sampler=HOT, seed=5)
+    r = service.submit(j).result(TIMEOUT)
+    ref = generate_mtpk(model, prompts[0], 16, HOT, seed=5)
+    assert r["tokens"] == ref.tokens
+    s = r["stats"]
+    assert (s["mtp_batch_real_width"], s["mtp_batch_fixed_width"]) == (1, 1)
+    assert s["scheduler_policy"] == "solo_mtp" and s["scheduler_lane"] == "mtp_batch"
+    assert (s["row_accepted_drafts"], s["row_rejected_drafts"], s["verify_calls"]) == (
+        ref.stats["accepted_drafts"], ref.stats["rejected_drafts"], ref.stats["verify_calls"])
+    assert service.snapshot()["solo_runs"] == 1
+
+
+def test_b1_exact_runs_every_job_serially_through_solo(model, prompts):
+    service = MTPBatchGenerationService.for_model(model, numerics="b1-exact")
+    try:
+        def boom(_job):
+            raise RuntimeError("solo runner broke")
+        jobs = [job(prompts[i], max_tokens=10, sampler=HOT, seed=i) for i in range(3)]
+        jobs.append(job(prompts[3], sampler=HOT, seed=3, solo_runner=boom))
+        with held_owner(service):
+            futures = [service.submit(j) for j in jobs]
+        for i, f in enumerate(futures[:3]):
+            r = f.result(TIMEOUT)
+            assert r["tokens"] == generate_mtpk(model, prompts[i], 10, HOT, seed=i).tokens
+            s = r["stats"]
+            assert s["scheduler_policy"] == "serial_b1_exact"
+            assert s["scheduler_lane"] == "mtp_batch_b1_exact" and s["mtp_batch_numerics"] == "b1-exact"
+            assert (s["mtp_batch_real_width"], s["mtp_batch_fixed_width"]) == (1, 1)
+        with pytest.raises(RuntimeError, match="solo runner broke"):
+            futures[3].result(TIMEOUT)
+        # serial: each job's decode started after the previous one finished
+        for a, b in zip(jobs[:2], jobs[1:3]):
+            assert b.decode_started_s > a.completed_s
+        snap = service.snapshot()
+        assert snap["installed_widths"] == [] and snap["solo_runs"] == 4
+        assert snap["batch_histogram"] == {"4": 1} and snap["shut_down"] is False
+    finally:
+        service.shutdown()
+
+
+# ------------------------------------------------------------------------------ cancellation
+
+
+def test_cancel_before_admission_fails_at_once(service, prompts):
+    sentinel = ValueError("client went away")
+    a = job(prompts[0], seed=0, cancel_error=lambda j: sentinel)
+    b = job(prompts[1], seed=1)
+    c = job(prompts[2], seed=2)
+    with held_owner(service):
+        fa, fb, fc = service.submit(a), service.submit(b), service.submit(c)
+        a.cancel()
+        # failed while the owner is still held: no seal, no MLX work happened
+        assert fa.done() and fa.exception() is sentinel
+        c.cancel_event.set()              # cancelled behind the service's back: dropped at seal
+    assert fb.result(TIMEOUT)["stats"]["mtp_batch_real_width"] == 1
+    assert isinstance(fc.exception(TIMEOUT), MTPBatchCancelled)
+    assert a.tokens == [] and c.tokens == []
+    pre = job(prompts[3], seed=3)
+    pre.cancel_event.set()
+    assert isinstance(service.submit(pre).exception(TIMEOUT), MTPBatchCancelled)
+
+
+def _cohort(prompts, n, max_tokens, sampler=HOT, per_row=None):
+    per_row = per_row or {}
+    jobs = []
+    for i in range(n):
+        kw = per_row.get(i, {})
+        jobs.append(job(prompts[i], max_tokens=max_tokens[i], sampler=sampler, seed=100 + i, rid=f"r{i}", **kw))
+    return jobs
+
+
+def test_cancel_mid_cohort_drops_row_peers_unaffected(service, prompts):
+    budgets = [40, 120, 40, 40]
+    undisturbed = run_held(service, _cohort(prompts, 4, budgets))
+    reached = threading.Event()
+    seen = []
+
+    def cb(toks):
+        seen.extend(toks)
+        if len(seen) == 5:
+            reached.set()
+
+    jobs = _cohort(prompts, 4, budgets, per_row={1: {"token_callback": cb}})
+    with held_owner(service):
+        futures = [service.submit(j) for j in jobs]
+    assert reached.wait(TIMEOUT)
+    jobs[1].cancel()                      # from this (request) thread, mid-decode
+    assert futures[1].done()
+    assert isinstance(futures[1].exception(), MTPBatchCancelled)
+    results = [f.result(TIMEOUT) for i, f in enumerate(futures) if i != 1]
+    for i, r in zip((0, 2, 3), results):
+        assert r["tokens"] == undisturbed[i]["tokens"]
+        assert r["stats"]["mtp_batch_real_width"] == 4
+    # the cancelled row stopped early, and what it emitted is its undisturbed prefix
+    cancelled_tokens = jobs[1].tokens
+    assert 5 <= len(cancelled_tokens) < budgets[1]
+    assert cancelled_tokens == undisturbed[1]["tokens"][:len(cancelled_tokens)]
+    assert service.snapshot()["requests_cancelled"] == 1
+
+
+def test_callback_error_stays_row_local(service, prompts):
+    budgets = [30, 30, 30]
+    undisturbed = run_held(service, _cohort(prompts, 3, budgets))
+    err = KeyError("socket closed")
+    calls = []
+
+    def bad(toks):
+        calls.append(toks)
+        if len(calls) == 3:
+            raise err
+
+    jobs = _cohort(prompts, 3, budgets, per_row={0: {"token_callback": bad}})
+    with held_owner(service):
+        futures = [service.submit(j) for j in jobs]
+    assert futures[0].exception(TIMEOUT) is err
+    assert len(calls) == 3 and jobs[0].callback_error is err
+    for i in (1, 2):
+        assert futures[i].result(TIMEOUT)["tokens"] == undisturbed[i]["tokens"]
+    snap = service.snapshot()
+    assert snap["last_error"] is None and snap["driver_errors"] == 0
+
+
+# ------------------------------------------------------------------------------ faults
+
+
+def test_driver_error_fails_only_its_cohort(make_service, prompts):
+    calls = []
+
+    def flaky_driver(lane, requests):
+        calls.append(len(requests))
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return generate_a3b_mtp_batch(lane, requests)
+
+    service = make_service(driver=flaky_driver)
+    first = [job(prompts[i], sampler=GREEDY, seed=i) for i in range(3)]
+    second = [job(prompts[i], sampler=HOT, seed=i) for i in range(3, 5)]
+    with held_owner(service):
+        futures = [service.submit(j) for j in first + second]
+    for f in futures[:3]:
+        with pytest.raises(RuntimeError, match="device lost"):
+            f.result(TIMEOUT)
+    for f in futures[3:]:
+        assert f.result(TIMEOUT)["finish_reason"] == "length"
+    snap = service.snapshot()
+    assert calls == [3, 2]
+    assert snap["last_error"] == "RuntimeError: device lost" and snap["driver_errors"] == 1
+    assert snap["shut_down"] is False
+    assert service.submit(job(prompts[0])).result(TIMEOUT)["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("finalize_kind", ["raises", "not_cleared"])
+def test_owner_finalize_failure_poisons_the_service(make_service, prompts, finalize_kind):
+    def finalize(jobs):
+        if finalize_kind == "raises":
+            raise OSError("cache cleanup failed")
+        return {"mlx_cache_cleanup": {"cleared": False}}
+
+    service = make_service(owner_finalize=finalize)
+    cohort = [job(prompts[i], seed=i) for i in range(2)]
+    queued = job(prompts[2], sampler=HOT, seed=2)          # another key: waits for the next seal
+    with held_owner(service):
+        futures = [service.submit(j) for j in cohort + [queued]]
+    for f in futures[:2]:   # rows already published at their terminal keep their results
+        assert f.result(TIMEOUT)["finish_reason"] == "length"
+    with pytest.raises(MTPBatchOwnerFinalizeError, match="owner finalize failed"):
+        futures[2].result(TIMEOUT)
+    later = service.submit(job(prompts[3]))
+    with pytest.raises(MTPBatchOwnerFinalizeError):
+        later.result(TIMEOUT)
+    snap = service.snapshot()
+    assert snap["shut_down"] and snap["poisoned"].startswith("MTP batch owner finalize failed")
+    assert snap["pending"] == 0
+
+
+def test_shutdown_fails_pending_cancels_active_and_refuses_new_work(service, prompts):
+    reached = threading.Event()
+    active = job(prompts[0], max_tokens=400, seed=0, token_callback=lambda t: reached.set())
+    peer = job(prompts[1], max_tokens=400, seed=1)
+    fa, fp = service.submit_cohort([active, peer])
+    assert reached.wait(TIMEOUT)
+    waiting = job(prompts[2], sampler=HOT, seed=2)
+    fw = service.submit(waiting)
+    service.shutdown(timeout_s=30)
+    assert isinstance(fa.exception(), MTPBatchCancelled) and isinstance(fp.exception(), MTPBatchCancelled)
+    assert len(active.tokens) < 400
+    assert isinstance(fw.exception(), MTPBatchServiceClosed) and waiting.tokens == []
+    late = service.submit(job(prompts[3]))
+    with pytest.raises(MTPBatchServiceClosed, match="shut down"):
+        late.result(1)
+    snap = service.snapshot()
+    assert snap["shut_down"] and not snap["owner_alive"] and snap["active"] == 0
+
+
+def test_shutdown_times_out_when_the_owner_is_stuck(make_service):
+    service = make_service()
+    started, gate = threading.Event(), threading.Event()
+    service.call_on_owner(lambda: (started.set(), gate.wait(TIMEOUT)))
+    assert started.wait(TIMEOUT)
+    try:
+        with pytest.raises(RuntimeError, match="owner did not finalize active requests"):
+            service.shutdown(timeout_s=0.2)
+    finally:
+        gate.set()
+    service.shutdown(timeout_s=30)
+    assert not service.snapshot()["owner_alive"]
+
+
+def test_duplicate_request_ids_keep_rows_apart(model, service, prompts):
+    streams = {i: [] for i in range(3)}
+    jobs = [job(prompts[i], max_tokens=10, seed=i, rid="same-id",
+                token_callback=lambda toks, i=i: streams[i].extend(toks)) for i in range(3)]
+    results = run_held(service, jobs)
+    for i, r in enumerate(results):
+        assert r["request_id"] == "same-id" and r["stats"]["mtp_batch_real_width"] == 3
+        ref = generate_ar(model, prompts[i], 10, GREEDY).tokens
+        assert r["tokens"] == ref and streams[i] == ref
+
+
+def test_submit_rejects_unrunnable_jobs_alone(model, service, prompts):
+    bad_empty = job([], seed=1)
+    bad_ctx = job(prompts[0], max_tokens=model.max_context, seed=2)
+    good = [job(prompts[i], seed=i) for i in range(2)]
+    futures = service.submit_cohort([bad_empty] + good + [bad_ctx])
+    with pytest.raises(ValueError, match="empty"):
+        futures[0].result(TIMEOUT)
+    with pytest.raises(ValueError, match="context window"):
+        futures[3].result(TIMEOUT)
+    assert [f.result(TIMEOUT)["stats"]["mtp_batch_real_width"] for f in futures[1:3]] == [2, 2]
+    with pytest.raises(ValueError, match="already submitted"):
+        service.submit(good[0])
+
+
+# ------------------------------------------------------------------------------ stats contract
+
+
+def _check_timing(j, r):
+    s = r["stats"]
+    n = len(j.tokens)
+    assert r["completion_tokens"] == s["completion_tokens"] == n == len(r["tokens"])
+    assert r["prompt_tokens"] == len(j.prompt_ids)
+    assert j.created_s <= j.admitted_s <= j.decode_started_s <= j.completed_s
+    assert s["queue_wait_s"] == pytest.approx(j.admitted_s - j.created_s)
+    assert s["prompt_eval_time_s"] >= 0
+    decode_end = j.decode_started_s + s["decode_elapsed_s"]
+    assert j.decode_started_s < decode_end <= j.completed_s
+    assert all(j.decode_started_s <= t <= decode_end for t in j.token_times)
+    assert s["decode_elapsed_s"] <= s["request_elapsed_s"]
+    assert s["request_elapsed_s"] == pytest.approx(j.completed_s - j.created_s, abs=1e-3)
+    assert s["decode_tok_s"] == pytest.approx(n / s["decode_elapsed_s"], rel=1e-12)
+    assert s["end_to_end_tok_s"] == pytest.approx(n / s["request_elapsed_s"], rel=1e-12)
+    assert s["decode_tok_s"] >= s["end_to_end_tok_s"]
+    assert s["finish_reason"] == r["finish_reason"] and s["generation_mode"] == "mtp"
+
+
+def test_stats_timing_invariants_and_observability_merge(model, service, prompts, lanes):
+    obs = [{"scheduler_policy": "estimate", "mtp_batch_fixed_width": 0, "client": f"c{i}"}
+           for i in range(4)]
+    stop = set(model.eos_token_ids)
+    jobs = [job(prompts[i], max_tokens=12 + 6 * i, sampler=HOT, seed=i, request_observability=obs[i],
+                stop_token_ids=stop) for i in range(3)]
+    results = run_held(service, jobs)
+    for i, (j, r) in enumerate(zip(jobs, results)):
+        _check_timing(j, r)
+        s = r["stats"]
+        assert s["scheduler_lane"] == "mtp_batch" and s["client"] == f"c{i}"
+        assert s["scheduler_policy"] == obs[i]["scheduler_policy"] == "fixed_mtp_batch_width_3"
+        assert s["mtp_batch_fixed_width"] == obs[i]["mtp_batch_fixed_width"] == 3
+        assert obs[i]["mtp_batch_route_id"] == lanes[3].route_id
+        assert s["verify_calls"] >= 1
+        assert s["row_accepted_drafts"] + s["row_rejected_drafts"] <= s["verify_calls"]
+        if r["finish_reason"] == "stop":
+            assert r["tokens"][-1] in stop and r["_mtp_batch_stop_token_ids"] == sorted(stop)
+    snap = service.snapshot()
+    assert snap["accepted_draft_tokens"] == sum(r["stats"]["row_accepted_drafts"] for r in results)
+    assert snap["rejected_draft_tokens"] == sum(r["stats"]["row_rejected_drafts"] for r in results)
+    solo = job(prompts[5], max_tokens=9, seed=9, request_observability=obs[3])
+    r = service.submit(solo).result(TIMEOUT)
+    _check_timing(solo, r)
+    assert obs[3]["scheduler_policy"] == "solo_mtp" and obs[3]["mtp_batch_fixed_width"] == 1
+
+
+def test_short_row_resolves_before_long_neighbour(service, prompts):
+    short = job(prompts[0], max_tokens=3, seed=0)
+    long = job(prompts[1], max_tokens=150, seed=1)
+    fs, fl = run_held_futures(service, [short, long])
+    rs = fs.result(TIMEOUT)
+    rl = fl.result(TIMEOUT)
+    assert rs["stats"]["mtp_batch_real_width"] == rl["stats"]["mtp_batch_real_width"] == 2
+    # published at its own terminal, while the neighbour still had most of its tokens to go
+    assert short.completed_s < long.token_times[10]
+    _check_timing(short, rs)
+    _check_timing(long, rl)
+
+
+def run_held_futures(service, jobs):
+    with held_owner(service):
+        return [service.submit(j) for j in jobs]
+
+
+# ------------------------------------------------------------------------------ hand-over hooks
+
+
+def test_async_token_stream_and_call_on_owner(model, service, prompts):
+    assert service.call_on_owner(lambda: threading.current_thread().name).result(TIMEOUT) == \
+        "mtplx-model-owner"
+    stop = set(model.eos_token_ids)
+
+    async def main():
+        streams = [AsyncTokenStream() for _ in range(2)]
+        jobs = [job(prompts[i], max_tokens=20, seed=i, token_callback=streams[i].push,
+                    stop_token_ids=stop) for i in range(2)]
+        for s, f in zip(streams, service.submit_cohort(jobs)):
+            s.bind(f)
+        got = []
+        for s in streams:
+            toks = [t async for chunk in s for t in chunk]
+            got.append((toks, await s.result()))
+        return got
+
+    for toks, result in asyncio.run(main()):
+        assert toks == [t for t in result["tokens"] if t not in stop]
+        assert result["stats"]["mtp_batch_real_width"] == 2
