@@ -173,11 +173,33 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
     for b in range(1, W):
         if second.streams[b].tokens != first.streams[b].tokens:
             failures.append(f"row {b} changed when row 0's prompt changed (row isolation)")
+    failures.extend(_check_commit_math())
     keeps = sorted(set(first.keep_log))
     if 0 not in keeps or 2 not in keeps:
         failures.append(f"the self-check cohort did not exercise commits 0 and 2 (saw {keeps})")
     return {"ok": not failures, "failures": failures, "rows": W, "commit_keeps_seen": keeps,
             "greedy_parity_rows": W, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _check_commit_math() -> list:
+    """Three rows write 2 positions, keep 0 / 1 / 2, then write one more: each row's next write
+    must land right after what it kept, and its mask must not reach the dropped slots."""
+    k = mx.zeros((3, 1, 4, 1))
+    cache = RaggedKVCache(k, k, [1, 1, 1])
+    cache.update_and_fetch(mx.full((3, 1, 2, 1), 5.0), mx.full((3, 1, 2, 1), 5.0))
+    commit_rows([cache], VERIFY_T, np.array([0, 1, 2]))
+    mask = cache.make_mask(1)
+    keys, _ = cache.update_and_fetch(mx.full((3, 1, 1, 1), 7.0), mx.full((3, 1, 1, 1), 7.0))
+    got = np.array(keys[:, 0, :, 0]).tolist()
+    want_rows = [[0, 7, 5, 0], [0, 5, 7, 0], [0, 5, 5, 7]]
+    failures = []
+    if cache.lengths.tolist() != [2, 3, 4]:
+        failures.append(f"commit of keeps 0/1/2 left lengths {cache.lengths.tolist()}, want [2, 3, 4]")
+    if [row[:4] for row in got] != want_rows:
+        failures.append(f"commit of keeps 0/1/2 wrote {got}, want {want_rows}")
+    if np.array(mask[:, 0, 0]).astype(int).tolist()[0][:3] != [1, 1, 0]:
+        failures.append("the mask of a row that kept 0 still reaches its dropped slots")
+    return failures
 
 
 # ---------------------------------------------------------------- the cohort driver
