@@ -1,0 +1,168 @@
+"""Benchmarks, measured side by side in one process (the machine is shared and noisy: compare
+ratios from the same run, report medians).
+
+  solo  - AR vs MTP, greedy and sampled; acceptance, tokens per verify, ms per cycle, the
+          speedup ceiling (1 + acceptance) x cost(AR step) / cost(MTP cycle); and the same
+          with the optimized BLAS turned off (a child process, since BLAS loads at import).
+  lane  - serial solo AR / solo MTP vs the B8 lane, B3 vs B8 at 3 rows, a 2-row cohort, and
+          mlx-lm's BatchGenerator on the same prompts and weights; forward costs [B,1]/[B,2].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from .generation import generate_ar, generate_mtpk
+from .sampling import SamplerConfig
+
+BENCH_PROMPTS = [
+    "def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+    "# Parse the command line\nimport argparse\n", "for i in range(10):\n", "try:\n    import json\n",
+    "'''Utilities for working with files.'''\n", "def read_lines(path):\n    with open(path) as f:\n",
+]
+GREEDY = SamplerConfig(temperature=0.0)
+SAMPLED = SamplerConfig(temperature=0.6)
+
+
+def _median(xs):
+    return float(statistics.median(xs))
+
+
+def _prompt_ids(model, n):
+    return [model.tokenizer.encode(t) for t in (BENCH_PROMPTS * 2)[:n]]
+
+
+def _solo_round(model, prompts, tokens, sampler, mtp: bool):
+    """Serial solo decode of all prompts: aggregate decode tok/s and summed counters."""
+    decode_s = n_tok = acc = rej = cycles = 0
+    for i, p in enumerate(prompts):
+        if mtp:
+            r = generate_mtpk(model, p, tokens, sampler, seed=i)
+            acc, rej, cycles = acc + r.stats["accepted_drafts"], rej + r.stats["rejected_drafts"], cycles + r.stats["verify_calls"]
+        else:
+            r = generate_ar(model, p, tokens, sampler, seed=i)
+        decode_s += r.stats["decode_elapsed_s"]
+        n_tok += len(r.tokens)
+    return {"tok_s": n_tok / decode_s, "tokens": n_tok, "decode_s": decode_s,
+            "accepted": acc, "rejected": rej, "cycles": cycles}
+
+
+def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) -> dict:
+    prompts = _prompt_ids(model, n_prompts)
+    generate_mtpk(model, prompts[0], 8, GREEDY)  # warm up
+    out = {}
+    for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
+        ar = [_solo_round(model, prompts, tokens, sampler, mtp=False) for _ in range(rounds)]
+        mtp = [_solo_round(model, prompts, tokens, sampler, mtp=True) for _ in range(rounds)]
+        ar_tok_s, mtp_tok_s = _median([r["tok_s"] for r in ar]), _median([r["tok_s"] for r in mtp])
+        m = mtp[0]
+        acceptance = m["accepted"] / max(m["accepted"] + m["rejected"], 1)
+        ms_cycle = _median([r["decode_s"] / r["cycles"] for r in mtp]) * 1e3
+        ms_ar_step = _median([r["decode_s"] / r["tokens"] for r in ar]) * 1e3
+        out[name] = {
+            "ar_tok_s": round(ar_tok_s, 1), "mtp_tok_s": round(mtp_tok_s, 1),
+            "speedup": round(mtp_tok_s / ar_tok_s, 3), "acceptance": round(acceptance, 3),
+            "tokens_per_verify": round(m["tokens"] / m["cycles"], 3),
+            "ms_per_ar_step": round(ms_ar_step, 2), "ms_per_mtp_cycle": round(ms_cycle, 2),
+            "ceiling": round((1 + acceptance) * ms_ar_step / ms_cycle, 3),
+        }
+    out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2)])
+    if blas_off_child:
+        out["blas_off"] = _child_bench(["solo", "--tokens", "32", "--prompts", "2", "--rounds", "1"],
+                                       {"MTPLX_BLAS": "off"})
+    return out
+
+
+def _child_bench(args, env_extra) -> dict:
+    env = dict(os.environ, **env_extra)
+    cmd = [sys.executable, "-m", "mtplx.cli", "bench", *args, "--json", "--no-child"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        return {"error": res.stderr[-500:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def forward_costs(model, shapes, ctx=64, n=20) -> dict:
+    """ms per target forward of [B, T] over a ragged cache of `ctx` tokens per row."""
+    from .models.cache import RaggedKVCache
+
+    out = {}
+    for B, T in shapes:
+        per = [model.make_cache() for _ in range(B)]
+        for pc in per:
+            model.hidden(mx.array([[1] * ctx]), pc)
+        caches = [RaggedKVCache.merge([p[layer] for p in per]) for layer in range(len(per[0]))]
+        x = mx.ones((B, T), dtype=mx.uint32)
+        times = []
+        for i in range(n + 3):
+            t = time.perf_counter()
+            mx.eval(mx.argmax(model.logits(model.hidden(x, caches)), axis=-1))
+            for c in caches:
+                c.advance(np.full(B, -T))
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        out[f"[{B},{T}]"] = round(_median(times) * 1e3, 2)
+    return out
+
+
+def _lane_round(lane, prompts, tokens, sampler):
+    reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=sampler, max_tokens=tokens, seed=i)
+            for i, p in enumerate(prompts)]
+    t = time.perf_counter()
+    res = generate_a3b_mtp_batch(lane, reqs)
+    n = sum(len(s.tokens) for s in res.streams)
+    per_row = [len(s.tokens) / (s.terminal_perf_s - (t + res.prefill_s)) for s in res.streams]
+    return {"tok_s": n / res.decode_s, "per_row_tok_s": _median(per_row),
+            "acceptance": res.accepted_drafts / max(res.accepted_drafts + res.rejected_drafts, 1),
+            "cycles": res.cycles}
+
+
+def _mlx_lm_batch_round(model, prompts, tokens):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model.target, max_tokens=tokens, stop_tokens=[])
+    gen.insert(prompts, [tokens] * len(prompts))
+    with gen.stats() as stats:
+        while gen.next_generated():
+            pass
+    gen.close()
+    return {"tok_s": stats.generation_tps}
+
+
+def bench_lane(model, tokens=256, rounds=3) -> dict:
+    prompts8 = _prompt_ids(model, 8)
+    lanes = {w: install_a3b_mtp_batch_lane(model, w) for w in (2, 3, 8)}
+    _lane_round(lanes[8], prompts8, 8, GREEDY)  # warm up
+    out = {}
+    for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
+        med = lambda f: {k: round(_median([r[k] for r in rs]), 3) for rs in [[f() for _ in range(rounds)]]
+                         for k in rs[0]}
+        row = {
+            "serial_ar": med(lambda: _solo_round(model, prompts8, tokens, sampler, mtp=False)),
+            "serial_mtp": med(lambda: _solo_round(model, prompts8, tokens, sampler, mtp=True)),
+            "b8_8rows": med(lambda: _lane_round(lanes[8], prompts8, tokens, sampler)),
+            "b3_3rows": med(lambda: _lane_round(lanes[3], prompts8[:3], tokens, sampler)),
+            "b8_3rows": med(lambda: _lane_round(lanes[8], prompts8[:3], tokens, sampler)),
+            "b2_2rows": med(lambda: _lane_round(lanes[2], prompts8[:2], tokens, sampler)),
+            "serial_mtp_2rows": med(lambda: _solo_round(model, prompts8[:2], tokens, sampler, mtp=True)),
+        }
+        if sampler is GREEDY:
+            row["mlx_lm_batch_8rows"] = med(lambda: _mlx_lm_batch_round(model, prompts8, tokens))
+            row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
+            row["b8_vs_mlx_lm_batch"] = round(row["b8_8rows"]["tok_s"] / row["mlx_lm_batch_8rows"]["tok_s"], 3)
+        else:
+            row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
+        row["b2_vs_serial_mtp_2rows"] = round(row["b2_2rows"]["tok_s"] / row["serial_mtp_2rows"]["tok_s"], 3)
+        row["b3_vs_b8_at_3rows"] = round(row["b3_3rows"]["tok_s"] / row["b8_3rows"]["tok_s"], 3)
+        out[name] = row
+    out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2), (2, 2), (3, 1), (3, 2), (8, 1), (8, 2)])
+    return out

@@ -1,0 +1,88 @@
+"""`mtplx` command line: generate a completion, run benchmarks, print runtime info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(a):
+    import mtplx
+    from mtplx.generation import generate_ar, generate_mtpk
+    from mtplx.sampling import SamplerConfig
+
+    model = mtplx.load_model(a.model)
+    tok = model.tokenizer
+    text = a.prompt
+    if a.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+    ids = tok.encode(text)
+    sampler = SamplerConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    if a.mode == "ar" or model.mtp is None:
+        r = generate_ar(model, ids, a.max_tokens, sampler, seed=a.seed, stop_token_ids=model.eos_token_ids)
+    else:
+        r = generate_mtpk(model, ids, a.max_tokens, sampler, depth=a.depth, seed=a.seed,
+                          stop_token_ids=model.eos_token_ids)
+    out = [t for t in r.tokens if t not in model.eos_token_ids]
+    print(tok.decode(out))
+    print(json.dumps({"finish_reason": r.finish_reason, **{k: (round(v, 4) if isinstance(v, float) else v)
+                                                           for k, v in r.stats.items()}}), file=sys.stderr)
+
+
+def _bench(a):
+    import mtplx
+    from mtplx import bench
+
+    if a.what == "http":
+        from deployments.bench_http import bench_http
+
+        result = bench_http(model_path=a.model)
+    else:
+        model = mtplx.load_model(a.model)
+        if a.what == "solo":
+            result = bench.bench_solo(model, tokens=a.tokens or 128, n_prompts=a.prompts, rounds=a.rounds,
+                                      blas_off_child=not a.no_child)
+        elif a.what == "lane":
+            result = bench.bench_lane(model, tokens=a.tokens or 256, rounds=a.rounds)
+        else:
+            from mtplx.server.mtp_batch import bench_service_overhead
+
+            result = bench_service_overhead(model)
+    result = {"bench": a.what, "runtime": mtplx.runtime_info(), "model": a.model or "shipped", **result}
+    print(json.dumps(result) if a.json else json.dumps(result, indent=2))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="mtplx", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="complete a prompt and print stats")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="HF-layout model dir (default: the shipped model)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=20)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--depth", type=int, default=1)
+    g.add_argument("--mode", choices=("mtp", "ar"), default="mtp")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=_generate)
+    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http")
+    b.add_argument("what", choices=("solo", "lane", "service", "http"))
+    b.add_argument("--model", default=None)
+    b.add_argument("--tokens", type=int, default=None)
+    b.add_argument("--prompts", type=int, default=8)
+    b.add_argument("--rounds", type=int, default=3)
+    b.add_argument("--json", action="store_true", help="one JSON line")
+    b.add_argument("--no-child", action="store_true", help="skip the BLAS-off child run")
+    b.set_defaults(func=_bench)
+    i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
+    i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
+    a = ap.parse_args(argv)
+    a.func(a)
+
+
+if __name__ == "__main__":
+    main()
