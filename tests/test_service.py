@@ -609,3 +609,14 @@ def test_session_hooks_are_passed_through_and_fail_safe(service, prompts):
     assert len(restores) == 2                      # once per row that has a hook
     for r, ref in zip(results, undisturbed):
         assert r["tokens"] == ref["tokens"] and r["cached_tokens"] == 0
+
+
+def test_pump_once_without_owner_thread(make_service, prompts):
+    service = make_service(start=False)
+    jobs = [job(prompts[i], seed=i) for i in range(3)] + [job(prompts[3], sampler=HOT, seed=3)]
+    futures = [service.submit(j) for j in jobs]
+    assert service.snapshot()["pending"] == 4 and not any(f.done() for f in futures)
+    assert service.pump_once() is True            # the head key's three, no gather wait
+    assert [f.done() for f in futures] == [True, True, True, False]
+    assert service.pump_once() is True and futures[3].result(0)["stats"]["mtp_batch_real_width"] == 1
+    assert service.pump_once() is False
