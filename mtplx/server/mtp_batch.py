@@ -29,7 +29,9 @@ publishes successful rows only after the longest row ends, so a 3-token answer w
 500-token neighbour; here it does not. The owner finalize still runs once per cohort after the
 driver returns, and its failure still poisons the service (the queue fails, later submits fail),
 but it can no longer take back results that were already published. Cancelled and errored rows
-fail at once in both designs.
+fail at once in both designs. Publishing needs the row's final stream (draft counts, cached
+tokens), so the driver passes it: ``on_terminal(reason, cycles, stream)``; with a driver that calls
+``on_terminal(reason, cycles)`` only, rows are published when the driver returns.
 
 Other choices worth knowing:
 
