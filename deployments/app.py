@@ -1,0 +1,98 @@
+"""The Ray Serve application: `build_app(args)` for `serve run serve_configs/config.yaml`.
+
+    OpenAIIngress (HTTP, @serve.batch cohorts, no MLX)  --streaming handle-->  MTPReplica (MLX model)
+
+Every knob is an application arg (see `AppArgs`); a `deployments:` entry of the config file with
+the same deployment name overrides the Serve options set here (num_replicas, max_ongoing_requests,
+ray_actor_options...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from .ingress import OpenAIIngress
+from .replica import MTPReplica
+
+INGRESS_NAME = "OpenAIIngress"
+REPLICA_NAME = "MTPReplica"
+
+
+class AppArgs(BaseModel):
+    """Application args (the `args:` block of the config; unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: Optional[str] = Field(None, description="HF-layout model dir; None = the shipped model")
+    served_model_name: Optional[str] = Field(None, description="Name in /v1/models; default: the dir name")
+    widths: List[int] = Field(default_factory=lambda: [3, 8], description="Cohort lane widths to install")
+    numerics: Literal["throughput", "b1-exact"] = "throughput"
+    max_batch_size: int = Field(8, ge=1, le=8, description="@serve.batch max_batch_size (rows per window)")
+    batch_wait_timeout_s: float = Field(0.02, ge=0.0, le=5.0, description="@serve.batch window")
+    max_concurrent_batches: int = Field(4, ge=1, le=64, description="@serve.batch max_concurrent_batches")
+    service_batch_wait_s: float = Field(0.02, ge=0.0, description="Service gather wait (single submits)")
+    stream_interval_ms: float = Field(0.0, ge=0.0, le=1000.0,
+                                      description="Replica: extra wait to group token updates per message")
+    default_max_tokens: int = Field(512, ge=1)
+    default_generation_mode: Literal["mtp", "ar"] = "mtp"
+    num_replicas: int = Field(1, ge=1)
+    replica_num_cpus: float = Field(1.0, ge=0.0)
+    replica_resources: Optional[Dict[str, float]] = Field(
+        None, description='Custom resources per replica, e.g. {"mlx": 1} to land on MLX hosts')
+    blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads in a replica (default: all cores)")
+    ingress_num_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.0, ge=0.0)
+    ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)
+    replica_max_ongoing_requests: int = Field(64, ge=1)
+    warmup: bool = True
+
+    @field_validator("widths")
+    @classmethod
+    def _widths(cls, v):
+        if not v or any(w < 2 for w in v):
+            raise ValueError("widths must be a non-empty list of lane widths >= 2")
+        return sorted(set(v))
+
+
+def build_app(args: Optional[Dict[str, Any]] = None):
+    """The application builder named by `import_path: deployments:build_app`."""
+    a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
+    replica_opts: Dict[str, Any] = {"num_gpus": 0, "num_cpus": a.replica_num_cpus}
+    if a.replica_resources:
+        replica_opts["resources"] = dict(a.replica_resources)
+    replica = serve.deployment(
+        name=REPLICA_NAME,
+        num_replicas=a.num_replicas,
+        max_ongoing_requests=a.replica_max_ongoing_requests,
+        ray_actor_options=replica_opts,
+        health_check_period_s=10,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=20,
+        request_router_config=RequestRouterConfig(
+            request_router_class="deployments.router:ReplicaPinningRouter"),
+    )(MTPReplica).bind(
+        model_path=a.model_path, widths=tuple(a.widths), batch_wait_s=a.service_batch_wait_s,
+        stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
+        warmup=a.warmup)
+    # Batches must be able to fill: a replica of the ingress holds every row of its open batches.
+    ingress_ongoing = a.ingress_max_ongoing_requests or max(256, 4 * a.max_batch_size * a.max_concurrent_batches)
+    ingress_cfg = {
+        "model_path": a.model_path, "served_model_name": a.served_model_name,
+        "max_batch_size": a.max_batch_size, "batch_wait_timeout_s": a.batch_wait_timeout_s,
+        "max_concurrent_batches": a.max_concurrent_batches, "default_max_tokens": a.default_max_tokens,
+        "default_generation_mode": a.default_generation_mode,
+    }
+    ingress = serve.deployment(
+        name=INGRESS_NAME,
+        num_replicas=a.ingress_num_replicas,
+        max_ongoing_requests=ingress_ongoing,
+        ray_actor_options={"num_cpus": a.ingress_num_cpus, "num_gpus": 0},
+    )(OpenAIIngress).bind(replica, ingress_cfg)
+    return ingress
+
+
+__all__ = ["AppArgs", "build_app", "INGRESS_NAME", "REPLICA_NAME"]

@@ -1,0 +1,667 @@
+"""The OpenAI-compatible HTTP ingress (no MLX in this process).
+
+Per request: parse and validate (pydantic, OpenAI-shaped 400s), apply the chat template and
+tokenize, then enter the `@serve.batch` window as one row. Each batch is split by compatibility key
+into cohorts; each cohort goes to one MTP replica as a single streaming call, and that stream's
+per-row token updates are demultiplexed back into the rows' own batch slots. Each request then
+detokenizes incrementally, matches stop strings on the text, and answers as JSON or SSE.
+
+Row-level cancellation: a client that disconnects, or a stop string that matches, cancels only that
+row, with a call pinned (by `deployments.router`) to the replica that runs its cohort. The cohort
+stream itself is never cancelled by one row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mtplx.server import openai as oa
+
+from .router import PIN_KWARG, known_replicas
+
+log = logging.getLogger("ray.serve")
+
+SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[1] / "mtplx" / "assets" / "mtplx-tiny-py"
+_CANCEL_ROUTE = re.compile(r"^/v1/mtplx/cancel/(?P<rid>[^/]+)$")
+TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+
+
+def resolve_model_dir(model_path: Optional[str]) -> Path:
+    return Path(model_path).expanduser() if model_path else SHIPPED_MODEL_DIR
+
+
+def load_model_metadata(model_dir: Path) -> dict:
+    """What the ingress needs from the checkpoint without loading weights: context window,
+    vocabulary size and the sampling defaults of generation_config.json."""
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json; pass an HF-layout model directory")
+    cfg = json.loads(cfg_path.read_text())
+    text_cfg = cfg.get("text_config") or {}
+    max_context = cfg.get("max_position_embeddings") or text_cfg.get("max_position_embeddings") or 2048
+    vocab = cfg.get("vocab_size") or text_cfg.get("vocab_size")
+    defaults = {}
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        gen = json.loads(gen_path.read_text())
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
+            if isinstance(gen.get(name), (int, float)) and not isinstance(gen.get(name), bool):
+                defaults[name] = gen[name]
+        if gen.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+    return {"max_context": int(max_context), "vocab_size": int(vocab) if vocab else None,
+            "sampler_defaults": defaults}
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+class _RowDone(Exception):
+    pass
+
+
+class OpenAIIngress:
+    """Serve deployment class (decorated in `deployments.app`)."""
+
+    def __init__(self, replica, config: Optional[dict] = None):
+        cfg = dict(config or {})
+        self._replica = replica
+        self._replica_stream = replica.options(stream=True)
+        self._replica_name = getattr(replica, "deployment_name", "MTPReplica")
+        model_dir = resolve_model_dir(cfg.get("model_path"))
+        self.model_dir = model_dir
+        self.meta = load_model_metadata(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.served_model = cfg.get("served_model_name") or model_dir.name
+        self.model_aliases = {self.served_model, model_dir.name, str(model_dir), str(cfg.get("model_path") or "")}
+        self.model_aliases.discard("")
+        self.default_max_tokens = int(cfg.get("default_max_tokens", 512))
+        self.default_mode = cfg.get("default_generation_mode", "mtp")
+        self.stop_wait_s = float(cfg.get("stop_wait_s", 2.0))
+        self.max_body_bytes = int(cfg.get("max_body_bytes", 8 * 1024 * 1024))
+        self.created = oa.now()
+        self.max_batch_size = int(cfg.get("max_batch_size", 8))
+        self.batch_wait_timeout_s = float(cfg.get("batch_wait_timeout_s", 0.02))
+        self.max_concurrent_batches = int(cfg.get("max_concurrent_batches", 4))
+        self._rows = serve.batch(max_batch_size=self.max_batch_size,
+                                 batch_wait_timeout_s=self.batch_wait_timeout_s,
+                                 max_concurrent_batches=self.max_concurrent_batches)(self._cohort_batch)
+        # row request id -> replica id running its cohort; rows cancelled before that is known
+        self._row_replica: Dict[str, str] = {}
+        self._pending_cancel: set = set()
+        self._bg: set = set()
+        self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
+                       "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0}
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        self._metrics = None
+        try:
+            from ray.serve import metrics
+
+            self._metrics = {
+                "requests": metrics.Counter("mtplx_http_requests", description="HTTP requests by route/status",
+                                            tag_keys=("route", "status")),
+                "ttft": metrics.Histogram("mtplx_http_ttft_seconds", description="Request arrival to first text",
+                                          boundaries=TTFT_BOUNDARIES_S, tag_keys=("route",)),
+                "cohorts": metrics.Counter("mtplx_ingress_cohorts", description="Cohorts sent to replicas"),
+                "cohort_size": metrics.Histogram("mtplx_ingress_cohort_size", description="Rows per cohort sent",
+                                                 boundaries=[1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]),
+                "cancels": metrics.Counter("mtplx_row_cancels", description="Rows cancelled by the ingress",
+                                           tag_keys=("reason",)),
+            }
+        except Exception as exc:
+            log.warning("mtplx ingress metrics disabled: %s", exc)
+
+    def _metric(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
+        m = self._metrics and self._metrics.get(name)
+        if not m:
+            return
+        try:
+            if hasattr(m, "observe"):
+                m.observe(value, tags=tags)
+            else:
+                m.inc(value, tags=tags)
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------------------------------
+    # HTTP dispatch
+
+    async def __call__(self, request: Request) -> Response:
+        method, path = request.method, request.url.path.rstrip("/") or "/"
+        route = path
+        try:
+            if path == "/v1/chat/completions":
+                self._require(method, "POST", path)
+                resp = await self._chat(request)
+            elif path == "/v1/completions":
+                self._require(method, "POST", path)
+                resp = await self._completions(request)
+            elif path == "/v1/models":
+                self._require(method, "GET", path)
+                resp = JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"]))
+            elif path.startswith("/v1/models/"):
+                self._require(method, "GET", path)
+                name = path[len("/v1/models/"):]
+                if name not in self.model_aliases:
+                    raise oa.model_not_found(name, [self.served_model])
+                resp = JSONResponse(oa.models_list([self.served_model], self.created,
+                                                   self.meta["max_context"])["data"][0])
+            elif path == "/health":
+                self._require(method, "GET", path)
+                resp = await self._health()
+            elif path == "/v1/mtplx/snapshot":
+                self._require(method, "GET", path)
+                resp = JSONResponse(await self._snapshot())
+            elif _CANCEL_ROUTE.match(path):
+                self._require(method, "POST", path)
+                route = "/v1/mtplx/cancel"
+                resp = await self._cancel_endpoint(_CANCEL_ROUTE.match(path).group("rid"))
+            else:
+                route = "other"
+                raise oa.route_not_found(method, path)
+        except oa.OpenAIError as exc:
+            resp = JSONResponse(exc.body(), status_code=exc.status)
+        except Exception as exc:  # a bug of ours: answer 500 in OpenAI's shape, keep serving
+            log.exception("mtplx ingress: unhandled error on %s %s", method, path)
+            self._stats["errors"] += 1
+            err = oa.internal_error(f"internal error: {type(exc).__name__}: {exc}")
+            resp = JSONResponse(err.body(), status_code=err.status)
+        self._metric("requests", 1, {"route": route, "status": str(resp.status_code)})
+        return resp
+
+    @staticmethod
+    def _require(method: str, expected: str, path: str) -> None:
+        if method != expected:
+            raise oa.OpenAIError(f"Method {method} is not allowed on {path}; use {expected}", status=405,
+                                 code="method_not_allowed")
+
+    async def _body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.max_body_bytes:
+            raise oa.OpenAIError(f"Request body of {length} bytes exceeds the {self.max_body_bytes}-byte limit",
+                                 status=413, code="request_too_large")
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            raise oa.OpenAIError(f"Request body exceeds the {self.max_body_bytes}-byte limit", status=413,
+                                 code="request_too_large")
+        return body
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model and model not in self.model_aliases:
+            raise oa.model_not_found(model, [self.served_model])
+
+    # ------------------------------------------------------------------------------------------
+    # Generation endpoints
+
+    async def _chat(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        prompt_ids = oa.encode_chat(self.tokenizer, req.messages)
+        return await self._generate("chat", req, prompt_ids, t0, request)
+
+    async def _completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = oa.parse_request(oa.CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        prompt_ids = oa.encode_prompt(self.tokenizer, req.single_prompt(), self.meta["vocab_size"] or 2 ** 31)
+        if not prompt_ids:
+            raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
+        return await self._generate("completion", req, prompt_ids, t0, request)
+
+    def _make_row(self, req, prompt_ids: List[int], rid: str) -> dict:
+        max_context = self.meta["max_context"]
+        if len(prompt_ids) >= max_context:
+            raise oa.context_length_exceeded(len(prompt_ids), 1, max_context, param="messages"
+                                             if isinstance(req, oa.ChatCompletionRequest) else "prompt")
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, max_context - len(prompt_ids))
+        elif len(prompt_ids) + max_tokens > max_context:
+            raise oa.context_length_exceeded(len(prompt_ids), max_tokens, max_context, param=req.max_tokens_param)
+        sampler = oa.sampler_from_request(req, self.meta["sampler_defaults"])
+        mode = req.generation_mode or self.default_mode
+        if mode == "ar":
+            key = ("ar", rid)   # AR rows never batch: each runs alone on the replica's owner thread
+        else:
+            key = oa.compatibility_key(self.served_model, req.omit_speculative_bonus, sampler, None, mode)
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        return {
+            "request_id": rid, "prompt_ids": list(prompt_ids), "max_tokens": int(max_tokens),
+            "sampler": sampler, "draft_sampler": None, "seed": int(seed) % (2 ** 64),
+            "generation_mode": mode, "omit_speculative_bonus": bool(req.omit_speculative_bonus),
+            "session_id": req.session_id, "compatibility_key": key,
+        }
+
+    async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, request: Request) -> Response:
+        rid = request.headers.get("x-mtplx-request-id") or oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        row = self._make_row(req, prompt_ids, rid)
+        self._stats["requests"] += 1
+        run = _RowRun(self, row, req, kind, t0)
+        headers = {"x-mtplx-request-id": rid}
+        if req.stream:
+            first = await run.start()   # errors before the first token still get a status code
+            return StreamingResponse(run.sse(first), media_type="text/event-stream",
+                                     headers={**headers, "cache-control": "no-cache"})
+        body = await run.complete()
+        return JSONResponse(body, headers=headers)
+
+    # ------------------------------------------------------------------------------------------
+    # The batch window: one call per batch, split into cohorts, demultiplexed per row
+
+    async def _cohort_batch(self, rows: List[dict]):
+        n = len(rows)
+        self._stats["batches"] += 1
+        hist = self._stats["batch_size_histogram"]
+        hist[str(n)] = hist.get(str(n), 0) + 1
+        queue: asyncio.Queue = asyncio.Queue()
+        cohorts: Dict[Any, List[int]] = {}
+        for slot, row in enumerate(rows):
+            cohorts.setdefault(row["compatibility_key"], []).append(slot)
+        tasks = []
+        for slots in cohorts.values():
+            for start in range(0, len(slots), self.max_batch_size):
+                part = slots[start:start + self.max_batch_size]
+                tasks.append(asyncio.create_task(self._drive_cohort([rows[s] for s in part], part, queue)))
+        finished: set = set()
+        try:
+            while len(finished) < n:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                out: List[Any] = [[] for _ in range(n)]
+                ended = []
+                for slot, event in items:
+                    if slot in finished:
+                        continue
+                    out[slot].append(event)
+                    if event[0] in ("final", "error"):
+                        finished.add(slot)
+                        ended.append(slot)
+                yield out
+                if ended:
+                    # End those callers' streams now (they await it right after their final event),
+                    # not when the whole batch ends.
+                    yield [StopAsyncIteration if slot in ended else [] for slot in range(n)]
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+
+    async def _drive_cohort(self, rows: List[dict], slots: List[int], queue: asyncio.Queue) -> None:
+        self._stats["cohorts"] += 1
+        hist = self._stats["cohort_size_histogram"]
+        hist[str(len(rows))] = hist.get(str(len(rows)), 0) + 1
+        self._metric("cohorts")
+        self._metric("cohort_size", len(rows))
+        done: set = set()
+        error: Optional[dict] = None
+        try:
+            stream = self._replica_stream.run_cohort.remote(rows)
+            async for msg in stream:
+                if "replica" in msg:
+                    for row in rows:
+                        rid = row["request_id"]
+                        self._row_replica[rid] = msg["replica"]
+                        if rid in self._pending_cancel:
+                            self._pending_cancel.discard(rid)
+                            self._send_cancel(rid, msg["replica"])
+                    continue
+                for i, toks in (msg.get("t") or {}).items():
+                    if i not in done:
+                        queue.put_nowait((slots[i], ("tokens", toks)))
+                for i, fin in (msg.get("f") or {}).items():
+                    if i in done:
+                        continue
+                    done.add(i)
+                    if "error" in fin:
+                        queue.put_nowait((slots[i], ("error", fin["error"])))
+                    else:
+                        queue.put_nowait((slots[i], ("final", fin)))
+        except asyncio.CancelledError:
+            error = {"kind": "unavailable", "message": "the cohort was cancelled (server shutting down)"}
+            raise
+        except Exception as exc:
+            log.exception("mtplx ingress: cohort stream failed")
+            error = {"kind": "unavailable", "type": type(exc).__name__,
+                     "message": f"the model replica failed while serving this cohort: {type(exc).__name__}: {exc}"}
+        finally:
+            for i, row in enumerate(rows):
+                self._row_replica.pop(row["request_id"], None)
+                self._pending_cancel.discard(row["request_id"])
+                if i not in done:
+                    queue.put_nowait((slots[i], ("error", error or {
+                        "kind": "internal", "message": "the replica ended the cohort without a result"})))
+
+    # ------------------------------------------------------------------------------------------
+    # Row cancellation
+
+    def cancel_row(self, rid: str, reason: str) -> None:
+        """Cancel one row wherever its cohort runs (fire and forget; never the whole cohort)."""
+        self._stats["row_cancels"] += 1
+        self._metric("cancels", 1, {"reason": reason})
+        replica_id = self._row_replica.get(rid)
+        if replica_id is None:
+            # Not yet started at a replica: Serve drops cancelled callers from batches that have not
+            # run; for a batch already running, the cohort driver cancels it on the first message.
+            self._pending_cancel.add(rid)
+            return
+        self._send_cancel(rid, replica_id)
+
+    def _send_cancel(self, rid: str, replica_id: Optional[str]) -> None:
+        async def send():
+            try:
+                kwargs = {PIN_KWARG: replica_id} if replica_id else {}
+                await asyncio.wait_for(self._replica.cancel.remote(rid, **kwargs), timeout=30)
+            except Exception as exc:
+                log.warning("mtplx ingress: cancel of %s failed: %s", rid, exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _fan_out(self, method: str, timeout_s: float = 10.0) -> Dict[str, Any]:
+        """Call `method` on every live replica (pinned); one unpinned call if none is known yet."""
+        ids = known_replicas(self._replica_name)
+        handle = getattr(self._replica, method)
+        if not ids:
+            res = await asyncio.wait_for(handle.remote(), timeout=timeout_s)
+            return {res.get("replica_id", "unknown"): res}
+        calls = [asyncio.wait_for(handle.remote(**{PIN_KWARG: r}), timeout=timeout_s) for r in ids]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        out = {}
+        for rid, res in zip(ids, results):
+            out[rid] = res if not isinstance(res, BaseException) else {
+                "error": f"{type(res).__name__}: {res}"}
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # Operations endpoints
+
+    async def _health(self) -> Response:
+        try:
+            replicas = await self._fan_out("health", timeout_s=10)
+        except Exception as exc:
+            err = oa.unavailable(f"no model replica answered: {type(exc).__name__}: {exc}")
+            return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503)
+        ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
+        body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
+                "max_context": self.meta["max_context"], "ingress": {"mlx_imported": _mlx_imported()},
+                "replicas": replicas}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def _snapshot(self) -> dict:
+        try:
+            replicas = await self._fan_out("snapshot", timeout_s=10)
+        except Exception as exc:
+            raise oa.unavailable(f"no model replica answered: {type(exc).__name__}: {exc}") from None
+        return {"model": self.served_model, "ingress": self.ingress_snapshot(), "replicas": replicas}
+
+    def ingress_snapshot(self) -> dict:
+        s = dict(self._stats)
+        s.update({"max_batch_size": self.max_batch_size, "batch_wait_timeout_s": self.batch_wait_timeout_s,
+                  "max_concurrent_batches": self.max_concurrent_batches,
+                  "rows_in_flight": len(self._row_replica),
+                  "batch_size_histogram": dict(self._stats["batch_size_histogram"]),
+                  "cohort_size_histogram": dict(self._stats["cohort_size_histogram"])})
+        return s
+
+    async def _cancel_endpoint(self, rid: str) -> Response:
+        replica_id = self._row_replica.get(rid)
+        if replica_id is not None:
+            n = await asyncio.wait_for(self._replica.cancel.remote(rid, **{PIN_KWARG: replica_id}), timeout=10)
+        else:  # maybe in flight through another ingress replica: ask every model replica
+            res = await self._fan_out_cancel(rid)
+            n = sum(v for v in res if isinstance(v, int))
+        if not n:
+            raise oa.OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
+                                 param="request_id", code="request_not_found")
+        return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
+
+    async def _fan_out_cancel(self, rid: str) -> list:
+        ids = known_replicas(self._replica_name)
+        if not ids:
+            return [await asyncio.wait_for(self._replica.cancel.remote(rid), timeout=10)]
+        calls = [asyncio.wait_for(self._replica.cancel.remote(rid, **{PIN_KWARG: r}), timeout=10) for r in ids]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def _mlx_imported() -> bool:
+    import sys
+
+    return "mlx.core" in sys.modules or "mlx" in sys.modules
+
+
+class _RowRun:
+    """One request's life after admission: events from its batch slot -> text -> OpenAI objects."""
+
+    def __init__(self, ingress: OpenAIIngress, row: dict, req, kind: str, t0: float):
+        self.ing = ingress
+        self.row = row
+        self.req = req
+        self.kind = kind
+        self.t0 = t0
+        self.rid = row["request_id"]
+        self.created = oa.now()
+        self.model = ingress.served_model
+        self.detok = oa.IncrementalDetokenizer(ingress.tokenizer)
+        self.stops = oa.StopStringMatcher(req.stop_strings())
+        self.n_tokens = 0
+        self.finished = False
+        self.final: Optional[dict] = None
+        self.finish_reason: Optional[str] = None
+        self.first_text_s: Optional[float] = None
+        self._events = None
+
+    # -- events ----------------------------------------------------------------------------------
+
+    async def _next_update(self, timeout: Optional[float] = None) -> list:
+        if self._events is None:
+            self._events = self.ing._rows(self.row).__aiter__()
+        if timeout is None:
+            return await self._events.__anext__()
+        return await asyncio.wait_for(self._events.__anext__(), timeout)
+
+    async def _close_events(self) -> None:
+        """Consume the end-of-stream marker the batch sends right after a row's final event."""
+        if self._events is None:
+            return
+        try:
+            await asyncio.wait_for(self._events.__anext__(), 1.0)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            pass
+        except Exception:
+            pass
+
+    async def updates(self):
+        """Yields text deltas; on return `self.final` / `self.finish_reason` are set.
+        Raises OpenAIError for a failed row."""
+        try:
+            async for text in self._updates():
+                yield text
+        finally:
+            if self.finished:
+                await self._close_events()
+
+    async def _updates(self):
+        while not self.finished:
+            try:
+                update = await self._next_update()
+            except StopAsyncIteration:
+                raise oa.internal_error("the batch ended without a result for this request") from None
+            for event in update:
+                if self.finished:
+                    break
+                text = self._apply(event)
+                if text:
+                    yield text
+            if self.stops.stopped:
+                return   # after a stop string the caller drains the cancelled row (bounded)
+
+    def _apply(self, event) -> str:
+        kind, payload = event
+        if kind == "tokens":
+            if self.stops.stopped:
+                return ""
+            self.n_tokens += len(payload)
+            text = self.stops.push(self.detok.push(payload))
+            if self.stops.stopped:
+                self.ing.cancel_row(self.rid, "stop_string")
+                return text
+            return text
+        if kind == "final":
+            self.finished = True
+            self.final = payload
+            tail = "" if self.stops.stopped else self.stops.push(self.detok.flush())
+            tail += self.stops.flush()
+            if self.stops.stopped:
+                self.finish_reason = "stop"
+            else:
+                self.finish_reason = payload.get("finish_reason") or "stop"
+            return tail
+        # error
+        self.finished = True
+        raise _row_error(payload)
+
+    async def _drain_after_stop(self) -> None:
+        """After a stop string: wait (bounded) for the cancelled row's final (it carries stats)."""
+        deadline = time.perf_counter() + self.ing.stop_wait_s
+        try:
+            while not self.finished:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                update = await self._next_update(timeout=remaining)
+                for event in update:
+                    if event[0] == "final":
+                        self.finished, self.final = True, event[1]
+                    elif event[0] == "error":
+                        self.finished = True
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            pass
+        except oa.OpenAIError:
+            pass
+        if self.finished:
+            await self._close_events()
+        self.finished = True
+        self.finish_reason = "stop"
+
+    def _usage_and_stats(self):
+        fin = self.final or {}
+        prompt_tokens = fin.get("prompt_tokens", len(self.row["prompt_ids"]))
+        completion = self.n_tokens if self.stops.stopped else fin.get("completion_tokens", self.n_tokens)
+        stats = dict(fin.get("stats") or {})
+        stats["http_ttft_s"] = (self.first_text_s - self.t0) if self.first_text_s else None
+        stats["http_elapsed_s"] = time.perf_counter() - self.t0
+        if self.stops.stopped:
+            stats["stop_string_matched"] = True
+            stats["finish_reason"] = "stop"
+        return oa.usage(prompt_tokens, completion, fin.get("cached_tokens", 0)), stats
+
+    def _mark_text(self) -> None:
+        if self.first_text_s is None:
+            self.first_text_s = time.perf_counter()
+            self.ing._metric("ttft", self.first_text_s - self.t0, {"route": self.kind})
+
+    # -- non-streaming -----------------------------------------------------------------------------
+
+    async def complete(self) -> dict:
+        pieces = []
+        try:
+            async for text in self.updates():
+                self._mark_text()
+                pieces.append(text)
+            if self.stops.stopped and not self.final:
+                await self._drain_after_stop()
+        finally:
+            if not self.finished:   # the client went away (task cancelled) or we failed
+                self.ing.cancel_row(self.rid, "disconnect")
+        usage, stats = self._usage_and_stats()
+        text = "".join(pieces)
+        build = oa.chat_response if self.kind == "chat" else oa.completion_response
+        return build(self.rid, self.created, self.model, text, self.finish_reason, usage, stats)
+
+    # -- streaming ---------------------------------------------------------------------------------
+
+    async def start(self):
+        """Wait for the first text (or the end); errors raise here, before any byte is sent."""
+        self._iter = self.updates().__aiter__()
+        try:
+            return await self._iter.__anext__()
+        except StopAsyncIteration:
+            return None
+        except BaseException:
+            if not self.finished:
+                self.ing.cancel_row(self.rid, "disconnect")
+            raise
+
+    def _chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False, **extra):
+        if self.kind == "chat":
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            chunk = oa.chat_chunk(self.rid, self.created, self.model, delta, finish_reason, **extra)
+        else:
+            chunk = oa.completion_chunk(self.rid, self.created, self.model, text or "", finish_reason, **extra)
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def sse(self, first: Optional[str]):
+        try:
+            if self.kind == "chat":
+                yield oa.sse(self._chunk("", role=True))
+            if first:
+                self._mark_text()
+                yield oa.sse(self._chunk(first))
+            try:
+                if first is not None:
+                    async for text in self._iter:
+                        self._mark_text()
+                        yield oa.sse(self._chunk(text))
+                if self.stops.stopped and not self.final:
+                    await self._drain_after_stop()
+            except oa.OpenAIError as exc:
+                yield oa.sse(exc.body())
+                yield oa.SSE_DONE
+                return
+            usage, stats = self._usage_and_stats()
+            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+            final = self._chunk(None if self.kind == "chat" else "", self.finish_reason, mtplx_stats=stats)
+            if self.kind == "chat":
+                final["choices"][0]["delta"] = {}
+            yield oa.sse(final)
+            if self.req.include_usage:
+                yield oa.sse(oa.usage_chunk(self.rid, self.created, self.model, obj, usage, stats))
+            yield oa.SSE_DONE
+        finally:
+            if not self.finished:   # disconnect mid-stream: cancel this row only
+                self.ing.cancel_row(self.rid, "disconnect")
+
+
+def _row_error(payload: dict) -> oa.OpenAIError:
+    kind = payload.get("kind")
+    msg = payload.get("message", "generation failed")
+    if kind == "capacity":
+        return oa.invalid_request(msg, code="context_length_exceeded")
+    if kind == "unavailable":
+        return oa.unavailable(msg)
+    return oa.internal_error(msg)

@@ -1,0 +1,351 @@
+"""The MTP replica: owns one MLX model and its `MTPBatchGenerationService`.
+
+The ingress sends each cohort it sealed with `@serve.batch` here as one streaming call
+(`run_cohort`). The replica turns the rows into `MTPBatchJob`s, submits them together
+(`service.submit_cohort`) and streams back, per wake-up of its event loop, the tokens every row
+committed since the last message and the final result of each row that ended. Token callbacks
+run on the service's model-owner thread; they only append to a locked buffer and wake the loop
+(at most one wake-up in flight), so a cohort costs about one Ray stream item per decode cycle.
+
+MLX is imported inside `__init__` only: importing this module (the app builder does) stays light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from ray import serve
+
+log = logging.getLogger("ray.serve")
+
+TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
+WIDTH_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]
+
+
+class RowCancelled(RuntimeError):
+    """A cohort row was cancelled (client gone, stop string matched, or the cancel endpoint)."""
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (direct construction in a test or the bench)
+        return f"local-{os.getpid()}"
+
+
+class _CohortBuffer:
+    """Thread-safe hand-over of row tokens and row outcomes from the owner thread to the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._tokens: Dict[int, List[int]] = {}
+        self._finals: Dict[int, Any] = {}
+        self._wake_pending = False
+        self.event = asyncio.Event()
+
+    def _wake_locked(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._loop.call_soon_threadsafe(self.event.set)
+            except RuntimeError:  # loop closed: the cohort call is gone
+                pass
+
+    def push_tokens(self, row: int, tokens) -> None:
+        with self._lock:
+            self._tokens.setdefault(row, []).extend(int(t) for t in tokens)
+            self._wake_locked()
+
+    def push_final(self, row: int, outcome) -> None:
+        with self._lock:
+            self._finals[row] = outcome
+            self._wake_locked()
+
+    def take(self):
+        with self._lock:
+            tokens, self._tokens = self._tokens, {}
+            finals, self._finals = self._finals, {}
+            self._wake_pending = False
+            self.event.clear()
+        return tokens, finals
+
+
+def _public_result(result: dict, generation_mode: str) -> dict:
+    """The part of a service result dict the ingress needs (no token list: it was streamed)."""
+    stats = dict(result.get("stats") or {})
+    if generation_mode == "ar":
+        stats.update({"mode": "ar", "generation_mode": "ar", "scheduler_policy": "solo_ar",
+                      "scheduler_lane": "ar", "mtp_batch_route_id": "ar_b1_solo", "mtp_depth": 0,
+                      "requested_mtp_depth": 0, "requested_speculative_depth": 0})
+    return {
+        "finish_reason": result.get("finish_reason"),
+        "prompt_tokens": int(result.get("prompt_tokens", 0)),
+        "completion_tokens": int(result.get("completion_tokens", 0)),
+        "cached_tokens": int(result.get("cached_tokens", 0) or 0),
+        "stats": stats,
+    }
+
+
+def _partial_result(job, generation_mode: str, reason: str) -> dict:
+    """Usage and timing of a row that ended without a service result (cancelled)."""
+    now = time.perf_counter()
+    n = len(job.tokens)
+    started = job.decode_started_s or job.admitted_s or job.created_s
+    decode_s = max(now - started, 1e-9)
+    return {
+        "finish_reason": reason,
+        "prompt_tokens": len(job.prompt_ids),
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "stats": {
+            "request_id": job.request_id, "prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
+            "decode_elapsed_s": decode_s, "decode_tok_s": n / decode_s,
+            "request_elapsed_s": now - job.created_s, "finish_reason": reason,
+            "generation_mode": generation_mode, "cancelled": True, "server_seed": job.seed,
+        },
+    }
+
+
+class MTPReplica:
+    """Serve deployment class (decorated in `deployments.app`); see the module docstring."""
+
+    def __init__(self, model_path: Optional[str] = None, widths=(3, 8), batch_wait_s: float = 0.02,
+                 stream_interval_ms: float = 0.0, blas_threads: Optional[int] = None,
+                 numerics: str = "throughput", warmup: bool = True):
+        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 by default); OpenBLAS reads it when
+        # mtplx loads it below. Give MLX's BLAS the threads an in-process run would get.
+        threads = int(blas_threads) if blas_threads else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+
+        import mtplx
+        from mtplx.generation import generate_ar
+        from mtplx.server import mtp_batch
+
+        self._mtplx = mtplx
+        self._generate_ar = generate_ar
+        self._mtp_batch = mtp_batch
+        self._solo_cancelled = getattr(mtp_batch, "_SoloCancelled", RowCancelled)
+        t0 = time.perf_counter()
+        self.model = mtplx.load_model(model_path)
+        self.service = mtp_batch.MTPBatchGenerationService.for_model(
+            self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
+            numerics=numerics)
+        self.load_s = time.perf_counter() - t0
+        self.replica_id = _replica_id()
+        self.stream_interval_s = max(0.0, float(stream_interval_ms) / 1000.0)
+        self._jobs: Dict[str, list] = {}
+        self._cohorts_started = 0
+        self._stream_messages = 0
+        if warmup:
+            self._warmup()
+        self._init_metrics()
+        log.info("mtplx replica %s: %s loaded in %.2fs, lanes %s", self.replica_id, self.model.model_id,
+                 self.load_s, self.service.installed_widths)
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def _warmup(self) -> None:
+        """One tiny solo and one tiny cohort so the first request does not pay first-call costs."""
+        from mtplx.sampling import SamplerConfig
+
+        greedy = SamplerConfig(temperature=0.0)
+        prompt = list(self.model.tokenizer.encode("def f(x):\n", add_special_tokens=False)) or [1]
+        key = ("warmup",)
+        jobs = [self._mtp_batch.MTPBatchJob(request_id=f"warmup-{i}", prompt_ids=prompt, max_tokens=4,
+                                            sampler=greedy, seed=i, compatibility_key=key)
+                for i in range(2)]
+        try:
+            for f in self.service.submit_cohort(jobs):
+                f.result(timeout=120)
+            solo = self._mtp_batch.MTPBatchJob(request_id="warmup-solo", prompt_ids=prompt, max_tokens=4,
+                                               sampler=greedy, seed=0, compatibility_key=("warmup-solo",))
+            self.service.submit(solo).result(timeout=120)
+        except Exception as exc:  # warm-up is best effort
+            log.warning("mtplx replica warm-up failed: %s", exc)
+
+    def _init_metrics(self) -> None:
+        self._metrics = None
+        try:
+            from ray.serve import metrics
+
+            self._metrics = {
+                "cohorts": metrics.Counter("mtplx_cohorts", description="Cohorts run by this replica",
+                                           tag_keys=("generation_mode",)),
+                "width": metrics.Histogram("mtplx_cohort_real_width", description="Rows per cohort",
+                                           boundaries=WIDTH_BOUNDARIES),
+                "accepted": metrics.Counter("mtplx_accepted_draft_tokens",
+                                            description="MTP draft tokens accepted"),
+                "drafted": metrics.Counter("mtplx_drafted_tokens", description="MTP draft tokens proposed"),
+                "generated": metrics.Counter("mtplx_generated_tokens", description="Completion tokens"),
+                "ttft": metrics.Histogram("mtplx_replica_ttft_seconds",
+                                          description="Cohort call start to a row's first token",
+                                          boundaries=TTFT_BOUNDARIES_S),
+                "decode_tok_s": metrics.Histogram("mtplx_row_decode_tok_s", description="Per-row decode tok/s",
+                                                  boundaries=[5, 10, 20, 50, 100, 200, 500, 1000, 2000]),
+            }
+        except Exception as exc:  # metrics are optional (e.g. outside a Ray worker)
+            log.warning("mtplx replica metrics disabled: %s", exc)
+
+    def _observe(self, name: str, value: float, tags: Optional[dict] = None) -> None:
+        m = self._metrics and self._metrics.get(name)
+        if not m:
+            return
+        try:
+            if hasattr(m, "observe"):
+                m.observe(value, tags=tags)
+            else:
+                m.inc(value, tags=tags)
+        except Exception:
+            pass
+
+    # -- the solo AR runner ----------------------------------------------------------------------
+
+    def _ar_runner(self, job):
+        def on_token(token):
+            if job.cancel_requested():
+                raise self._solo_cancelled()
+            job.emit_token(token)
+            if job.cancel_requested():
+                raise self._solo_cancelled()
+
+        return self._generate_ar(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
+                                 seed=job.seed, stop_token_ids=job.stop_token_ids, on_token=on_token)
+
+    # -- calls from the ingress -----------------------------------------------------------------
+
+    async def info(self, **_pin) -> dict:
+        m = self.model
+        return {
+            "replica_id": self.replica_id, "model_id": m.model_id, "model_path": str(m.path),
+            "max_context": m.max_context, "vocab_size": m.vocab_size,
+            "eos_token_ids": sorted(m.eos_token_ids), "mtp": m.mtp is not None,
+            "mtp_disabled_reason": m.mtp_disabled_reason,
+            "installed_widths": self.service.installed_widths, "load_s": self.load_s,
+        }
+
+    async def run_cohort(self, rows: List[dict]) -> AsyncIterator[dict]:
+        """Stream one cohort. Messages: first {"replica": id}; then {"t": {row: [tokens]},
+        "f": {row: result | {"error": ...}}} until every row has its final entry."""
+        loop = asyncio.get_running_loop()
+        buf = _CohortBuffer(loop)
+        started = time.perf_counter()
+        jobs, modes = [], []
+        for i, row in enumerate(rows):
+            mode = row.get("generation_mode", "mtp")
+            modes.append(mode)
+            job = self._mtp_batch.MTPBatchJob(
+                request_id=row["request_id"], prompt_ids=row["prompt_ids"], max_tokens=row["max_tokens"],
+                sampler=row["sampler"], draft_sampler=row.get("draft_sampler"), seed=row["seed"],
+                stop_token_ids=self.model.eos_token_ids,
+                token_callback=(lambda toks, i=i: buf.push_tokens(i, toks)),
+                compatibility_key=row["compatibility_key"],
+                solo_runner=self._ar_runner if mode == "ar" else None,
+                cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
+                omit_speculative_bonus=bool(row.get("omit_speculative_bonus", False)),
+                session_id=row.get("session_id"),
+                request_observability={"replica_id": self.replica_id})
+            jobs.append(job)
+        for i, job in enumerate(jobs):
+            self._jobs.setdefault(job.request_id, []).append(job)
+            job.future.add_done_callback(lambda f, i=i: buf.push_final(i, f))
+        self._cohorts_started += 1
+        self._observe("cohorts", 1, {"generation_mode": modes[0] if modes else "mtp"})
+        self._observe("width", len(jobs))
+        yield {"replica": self.replica_id}
+        self.service.submit_cohort(jobs)
+        open_rows = set(range(len(jobs)))
+        first_token_seen = set()
+        try:
+            while open_rows:
+                await buf.event.wait()
+                if self.stream_interval_s:
+                    await asyncio.sleep(self.stream_interval_s)
+                tokens, finals = buf.take()
+                msg: Dict[str, Any] = {}
+                if tokens:
+                    msg["t"] = tokens
+                    now = time.perf_counter()
+                    for i in tokens:
+                        if i not in first_token_seen:
+                            first_token_seen.add(i)
+                            self._observe("ttft", now - started)
+                if finals:
+                    msg["f"] = {i: self._final(jobs[i], modes[i], fut) for i, fut in finals.items()}
+                    open_rows.difference_update(finals)
+                if msg:
+                    self._stream_messages += 1
+                    yield msg
+        finally:
+            # The cohort call ended (normally, or cancelled because the ingress went away): no row
+            # may keep decoding for nobody.
+            for job in jobs:
+                if not job.future.done():
+                    job.cancel()
+                lst = self._jobs.get(job.request_id)
+                if lst is not None:
+                    try:
+                        lst.remove(job)
+                    except ValueError:
+                        pass
+                    if not lst:
+                        self._jobs.pop(job.request_id, None)
+
+    def _final(self, job, mode: str, fut) -> dict:
+        exc = fut.exception()
+        if exc is None:
+            out = _public_result(fut.result(), mode)
+            st = out["stats"]
+            self._observe("generated", out["completion_tokens"])
+            self._observe("accepted", int(st.get("accepted_drafts", 0) or 0))
+            self._observe("drafted", int(st.get("accepted_drafts", 0) or 0) + int(st.get("rejected_drafts", 0) or 0))
+            if st.get("decode_tok_s"):
+                self._observe("decode_tok_s", float(st["decode_tok_s"]))
+            return out
+        if job.cancel_requested():
+            return _partial_result(job, mode, "cancelled")
+        kind = "capacity" if isinstance(exc, ValueError) else "internal"
+        return {"error": {"kind": kind, "type": type(exc).__name__, "message": str(exc)}}
+
+    async def cancel(self, request_id: str, **_pin) -> int:
+        """Cancel every row with this request id on this replica; returns how many were live."""
+        n = 0
+        for job in list(self._jobs.get(request_id, ())):
+            if job.cancel():
+                n += 1
+        return n
+
+    async def snapshot(self, **_pin) -> dict:
+        snap = self.service.snapshot()
+        snap.update({"replica_id": self.replica_id, "model_id": self.model.model_id,
+                     "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
+                     "live_requests": len(self._jobs)})
+        return snap
+
+    async def health(self, **_pin) -> dict:
+        snap = self.service.snapshot()
+        return {"replica_id": self.replica_id, "model_id": self.model.model_id,
+                "ok": not (snap.get("shut_down") or snap.get("poisoned")) and snap.get("owner_alive", True),
+                "runtime": self._mtplx.runtime_info(), "installed_widths": snap.get("installed_widths"),
+                "numerics": snap.get("numerics"), "poisoned": snap.get("poisoned"),
+                "last_error": snap.get("last_error")}
+
+    def check_health(self) -> None:
+        """Serve's health check: a poisoned or dead service makes the replica unhealthy (restarted)."""
+        snap = self.service.snapshot()
+        if snap.get("poisoned") or snap.get("shut_down"):
+            raise RuntimeError(f"MTP batch service unusable: {snap.get('poisoned') or 'shut down'}")
+        if not snap.get("owner_alive", True):
+            raise RuntimeError("MTP batch model-owner thread died")
+
+    def __del__(self):
+        try:
+            self.service.shutdown(timeout_s=5)
+        except Exception:
+            pass
