@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .generation import CapacityError, PREFILL_CHUNK, prefill
+from .generation import PREFILL_CHUNK, CapacityError, prefill, prefill_with_prefix
 from .models.cache import RaggedKVCache, commit_rows
 from .sampling import SamplerConfig, distribution, sample, verify_one_token
 
@@ -272,40 +272,20 @@ def _validate(lane, requests) -> None:
 
 def _prefill_row(lane, row: _LaneRow):
     """Prefill one row alone at its own length; a cancelled or padding row gets a dummy [0]."""
-    model = lane.model
-    req = row.req
+    model, req = lane.model, row.req
     if row.live and req.cancelled():
-        row.live = False
         row.finish("cancelled", 0)
-    prompt = list(req.prompt_ids) if row.live else [0]
-    cache, mtp_cache, start = model.make_cache(), model.make_mtp_cache(), 0
-    hook = None
-    if row.live and req.session_restore is not None:
-        from .prefix_cache import restore
-
-        try:
-            state = req.session_restore()
-            if state is not None and len(state.key) <= len(prompt) and tuple(prompt[:len(state.key)]) == state.key:
-                cache, mtp_cache = restore(state)
-                start = row.result.cached_tokens = state.cached_tokens
-        except Exception:
-            cache, mtp_cache, start = model.make_cache(), model.make_mtp_cache(), 0
-            row.result.cached_tokens = 0
-    if row.live and req.session_commit is not None:
-        from .prefix_cache import snapshot
-
-        def hook(m):
-            try:
-                req.session_commit(snapshot(prompt, m, cache, mtp_cache))
-            except Exception:
-                pass
-    out = prefill(model, prompt, cache, mtp_cache, lane.prefill_chunk,
-                  cancelled=req.cancelled if row.live else _never, start=start, boundary_hook=hook)
-    if out is None:  # cancelled between chunks
-        row.finish("cancelled", 0)
-        cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
-        out = prefill(model, [0], cache, mtp_cache)
-    return cache, mtp_cache, out[0], out[1]
+    if row.live:
+        cache, mtp_cache, out, cached = prefill_with_prefix(
+            model, list(req.prompt_ids), lane.prefill_chunk, cancelled=req.cancelled,
+            session_restore=req.session_restore, session_commit=req.session_commit)
+        row.result.cached_tokens = cached
+        if out is not None:
+            return cache, mtp_cache, out[0], out[1]
+        row.finish("cancelled", 0)       # cancelled between prefill chunks
+    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+    logits, hidden = prefill(model, [0], cache, mtp_cache)
+    return cache, mtp_cache, logits, hidden
 
 
 def _merge_mtp(per_row: list) -> list:

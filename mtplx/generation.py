@@ -86,6 +86,40 @@ def prefill(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFIL
     return logits_last, h_last
 
 
+def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
+                        cancelled: Callable[[], bool] = lambda: False,
+                        session_restore=None, session_commit=None):
+    """Prefill with the MTP history, reusing a banked prefix state when one matches.
+
+    `session_restore()` returns a PrefixState or None; `session_commit(state)` receives the
+    state at the last chunk boundary. Both hooks are fail-safe: a bank problem only costs reuse.
+    Returns (cache, mtp_cache, prefill output or None if cancelled, cached_tokens).
+    """
+    from .prefix_cache import restore, snapshot
+
+    cache, mtp_cache, start = None, None, 0
+    if session_restore is not None:
+        try:
+            state = session_restore()
+            if state is not None and 0 < state.cached_tokens < len(prompt) \
+                    and state.cached_tokens % chunk == 0 and tuple(prompt[:len(state.key)]) == state.key:
+                cache, mtp_cache = restore(state)
+                start = state.cached_tokens
+        except Exception:
+            cache, start = None, 0
+    if cache is None:
+        cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+    hook = None
+    if session_commit is not None:
+        def hook(m):
+            try:
+                session_commit(snapshot(prompt, m, cache, mtp_cache))
+            except Exception:
+                pass
+    out = prefill(model, prompt, cache, mtp_cache, chunk, cancelled=cancelled, start=start, boundary_hook=hook)
+    return cache, mtp_cache, out, start
+
+
 class _Row:
     """Per-request decode bookkeeping shared by the solo paths: budget, stops, penalties, RNG."""
 
@@ -166,7 +200,7 @@ def generate_ar(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig 
 def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig = SamplerConfig(),
                   draft_sampler: Optional[SamplerConfig] = None, depth: int = 1, seed: int = 0,
                   stop_token_ids: Iterable[int] = frozenset(), omit_speculative_bonus: bool = False,
-                  on_token=None) -> GenerationResult:
+                  on_token=None, session_restore=None, session_commit=None) -> GenerationResult:
     """MTP speculative decoding with the model's own head (depth 1-3). Exact: greedy output equals
     `generate_ar`; sampled output keeps the target distribution."""
     if model.mtp is None:
@@ -178,8 +212,8 @@ def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfi
     row = _Row(model, sampler, max_tokens, seed, stop_token_ids)
     greedy = sampler.is_greedy and draft_sampler.is_greedy and not sampler.has_penalties
     t_start = time.perf_counter()
-    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
-    logits_last, h_last = prefill(model, prompt, cache, mtp_cache)
+    cache, mtp_cache, (logits_last, h_last), cached = prefill_with_prefix(
+        model, prompt, session_restore=session_restore, session_commit=session_commit)
     t_decode = time.perf_counter()
     hist_h, hist_t = [], []          # MTP history entries owed for accepted drafts (target hiddens)
     pending: Optional[int] = None    # correction/bonus already emitted, next cycle's primary
@@ -259,7 +293,7 @@ def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfi
         h_last, logits_last = H[:, a:a + 1], L[a]
 
     stats = _finish_stats(row, t_start, t_decode, len(prompt), {
-        "mode": "mtp", "generation_mode": "mtp", "mtp_depth": int(depth),
+        "mode": "mtp", "generation_mode": "mtp", "mtp_depth": int(depth), "cached_tokens": cached,
         "accepted_drafts": accepted, "rejected_drafts": rejected, "verify_calls": cycles,
         "acceptance_rate": accepted / max(accepted + rejected, 1),
         "mean_tokens_per_verify": len(row.tokens) / max(cycles, 1),

@@ -1,0 +1,70 @@
+"""An in-memory bank of prompt-prefix states, keyed by exact token prefix.
+
+LRU within a byte budget; each entry carries the fingerprint of the model it was computed by
+and only matches that model. Hooks for one request come from `hooks(prompt)`; they are what
+`MTPBatchJob(session_restore=..., session_commit=...)` and the solo path take.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+from .prefix_cache import PrefixState
+
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+
+
+class SessionBank:
+    def __init__(self, fingerprint: str, max_bytes: int = DEFAULT_MAX_BYTES):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} must be >= 0")
+        self.fingerprint = fingerprint
+        self.max_bytes = int(max_bytes)
+        self._entries: "OrderedDict[tuple, PrefixState]" = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = self.commits = 0
+
+    def lookup(self, prompt) -> Optional[PrefixState]:
+        """The longest banked prefix of `prompt` (at least one token of it left to prefill)."""
+        prompt = tuple(prompt)
+        with self._lock:
+            best = None
+            for key, state in self._entries.items():
+                if len(key) <= len(prompt) and (best is None or len(key) > len(best.key)) \
+                        and prompt[:len(key)] == key:
+                    best = state
+            if best is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(best.key)
+            self.hits += 1
+            return best
+
+    def commit(self, state: PrefixState) -> None:
+        size = state.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(state.key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._entries[state.key] = state
+            self._bytes += size
+            self.commits += 1
+            while self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self.evictions += 1
+
+    def hooks(self, prompt):
+        """(session_restore, session_commit) for one request's prompt."""
+        return (lambda: self.lookup(prompt)), self.commit
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"entries": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes,
+                    "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+                    "commits": self.commits, "fingerprint": self.fingerprint}

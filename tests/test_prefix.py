@@ -1,0 +1,85 @@
+"""Prefix reuse through the session bank: cached tokens reported, greedy output unchanged."""
+
+from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.generation import generate_mtpk
+from mtplx.prefix_cache import PrefixState
+from mtplx.sampling import SamplerConfig
+from mtplx.session_bank import SessionBank
+
+GREEDY = SamplerConfig(temperature=0.0)
+SYSTEM = "You are a careful Python programmer. " * 40
+
+
+def _chat(model, turns):
+    return model.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+
+
+def _ids(x):
+    return list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x)
+
+
+def test_second_turn_reuses_prefix_with_identical_output(model):
+    bank = SessionBank("test")
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write a parser."}]
+    p1 = _ids(_chat(model, turn1))
+    r1 = generate_mtpk(model, p1, 24, GREEDY, session_restore=lambda: bank.lookup(p1), session_commit=bank.commit)
+    assert r1.stats["cached_tokens"] == 0 and bank.stats()["entries"] == 1
+    answer = model.tokenizer.decode(r1.tokens)
+    turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now test it."}]
+    p2 = _ids(_chat(model, turn2))
+    warm = generate_mtpk(model, p2, 48, GREEDY, session_restore=lambda: bank.lookup(p2), session_commit=bank.commit)
+    cold = generate_mtpk(model, p2, 48, GREEDY)
+    assert warm.stats["cached_tokens"] >= 256 and warm.stats["cached_tokens"] % 256 == 0
+    assert warm.tokens == cold.tokens
+
+
+def test_cohort_rows_reuse_prefix(model):
+    lane = install_a3b_mtp_batch_lane(model, 3)
+    bank = SessionBank("test")
+    base = _ids(_chat(model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]))
+    prompts = [base + model.tokenizer.encode(f"# part {i}\n") for i in range(3)]
+
+    def reqs(use_bank):
+        out = []
+        for i, p in enumerate(prompts):
+            restore, commit = bank.hooks(p) if use_bank else (None, None)
+            out.append(A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=GREEDY, max_tokens=24,
+                                          session_restore=restore, session_commit=commit))
+        return out
+
+    first = generate_a3b_mtp_batch(lane, reqs(True))
+    # rows prefill one after another, so rows 1 and 2 already reuse row 0's shared prefix
+    assert first.streams[0].cached_tokens == 0
+    assert all(s.cached_tokens >= 256 for s in first.streams[1:])
+    second = generate_a3b_mtp_batch(lane, reqs(True))
+    cold = generate_a3b_mtp_batch(lane, reqs(False))
+    assert all(s.cached_tokens >= 256 for s in second.streams)
+    assert [s.cached_tokens for s in cold.streams] == [0, 0, 0]
+    assert [s.tokens for s in first.streams] == [s.tokens for s in cold.streams]
+    assert [s.tokens for s in second.streams] == [s.tokens for s in cold.streams]
+
+
+def test_broken_bank_never_breaks_decoding(model):
+    def boom(*_a):
+        raise RuntimeError("bank down")
+
+    p = list(range(5, 400))
+    r = generate_mtpk(model, p, 8, GREEDY, session_restore=boom, session_commit=boom)
+    assert len(r.tokens) == 8 and r.stats["cached_tokens"] == 0
+
+
+def test_bank_lru_budget_and_longest_match(model):
+    import mlx.core as mx
+
+    def state(key, n_bytes):
+        arr = mx.zeros((n_bytes // 4,), dtype=mx.float32)
+        return PrefixState(tuple(key), ((arr, arr[:0]),), ())
+
+    bank = SessionBank("fp", max_bytes=1000)
+    bank.commit(state([1, 2], 400))
+    bank.commit(state([1, 2, 3, 4], 400))
+    assert bank.lookup([1, 2, 3, 4, 5]).key == (1, 2, 3, 4)
+    assert bank.lookup([1, 2, 9]).key == (1, 2)
+    assert bank.lookup([7]) is None
+    bank.commit(state([5, 6], 400))      # over budget: evicts the least recently used
+    assert bank.stats()["evictions"] == 1 and bank.lookup([1, 2, 3, 4, 0]).key == (1, 2)
