@@ -70,6 +70,13 @@ def held_owner(service):
         fut.result(TIMEOUT)
 
 
+def settle(service):
+    """Wait until the owner is between cohorts: rows publish at their own terminal, the
+    cohort-level counters in snapshot() only when the whole cohort has ended."""
+    service.call_on_owner(lambda: None).result(TIMEOUT)
+    return service.snapshot()
+
+
 def job(prompt, max_tokens=8, sampler=GREEDY, seed=0, rid=None, key=None, **kw):
     return MTPBatchJob(request_id=rid or f"req-{seed}", prompt_ids=prompt, max_tokens=max_tokens,
                        sampler=sampler, seed=seed, stop_token_ids=kw.pop("stop_token_ids", ()),
@@ -199,7 +206,7 @@ def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n
         assert r["_mtp_batch_solo"] is False
         # greedy cohort rows equal plain AR (exactness through the service wiring)
         assert r["tokens"] == generate_ar(model, prompts[i], 6 + 3 * i, GREEDY).tokens
-    snap = service.snapshot()
+    snap = settle(service)
     assert snap["batch_histogram"] == {str(n): 1}
     assert snap["last_real_width"] == n and snap["last_fixed_width"] == fixed
     assert snap["last_route_id"] == lanes[fixed].route_id
@@ -539,7 +546,7 @@ def test_stats_timing_invariants_and_observability_merge(model, service, prompts
         assert s["row_accepted_drafts"] + s["row_rejected_drafts"] <= s["verify_calls"]
         if r["finish_reason"] == "stop":
             assert r["tokens"][-1] in stop and r["_mtp_batch_stop_token_ids"] == sorted(stop)
-    snap = service.snapshot()
+    snap = settle(service)
     assert snap["accepted_draft_tokens"] == sum(r["stats"]["row_accepted_drafts"] for r in results)
     assert snap["rejected_draft_tokens"] == sum(r["stats"]["row_rejected_drafts"] for r in results)
     solo = job(prompts[5], max_tokens=9, seed=9, request_observability=obs[3])
