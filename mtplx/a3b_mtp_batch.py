@@ -59,7 +59,7 @@ class A3BMTPBatchRequest:
     omit_speculative_bonus: bool = False
     on_token: Callable[[int], None] = _noop
     on_decode_start: Callable[[], None] = _noop
-    on_terminal: Callable[[str, int], None] = _noop
+    on_terminal: Callable[..., None] = _noop   # (reason, cycles) or (reason, cycles, stream_result)
     cancelled: Callable[[], bool] = _never
     repetition_stop: bool = False
     session_restore: Optional[Callable[[], object]] = None
@@ -204,6 +204,16 @@ def _check_commit_math() -> list:
 
 # ---------------------------------------------------------------- the cohort driver
 
+def _accepts_three_args(fn) -> bool:
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(None, None, None)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 class _LaneRow:
     """One cohort row's own state: request, budget, stops, penalties, RNG, output."""
 
@@ -218,6 +228,7 @@ class _LaneRow:
                                               prompt_tokens=len(req.prompt_ids) if req else 0)
         self.pending: Optional[int] = None
         self.owes_history = False
+        self.terminal_takes_stream = req is not None and _accepts_three_args(req.on_terminal)
 
     def dist(self, logits_row, cfg=None):
         return distribution(logits_row, cfg or self.sampler, self.counts)
@@ -230,7 +241,10 @@ class _LaneRow:
         self.result.terminal_perf_s = time.perf_counter()
         self.live = False
         try:
-            self.req.on_terminal(reason, cycles)
+            if self.terminal_takes_stream:
+                self.req.on_terminal(reason, cycles, self.result)
+            else:
+                self.req.on_terminal(reason, cycles)
         except Exception:  # a client's callback never breaks the cohort
             pass
 
