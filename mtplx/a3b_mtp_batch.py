@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .generation import PREFILL_CHUNK, CapacityError, prefill, prefill_with_prefix
-from .models.cache import RaggedKVCache, commit_rows
+from .models.cache import RaggedKVCache, commit_rows, merge_layer
 from .sampling import SamplerConfig, distribution, sample, verify_one_token
 
 DEPTH = 1
@@ -59,11 +59,12 @@ class A3BMTPBatchRequest:
     omit_speculative_bonus: bool = False
     on_token: Callable[[int], None] = _noop
     on_decode_start: Callable[[], None] = _noop
-    on_terminal: Callable[..., None] = _noop   # (reason, cycles) or (reason, cycles, stream_result)
+    on_terminal: Callable[[str, int], None] = _noop
     cancelled: Callable[[], bool] = _never
     repetition_stop: bool = False
     session_restore: Optional[Callable[[], object]] = None
     session_commit: Optional[Callable[..., None]] = None
+    on_result: Optional[Callable[["A3BMTPBatchStreamResult"], None]] = None  # the row's final stream, at its terminal
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -204,16 +205,6 @@ def _check_commit_math() -> list:
 
 # ---------------------------------------------------------------- the cohort driver
 
-def _accepts_three_args(fn) -> bool:
-    import inspect
-
-    try:
-        inspect.signature(fn).bind(None, None, None)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
 class _LaneRow:
     """One cohort row's own state: request, budget, stops, penalties, RNG, output."""
 
@@ -228,7 +219,6 @@ class _LaneRow:
                                               prompt_tokens=len(req.prompt_ids) if req else 0)
         self.pending: Optional[int] = None
         self.owes_history = False
-        self.terminal_takes_stream = req is not None and _accepts_three_args(req.on_terminal)
 
     def dist(self, logits_row, cfg=None):
         return distribution(logits_row, cfg or self.sampler, self.counts)
@@ -241,10 +231,9 @@ class _LaneRow:
         self.result.terminal_perf_s = time.perf_counter()
         self.live = False
         try:
-            if self.terminal_takes_stream:
-                self.req.on_terminal(reason, cycles, self.result)
-            else:
-                self.req.on_terminal(reason, cycles)
+            self.req.on_terminal(reason, cycles)
+            if self.req.on_result is not None:
+                self.req.on_result(self.result)
         except Exception:  # a client's callback never breaks the cohort
             pass
 
@@ -302,23 +291,6 @@ def _prefill_row(lane, row: _LaneRow):
     return cache, mtp_cache, logits, hidden
 
 
-def _merge_mtp(per_row: list) -> list:
-    """Merge per-row MTP caches; an empty history (1-token prompt) becomes a zero-length row."""
-    merged = []
-    for layer in range(len(per_row[0])):
-        caches = [row[layer] for row in per_row]
-        ref = next((c for c in caches if c.keys is not None), None)
-        if ref is None:
-            raise RuntimeError("no row has MTP history; prompts must be prefilled first")
-        for c in caches:
-            if c.keys is None:
-                c.keys = mx.zeros((1,) + ref.keys.shape[1:2] + (0,) + ref.keys.shape[3:], ref.keys.dtype)
-                c.values = mx.zeros((1,) + ref.values.shape[1:2] + (0,) + ref.values.shape[3:], ref.values.dtype)
-                c.offset = 0
-        merged.append(RaggedKVCache.merge(caches, headroom=VERIFY_T))
-    return merged
-
-
 def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_log: bool = False) -> A3BMTPBatchResult:
     """Decode 2..width requests as one fixed-width cohort. Rows are returned in request order."""
     requests = list(requests)
@@ -329,9 +301,8 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
     t_prefill = time.perf_counter()
 
     per_row = [_prefill_row(lane, row) for row in rows]
-    caches = [RaggedKVCache.merge([pr[0][layer] for pr in per_row], headroom=VERIFY_T)
-              for layer in range(len(per_row[0][0]))]
-    mtp_caches = _merge_mtp([pr[1] for pr in per_row])
+    caches = [merge_layer([pr[0][layer] for pr in per_row], VERIFY_T) for layer in range(len(per_row[0][0]))]
+    mtp_caches = [merge_layer([pr[1][layer] for pr in per_row], VERIFY_T) for layer in range(len(per_row[0][1]))]
     logits_last = mx.stack([pr[2] for pr in per_row])                  # [W, V]
     h_last = mx.concatenate([pr[3] for pr in per_row], axis=0)         # [W, 1, H]
     del per_row

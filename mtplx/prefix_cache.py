@@ -12,15 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from .models.cache import restore_layer, snapshot_layer, snapshot_nbytes
 
 
 @dataclass(frozen=True)
 class PrefixState:
     key: tuple                 # prompt[:m + 1]
-    target_kv: tuple           # per layer (keys, values), each [1, H, m, D]
-    mtp_kv: tuple              # per MTP layer (keys, values), each [1, H, m, D]
+    target_layers: tuple       # per target layer, a snapshot (see models.cache.snapshot_layer)
+    mtp_layers: tuple          # per MTP layer
 
     @property
     def cached_tokens(self) -> int:
@@ -28,28 +27,14 @@ class PrefixState:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.target_kv + self.mtp_kv)
-
-
-def _snapshot(cache: list, m: int) -> tuple:
-    out = tuple((mx.array(c.keys[..., :m, :]), mx.array(c.values[..., :m, :])) for c in cache)
-    mx.eval(out)
-    return out
+        return sum(snapshot_nbytes(s) for s in self.target_layers + self.mtp_layers)
 
 
 def snapshot(prompt: list, m: int, cache: list, mtp_cache: list) -> PrefixState:
-    return PrefixState(tuple(prompt[:m + 1]), _snapshot(cache, m), _snapshot(mtp_cache, m))
-
-
-def _restore(kv: tuple) -> list:
-    caches = []
-    for k, v in kv:
-        c = KVCache()
-        c.update_and_fetch(k, v)
-        caches.append(c)
-    return caches
+    return PrefixState(tuple(prompt[:m + 1]), tuple(snapshot_layer(c, m) for c in cache),
+                       tuple(snapshot_layer(c, m) for c in mtp_cache))
 
 
 def restore(state: PrefixState) -> tuple[list, list]:
     """Fresh per-row caches holding the state (the snapshot itself stays immutable)."""
-    return _restore(state.target_kv), _restore(state.mtp_kv)
+    return [restore_layer(s) for s in state.target_layers], [restore_layer(s) for s in state.mtp_layers]

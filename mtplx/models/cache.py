@@ -8,6 +8,13 @@ dead: the causal mask never reaches past a row's offset, and the next write over
 
 Protocol (what mlx-lm's attention layers call): `offset` (an int32 array [B], read as the RoPE
 position), `update_and_fetch(keys, values)`, `make_mask(N, ...)`.
+
+Cache protocol the decode paths rely on, for any layer type (attention here; recurrent caches
+implement the same four in their own module):
+  solo:    `trim(n)` drops the last n positions written by the latest forward;
+  cohort:  `merge_rows(per_row_caches)` builds the batched cache, `advance(delta)` moves each row
+           by `keep - written` after a verify (`commit_rows`);
+  prefix:  `snapshot_layer` / `restore_layer` below.
 """
 
 from __future__ import annotations
@@ -89,6 +96,49 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
+
+
+def merge_layer(per_row: Sequence, headroom: int = 2):
+    """Batch one layer's per-row caches: mlx-lm KVCaches become a RaggedKVCache (an empty one,
+    e.g. the MTP history of a 1-token prompt, joins as a zero-length row); other cache types
+    provide `merge_rows`."""
+    first = per_row[0]
+    if hasattr(first, "merge_rows"):
+        return type(first).merge_rows(per_row)
+    ref = next((c for c in per_row if c.keys is not None), None)
+    if ref is None:
+        raise RuntimeError("no row has any cached positions; prefill the rows first")
+    for c in per_row:
+        if c.keys is None:
+            shape_k, shape_v = list(ref.keys.shape), list(ref.values.shape)
+            shape_k[0] = shape_v[0] = 1
+            shape_k[2] = shape_v[2] = 0
+            c.keys, c.values, c.offset = mx.zeros(shape_k, ref.keys.dtype), mx.zeros(shape_v, ref.values.dtype), 0
+    return RaggedKVCache.merge(per_row, headroom=headroom)
+
+
+def snapshot_layer(cache, m: int):
+    """An immutable copy of a per-row cache at prompt boundary m (its latest write)."""
+    if hasattr(cache, "snapshot"):
+        return cache.snapshot(m)
+    kv = (mx.array(cache.keys[..., :m, :]), mx.array(cache.values[..., :m, :]))
+    mx.eval(kv)
+    return kv
+
+
+def restore_layer(snap):
+    """A fresh per-row cache holding a snapshot (the snapshot itself stays untouched)."""
+    if hasattr(snap, "restore"):
+        return snap.restore()
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    c.update_and_fetch(*snap)
+    return c
+
+
+def snapshot_nbytes(snap) -> int:
+    return snap.nbytes if hasattr(snap, "nbytes") else sum(a.nbytes for a in snap)
 
 
 def commit_rows(caches: Sequence[RaggedKVCache], written: int, keep: np.ndarray) -> None:

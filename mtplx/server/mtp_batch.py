@@ -24,14 +24,14 @@ result publication run on the owner thread, so a consumer on another thread must
 itself (``AsyncTokenStream`` does that for an asyncio loop, e.g. in the Ray replica).
 
 Deliberate difference from MTPLX: a cohort row's future resolves **at that row's own terminal**
-(the driver's ``on_terminal``), not after the whole cohort has drained and been finalized. MTPLX
+(the driver's ``on_result``), not after the whole cohort has drained and been finalized. MTPLX
 publishes successful rows only after the longest row ends, so a 3-token answer waits for a
 500-token neighbour; here it does not. The owner finalize still runs once per cohort after the
 driver returns, and its failure still poisons the service (the queue fails, later submits fail),
 but it can no longer take back results that were already published. Cancelled and errored rows
 fail at once in both designs. Publishing needs the row's final stream (draft counts, cached
-tokens), so the driver passes it: ``on_terminal(reason, cycles, stream)``; with a driver that calls
-``on_terminal(reason, cycles)`` only, rows are published when the driver returns.
+tokens), which the driver hands to ``on_result(stream)`` right after ``on_terminal(reason, cycles)``;
+with a driver that does not, rows are published when the driver returns.
 
 Other choices worth knowing:
 
@@ -884,7 +884,8 @@ class MTPBatchGenerationService:
                 draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
                 stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
                 on_token=job.emit_token, on_decode_start=self._decode_start_hook(job),
-                on_terminal=self._terminal_hook(job, cohort), cancelled=job.cancel_requested,
+                on_terminal=self._terminal_hook(job), on_result=self._result_hook(job, cohort),
+                cancelled=job.cancel_requested,
                 repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
                 session_restore=_failsafe(job.session_restore),
                 session_commit=_failsafe(job.session_commit)))
@@ -917,16 +918,19 @@ class MTPBatchGenerationService:
                               "tokens_done": len(job.prompt_ids)})
         return on_decode_start
 
-    def _terminal_hook(self, job: MTPBatchJob, cohort: _Cohort) -> Callable:
-        def on_terminal(reason, cycles, stream=None):
-            """Publish the row at its own terminal. The row's draft counts come with the
-            driver's per-row stream; a driver that does not pass it gets the row published
-            when it returns (exact stats beat early ones)."""
-            if reason == "cancelled":
+    def _terminal_hook(self, job: MTPBatchJob) -> Callable:
+        def on_terminal(reason, cycles):
+            if reason == "cancelled":   # a cancelled row's future fails at once
                 job._fail(job._cancel_exception())
-            elif stream is not None:
-                self._complete_cohort_job(job, stream, cohort)
         return on_terminal
+
+    def _result_hook(self, job: MTPBatchJob, cohort: _Cohort) -> Callable:
+        def on_result(stream):
+            """Publish the row at its own terminal, with its final per-row stream (a driver
+            without on_result gets rows published when it returns)."""
+            if stream.finish_reason != "cancelled":
+                self._complete_cohort_job(job, stream, cohort)
+        return on_result
 
     def _complete_cohort_job(self, job: MTPBatchJob, stream, cohort: _Cohort) -> None:
         """Resolve one cohort row from its driver stream (``A3BMTPBatchStreamResult``)."""
