@@ -41,10 +41,10 @@ class CheckpointShapeError(ModelLoadError):
 
 
 def _architectures() -> dict[str, ModuleType]:
-    from . import qwen3
+    from . import qwen3, qwen3_5, qwen3_next
 
     table = {}
-    for module in (qwen3,):
+    for module in (qwen3, qwen3_5, qwen3_next):
         for model_type in module.MODEL_TYPES:
             table[model_type] = module
     return table
@@ -68,12 +68,17 @@ class MTPModel:
         return self.path.name
 
     @property
+    def text_config(self) -> dict:
+        """The language model's config (multimodal checkpoints nest it under `text_config`)."""
+        return self.config.get("text_config") or self.config
+
+    @property
     def max_context(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 2048)
+        return int(self.text_config.get("max_position_embeddings") or 2048)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config["vocab_size"])
+        return int(self.text_config["vocab_size"])
 
     def hidden(self, tokens: mx.array, cache=None) -> mx.array:
         return self.arch.hidden_states(self.target, tokens, cache)
@@ -88,7 +93,8 @@ class MTPModel:
         return self.mtp(hidden, self.embed(next_tokens), mtp_cache)
 
     def make_cache(self) -> list:
-        return make_prompt_cache(self.target)
+        make = getattr(self.arch, "make_cache", None)      # hybrids: RecurrentCache for GDN layers
+        return make(self.target) if make is not None else make_prompt_cache(self.target)
 
     def make_mtp_cache(self) -> list:
         return [KVCache() for _ in self.mtp.layers]
@@ -116,23 +122,39 @@ def _load_tokenizer(path: Path):
         raise ModelLoadError(f"could not load the tokenizer in {path}: {exc}") from exc
 
 
-def _mtp_weights(path: Path) -> dict:
+def _mtp_weights(path: Path, prefixes=("mtp.",)) -> dict:
     weights = {}
     for wf in sorted(glob.glob(str(path / "model*.safetensors"))):
         for k, v in mx.load(wf).items():
-            if k.startswith("mtp."):
-                weights[k[len("mtp."):]] = v
+            prefix = next((p for p in prefixes if k.startswith(p)), None)
+            if prefix is not None:
+                weights[k[len(prefix):]] = v
     return weights
 
 
-def _build_mtp(arch: ModuleType, args, config: dict, weights: dict) -> MTPHead:
-    n_layers = int(config.get("mtp_num_hidden_layers") or 1)
+def _quant_params(module: nn.Module, path: str, weights: dict, default: dict) -> dict:
+    """A quantized layer's bits and group size, read off its stored shapes (heads may mix
+    widths, e.g. an 8-bit router beside 4-bit experts); the config's values otherwise."""
+    w, s = weights.get(f"{path}.weight"), weights.get(f"{path}.scales")
+    in_dims = module.weight.shape[-1]
+    if w is not None and s is not None and s.shape[-1] and (w.shape[-1] * 32) % in_dims == 0 \
+            and in_dims % s.shape[-1] == 0:
+        return {"group_size": in_dims // s.shape[-1], "bits": w.shape[-1] * 32 // in_dims}
+    return default
+
+
+def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Optional[Path] = None) -> MTPHead:
+    text_config = config.get("text_config") or config
+    n_layers = int(text_config.get("mtp_num_hidden_layers") or config.get("mtp_num_hidden_layers") or 1)
+    if hasattr(arch, "sanitize_mtp"):                   # HF layout -> mlx layout (norms, experts)
+        weights = arch.sanitize_mtp(weights, path, args)
     head = MTPHead(arch.hidden_size(args), arch.rms_norm_eps(args),
                    lambda: arch.make_mtp_block(args), num_layers=n_layers)
     if any(k.endswith(".scales") for k in weights):
         q = config.get("mtplx_mtp_quantization") or config.get("quantization") or {}
-        nn.quantize(head, group_size=int(q.get("group_size", 64)), bits=int(q.get("bits", 4)),
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights)
+        default = {"group_size": int(q.get("group_size", 64)), "bits": int(q.get("bits", 4))}
+        nn.quantize(head, class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights
+                    and _quant_params(m, p, weights, default))
     try:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
@@ -172,15 +194,17 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
     except ValueError as exc:
         raise CheckpointShapeError(f"target weights in {path} do not match config.json: {exc}") from exc
     target.eval()
+    if hasattr(arch, "prepare_target"):                 # hybrids: capturing GDN forward
+        arch.prepare_target(target)
 
     mtp, reason = None, None
-    weights = _mtp_weights(path) if load_mtp else {}
+    weights = _mtp_weights(path, getattr(arch, "MTP_PREFIXES", ("mtp.",))) if load_mtp else {}
     if not load_mtp:
         reason = "MTP disabled by load_mtp=False"
     elif not weights:
         reason = f"checkpoint {path.name} has no mtp.* weights"
     else:
-        mtp = _build_mtp(arch, target.args, config, weights)
+        mtp = _build_mtp(arch, target.args, config, weights, path)
         mtp.eval()
 
     tokenizer = _load_tokenizer(path)

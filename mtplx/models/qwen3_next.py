@@ -1,0 +1,71 @@
+"""Qwen3-Next (`qwen3_next`): mlx-lm's hybrid GDN + full-attention MoE architecture plus our MTP
+head. The MTP block is mlx-lm's `Qwen3NextDecoderLayer` with the full-attention layer type; its
+MLP follows the rule the checkpoint's MTP layer 0 has (sparse MoE when the config has experts and
+layer 0 is sparse, else the dense MLP). GDN rollback is capture-commit (see `qwen3_5`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_next
+
+from . import hybrid
+
+MODEL_TYPES = ("qwen3_next",)
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+
+
+def text_model(target: nn.Module) -> nn.Module:
+    return target.model
+
+
+def hidden_states(target: nn.Module, inputs: mx.array, cache=None) -> mx.array:
+    return target.model(inputs, cache)
+
+
+def logits(target: nn.Module, hidden: mx.array) -> mx.array:
+    if target.args.tie_word_embeddings:
+        return target.model.embed_tokens.as_linear(hidden)
+    return target.lm_head(hidden)
+
+
+def embed(target: nn.Module, tokens: mx.array) -> mx.array:
+    return target.model.embed_tokens(tokens)
+
+
+def make_mtp_block(args) -> nn.Module:
+    block = qwen3_next.Qwen3NextDecoderLayer(args, layer_idx=args.full_attention_interval - 1)
+    assert not block.is_linear
+    sparse = args.num_experts > 0 and 0 not in args.mlp_only_layers and 1 % args.decoder_sparse_step == 0
+    if sparse and not isinstance(block.mlp, qwen3_next.Qwen3NextSparseMoeBlock):
+        block.mlp = qwen3_next.Qwen3NextSparseMoeBlock(args)
+    elif not sparse and not isinstance(block.mlp, qwen3_next.Qwen3NextMLP):
+        block.mlp = qwen3_next.Qwen3NextMLP(args.hidden_size, args.intermediate_size)
+    return block
+
+
+def hidden_size(args) -> int:
+    return args.hidden_size
+
+
+def rms_norm_eps(args) -> float:
+    return args.rms_norm_eps
+
+
+def make_cache(target: nn.Module) -> list:
+    return hybrid.make_cache(text_model(target).layers)
+
+
+def prepare_target(target: nn.Module) -> None:
+    hybrid.prepare_layers(text_model(target).layers)
+
+
+def sanitize_mtp(weights: dict, path: Path, args) -> dict:
+    """mlx-lm's own rule for the target: an HF checkpoint stores one tensor per expert; then
+    norms are zero-centred."""
+    shapes = hybrid.checkpoint_shapes(path)
+    raw = any(k.startswith("model.layers.") and k.endswith(".mlp.experts.0.up_proj.weight") for k in shapes)
+    return hybrid.sanitize_mtp(weights, raw=raw, num_experts=args.num_experts)

@@ -1,0 +1,232 @@
+"""Gated DeltaNet (GDN) state with capture-commit rollback.
+
+A GDN layer's state (a short conv window and a [Hv, Dv, Dk] recurrent matrix per row) cannot be
+trimmed like KV: position t's state is a function of every earlier position. Speculative decoding
+therefore records, during a short multi-token forward (a verify over [x0, d1..dK]), the state after
+EACH position; committing then installs the state at the last kept position:
+
+  solo    `trim(n)`        drop the last n positions of the latest forward (state at T-1-n)
+  cohort  `advance(delta)` per row, delta = keep - written; keep 0 restores the pre-forward state
+                           (no snapshot copy before the verify, no re-forward after a reject)
+
+The capture forward is ours (`capture_forward`), built from the mlx-lm layer's own pieces: its
+projections (`fix_query_key_value_ordering` for Qwen3-Next), `conv1d`, `normalize_qk` and one
+`gated_delta_update` step per position (the Metal kernel on Apple GPUs, the ops step on CPU: the
+state stays float32 between steps, so splitting a forward into steps changes no bit). It runs for
+forwards of at most `CAPTURE_MAX_T` positions on a `RecurrentCache`; longer forwards (prefill
+chunks) keep mlx-lm's fast path and leave nothing to roll back. `install_capture(layers)` swaps the
+GDN modules' class for a capturing subclass at load time; the weights are untouched.
+
+Batching needs no mask: cohort rows are prefilled alone (never padded), then `merge_rows`
+concatenates their states along the batch axis.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+CAPTURE_MAX_T = 4          # verify of depth 3 writes 4 positions; prefill chunks are longer
+
+
+class RecurrentCache(ArraysCache):
+    """cache[0]: conv window [B, K-1, C]; cache[1]: recurrent state [B, Hv, Dv, Dk] (float32)."""
+
+    def __init__(self):
+        super().__init__(size=2)
+        # The latest capture forward: its conv input [B, K-1+T, C] (the window after j kept
+        # positions is rows j..j+K-2) and the recurrent states [pre, after 1, ..., after T].
+        self._conv_input: Optional[mx.array] = None
+        self._states: Optional[list] = None
+
+    # ---- the capture record
+    def record(self, conv_input: mx.array, states: list) -> None:
+        self._conv_input, self._states = conv_input, states
+
+    def clear_capture(self) -> None:
+        self._conv_input = self._states = None
+
+    @property
+    def captured_positions(self) -> int:
+        return 0 if self._states is None else len(self._states) - 1
+
+    def rollback(self, kept) -> None:
+        """Install, per row, the state after `kept[b]` positions of the latest capture forward
+        (0 = the state before it). Consumes the capture."""
+        if self._states is None:
+            raise RuntimeError("GDN state cannot be rolled back: the latest forward captured no "
+                               f"per-position states (more than {CAPTURE_MAX_T} positions, or none)")
+        T = len(self._states) - 1
+        kept = np.asarray(kept, dtype=np.int64).reshape(-1)
+        B = self._states[0].shape[0]
+        if kept.size == 1 and B > 1:
+            kept = np.full(B, int(kept[0]))
+        if kept.size != B or kept.min() < 0 or kept.max() > T:
+            raise ValueError(f"cannot keep {kept.tolist()} of {T} captured positions for {B} rows")
+        k1 = self._conv_input.shape[1] - T
+        if (kept == kept[0]).all():
+            j = int(kept[0])
+            self.cache[0] = mx.contiguous(self._conv_input[:, j:j + k1, :])
+            self.cache[1] = self._states[j]
+        else:
+            pos = mx.array(kept.astype(np.int32))[:, None] + mx.arange(k1, dtype=mx.int32)[None]
+            self.cache[0] = mx.take_along_axis(self._conv_input, pos[..., None], axis=1)
+            state = self._states[T]
+            for j in range(T - 1, -1, -1):
+                if (kept == j).any():
+                    sel = mx.array(kept == j).reshape(B, *([1] * (state.ndim - 1)))
+                    state = mx.where(sel, self._states[j], state)
+            self.cache[1] = state
+        self.clear_capture()
+
+    # ---- the engine's cache protocol
+    def advance(self, delta) -> None:
+        """A scalar is mlx-lm's GDN forward counting its own positions (the state already moved;
+        any older capture is stale). An array is a commit: per row, keep `written + delta[b]`
+        positions of the latest capture forward (`mtplx.models.cache.commit_rows`)."""
+        if np.ndim(delta) == 0:
+            self.clear_capture()
+            return
+        delta = np.asarray(delta, dtype=np.int64)
+        if (delta >= 0).all():
+            self.clear_capture()
+            return
+        self.rollback(self.captured_positions + np.minimum(delta, 0))
+
+    def trim(self, n: int) -> int:
+        """Solo rollback: drop the last n positions of the latest capture forward."""
+        n = int(n)
+        if n <= 0:
+            self.clear_capture()
+            return 0
+        self.rollback(self.captured_positions - n)
+        return n
+
+    def is_trimmable(self) -> bool:
+        return self._states is not None
+
+    def make_mask(self, N: int, **_kwargs):
+        return None          # rows are never padded, and `lengths`/`left_padding` stay None
+
+    @classmethod
+    def merge_rows(cls, per_row: Sequence["RecurrentCache"]) -> "RecurrentCache":
+        """One batched cache from per-row caches (each batch 1), concatenated along the batch."""
+        out = cls()
+        for e in range(2):
+            ref = next((c[e] for c in per_row if c[e] is not None), None)
+            if ref is None:
+                continue
+            out[e] = mx.concatenate(
+                [c[e] if c[e] is not None else mx.zeros((1,) + ref.shape[1:], ref.dtype) for c in per_row])
+        return out
+
+    def snapshot(self, m: int) -> "RecurrentSnapshot":
+        """The state now (taken right after the prefill chunk ending at boundary m)."""
+        conv, state = self.cache[0], self.cache[1]
+        mx.eval([a for a in (conv, state) if a is not None])
+        return RecurrentSnapshot(conv, state, m)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache if c is not None)
+
+
+class RecurrentSnapshot:
+    """An immutable GDN state at a prompt boundary (mlx arrays are never written in place: caches
+    only rebind them, so holding references is a copy)."""
+
+    def __init__(self, conv: Optional[mx.array], state: Optional[mx.array], boundary: int):
+        self.conv, self.state, self.boundary = conv, state, boundary
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.conv, self.state) if a is not None)
+
+    def restore(self) -> RecurrentCache:
+        c = RecurrentCache()
+        c[0], c[1] = self.conv, self.state
+        return c
+
+
+# ------------------------------------------------------------------ the capture forward
+
+def _project(layer, inputs: mx.array):
+    """(mixed qkv [B, S, conv_dim], z [B, S, Hv, Dv], b [B, S, Hv], a [B, S, Hv]) from the layer's
+    own projections: Qwen3.5's separate ones, or Qwen3-Next's fused ones."""
+    B, S, _ = inputs.shape
+    if hasattr(layer, "in_proj_qkvz"):
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, b, a
+    qkv = layer.in_proj_qkv(inputs)
+    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    return qkv, z, layer.in_proj_b(inputs), layer.in_proj_a(inputs)
+
+
+def capture_forward(layer, inputs: mx.array, cache: RecurrentCache) -> mx.array:
+    """The GDN layer's forward that also records the state after each position in `cache`."""
+    B, S, _ = inputs.shape
+    qkv, z, b, a = _project(layer, inputs)
+    k1 = layer.conv_kernel_size - 1
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((B, k1, layer.conv_dim), dtype=inputs.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    cache[0] = mx.contiguous(conv_input[:, -k1:, :])
+    conv_out = nn.silu(layer.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+                           [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+                           [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim])
+    ]
+    q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim ** -0.5, eps=1e-6)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    states, ys = [state], []
+    for t in range(S):
+        s = slice(t, t + 1)
+        y, state = gated_delta_update(q[:, s], k[:, s], v[:, s], a[:, s], b[:, s], layer.A_log, layer.dt_bias,
+                                      state, None, use_kernel=not layer.training)
+        ys.append(y)
+        states.append(state)
+    cache[1] = state
+    cache.record(conv_input, states)
+    out = ys[0] if S == 1 else mx.concatenate(ys, axis=1)
+    out = layer.norm(out, z)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
+_CAPTURE_CLASSES: dict = {}
+
+
+def _capture_class(base: type) -> type:
+    if getattr(base, "_mtplx_capture", False):
+        return base
+    if base not in _CAPTURE_CLASSES:
+        def __call__(self, inputs, mask=None, cache=None):
+            if (isinstance(cache, RecurrentCache) and mask is None and inputs.shape[1] <= CAPTURE_MAX_T
+                    and getattr(self, "sharding_group", None) is None):
+                return capture_forward(self, inputs, cache)
+            return base.__call__(self, inputs, mask, cache)
+
+        _CAPTURE_CLASSES[base] = type(f"Capturing{base.__name__}", (base,),
+                                      {"__call__": __call__, "_mtplx_capture": True,
+                                       "__doc__": f"{base.__name__} with per-position state capture."})
+    return _CAPTURE_CLASSES[base]
+
+
+def install_capture(layers) -> int:
+    """Give every GDN (`linear_attn`) module of these decoder layers the capturing forward.
+    Idempotent; returns the number of GDN layers."""
+    n = 0
+    for layer in layers:
+        if getattr(layer, "is_linear", False):
+            gdn = layer.linear_attn
+            gdn.__class__ = _capture_class(type(gdn))
+            n += 1
+    return n
