@@ -74,14 +74,12 @@ class RecurrentCache(ArraysCache):
             self.cache[0] = mx.contiguous(self._conv_input[:, j:j + k1, :])
             self.cache[1] = self._states[j]
         else:
-            pos = mx.array(kept.astype(np.int32))[:, None] + mx.arange(k1, dtype=mx.int32)[None]
-            self.cache[0] = mx.take_along_axis(self._conv_input, pos[..., None], axis=1)
-            state = self._states[T]
-            for j in range(T - 1, -1, -1):
-                if (kept == j).any():
-                    sel = mx.array(kept == j).reshape(B, *([1] * (state.ndim - 1)))
-                    state = mx.where(sel, self._states[j], state)
-            self.cache[1] = state
+            # Only the states some row keeps are read (all rows active: two of the three at T=2).
+            used = sorted(set(kept.tolist()))
+            slot = np.searchsorted(used, kept).astype(np.int32)
+            self.cache[0], self.cache[1] = _select_rows(
+                mx.array(kept.astype(np.int32)), mx.array(slot), k1, self._conv_input,
+                *[self._states[j] for j in used])
         self.clear_capture()
 
     # ---- the engine's cache protocol
@@ -134,6 +132,28 @@ class RecurrentCache(ArraysCache):
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.cache if c is not None)
+
+
+def _select_rows_impl(kept: mx.array, slot: mx.array, k1: int, conv_input: mx.array, *states: mx.array):
+    """Per row b: the conv window after kept[b] captured positions, and the recurrent state
+    states[slot[b]] (the caller passes only the states some row keeps)."""
+    pos = kept[:, None] + mx.arange(k1, dtype=mx.int32)[None]
+    conv = mx.take_along_axis(conv_input, pos[..., None], axis=1)
+    state = states[-1]
+    for j in range(len(states) - 2, -1, -1):
+        state = mx.where((slot == j).reshape(-1, *([1] * (state.ndim - 1))), states[j], state)
+    return conv, state
+
+
+def _select_rows(kept, slot, k1, conv_input, *states):
+    # one fused elementwise graph per shape (the where chain reads each used state once)
+    fn = _SELECT_COMPILED.get(k1)
+    if fn is None:
+        fn = _SELECT_COMPILED[k1] = mx.compile(lambda kept, slot, ci, *st: _select_rows_impl(kept, slot, k1, ci, *st))
+    return fn(kept, slot, conv_input, *states)
+
+
+_SELECT_COMPILED: dict = {}
 
 
 class RecurrentSnapshot:
