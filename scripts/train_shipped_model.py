@@ -13,6 +13,8 @@ Reads top to bottom:
 
 Deterministic for a given Python version: fixed seeds, fixed file order, fixed step counts.
 Usage: python scripts/train_shipped_model.py [--out mtplx/assets/mtplx-tiny-py] [--quick]
+       [--arch qwen3_5 --out DIR [--steps P1 P2]]   (a hybrid GDN + attention model, same recipe;
+                                                     the default --arch qwen3 is the shipped model)
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ import mlx.nn as nn  # noqa: E402
 import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.models import qwen3  # noqa: E402
+from mlx_lm.utils import _get_classes  # noqa: E402
 
-from mtplx.models import qwen3 as arch  # noqa: E402
+from mtplx.models.loader import _architectures  # noqa: E402
 from mtplx.models.mtp_head import MTPHead  # noqa: E402
 
 # ---------------------------------------------------------------- settings
@@ -87,7 +89,24 @@ def train_tokenizer(texts: list[str]):
 
 
 # ---------------------------------------------------------------- 3. model
+ARCH = "qwen3"              # --arch; qwen3_5 trains the hybrid (GDN + attention) sibling
+
+
 def model_config() -> dict:
+    if ARCH == "qwen3_5":
+        # Qwen3.5 layout at the same width: every 4th layer full attention, the rest Gated DeltaNet.
+        text = {
+            "model_type": "qwen3_5_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+            "intermediate_size": FFN, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+            "head_dim": HEAD_DIM, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 4, "rms_norm_eps": 1e-6, "vocab_size": VOCAB,
+            "max_position_embeddings": 2048, "tie_word_embeddings": True, "mtp_num_hidden_layers": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        }
+        return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": text, "tie_word_embeddings": True, "bos_token_id": None,
+                "eos_token_id": [0, 2], "torch_dtype": "float32"}
     return {
         "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
         "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "intermediate_size": FFN,
@@ -101,11 +120,14 @@ def model_config() -> dict:
 class TargetWithMTP(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        args = qwen3.ModelArgs.from_dict(config)
-        self.target = qwen3.Model(args)
-        self.mtp = MTPHead(HIDDEN, args.rms_norm_eps, lambda: arch.make_mtp_block(args))
+        model_cls, args_cls = _get_classes(config)
+        args = args_cls.from_dict(config)
+        arch = self._arch = _architectures()[config["model_type"]]
+        self.target = model_cls(args)
+        self.mtp = MTPHead(HIDDEN, arch.rms_norm_eps(args), lambda: arch.make_mtp_block(args))
 
     def __call__(self, x):
+        arch = self._arch
         h = arch.hidden_states(self.target, x)                    # [B, T, H] post-norm
         logits = arch.logits(self.target, h)                       # predicts x[t+1]
         m = self.mtp(h[:, :-1], arch.embed(self.target, x[:, 1:]))  # (h_t, x_{t+1})
@@ -211,7 +233,7 @@ def export(model, tok, out: Path, card: dict):
     (out / "training_receipt.json").write_text(json.dumps(card, indent=2) + "\n")
     lines = [
         "# mtplx-tiny-py", "",
-        "A small qwen3-architecture model with a jointly trained one-layer MTP head, trained by",
+        f"A small {ARCH}-architecture model with a jointly trained one-layer MTP head, trained by",
         "`scripts/train_shipped_model.py` on the Python standard library's sources. It exists so that",
         "`mtplx` serves and tests with no download, with draft acceptance that means something.", "",
         "| fact | value |", "|---|---|",
@@ -223,8 +245,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "mtplx/assets/mtplx-tiny-py"))
     ap.add_argument("--quick", action="store_true", help="a few steps, to check the script runs")
+    ap.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3",
+                    help="qwen3 (the shipped model) or qwen3_5 (hybrid GDN + attention, for benchmarks)")
+    ap.add_argument("--steps", type=int, nargs=2, metavar=("P1", "P2"), help="override the phase step counts")
     a = ap.parse_args()
+    global ARCH
+    ARCH = a.arch
     p1, p2 = (20, 10) if a.quick else (PHASE1_STEPS, PHASE2_STEPS)
+    if a.steps:
+        p1, p2 = a.steps
     t_start = time.perf_counter()
     np_rng = np.random.default_rng(SEED)
     mx.random.seed(SEED)
@@ -257,7 +286,7 @@ def main():
     acc = greedy_acceptance(model, eval_ids, new_tokens=128 if not a.quick else 16)
     minutes = (time.perf_counter() - t_start) / 60
     card = {
-        "architecture": f"qwen3, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, ffn {FFN}",
+        "architecture": f"{ARCH}, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, ffn {FFN}",
         "parameters": f"target {n_target / 1e6:.2f}M + MTP head {n_mtp / 1e6:.2f}M (fp32)",
         "tokenizer": f"byte-level BPE, {VOCAB} tokens, ChatML specials",
         "data": f"Python {sys.version.split()[0]} stdlib, {len(files) - len(held)} train / {len(held)} held-out files, "
