@@ -165,6 +165,9 @@ def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Option
 
 def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
     """Load a checkpoint directory; None loads the shipped default model."""
+    from ..runtime import warn_if_slow_blas
+
+    warn_if_slow_blas()
     path = Path(path) if path is not None else SHIPPED_MODEL
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")
