@@ -14,6 +14,7 @@ stream itself is never cancelled by one row.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
@@ -70,8 +71,18 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
-class _RowDone(Exception):
-    pass
+def _detached(coro):
+    """Run a coroutine as a task in an empty context. Handle calls made inside a request inherit
+    that request's Serve context, internal request id included; several concurrent calls with the
+    same id confuse replica routing (and our pinning router), so each call gets a fresh one."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
+async def _call(handle, *args, timeout_s: float = 30.0, **kwargs):
+    async def go():
+        return await handle.remote(*args, **kwargs)
+
+    return await asyncio.wait_for(_detached(go()), timeout=timeout_s)
 
 
 class OpenAIIngress:
@@ -278,7 +289,7 @@ class OpenAIIngress:
         for slots in cohorts.values():
             for start in range(0, len(slots), self.max_batch_size):
                 part = slots[start:start + self.max_batch_size]
-                tasks.append(asyncio.create_task(self._drive_cohort([rows[s] for s in part], part, queue)))
+                tasks.append(_detached(self._drive_cohort([rows[s] for s in part], part, queue)))
         finished: set = set()
         try:
             while len(finished) < n:
@@ -368,11 +379,11 @@ class OpenAIIngress:
         async def send():
             try:
                 kwargs = {PIN_KWARG: replica_id} if replica_id else {}
-                await asyncio.wait_for(self._replica.cancel.remote(rid, **kwargs), timeout=30)
+                await _call(self._replica.cancel, rid, timeout_s=30, **kwargs)
             except Exception as exc:
                 log.warning("mtplx ingress: cancel of %s failed: %s", rid, exc)
 
-        task = asyncio.get_running_loop().create_task(send())
+        task = _detached(send())
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
@@ -381,9 +392,9 @@ class OpenAIIngress:
         ids = known_replicas(self._replica_name)
         handle = getattr(self._replica, method)
         if not ids:
-            res = await asyncio.wait_for(handle.remote(), timeout=timeout_s)
+            res = await _call(handle, timeout_s=timeout_s)
             return {res.get("replica_id", "unknown"): res}
-        calls = [asyncio.wait_for(handle.remote(**{PIN_KWARG: r}), timeout=timeout_s) for r in ids]
+        calls = [_call(handle, timeout_s=timeout_s, **{PIN_KWARG: r}) for r in ids]
         results = await asyncio.gather(*calls, return_exceptions=True)
         out = {}
         for rid, res in zip(ids, results):
@@ -425,7 +436,7 @@ class OpenAIIngress:
     async def _cancel_endpoint(self, rid: str) -> Response:
         replica_id = self._row_replica.get(rid)
         if replica_id is not None:
-            n = await asyncio.wait_for(self._replica.cancel.remote(rid, **{PIN_KWARG: replica_id}), timeout=10)
+            n = await _call(self._replica.cancel, rid, timeout_s=10, **{PIN_KWARG: replica_id})
         else:  # maybe in flight through another ingress replica: ask every model replica
             res = await self._fan_out_cancel(rid)
             n = sum(v for v in res if isinstance(v, int))
@@ -437,8 +448,8 @@ class OpenAIIngress:
     async def _fan_out_cancel(self, rid: str) -> list:
         ids = known_replicas(self._replica_name)
         if not ids:
-            return [await asyncio.wait_for(self._replica.cancel.remote(rid), timeout=10)]
-        calls = [asyncio.wait_for(self._replica.cancel.remote(rid, **{PIN_KWARG: r}), timeout=10) for r in ids]
+            return [await _call(self._replica.cancel, rid, timeout_s=10)]
+        calls = [_call(self._replica.cancel, rid, timeout_s=10, **{PIN_KWARG: r}) for r in ids]
         return await asyncio.gather(*calls, return_exceptions=True)
 
 

@@ -38,6 +38,15 @@ def _replica_id() -> str:
         return f"local-{os.getpid()}"
 
 
+def _node_id() -> Optional[str]:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
 class _CohortBuffer:
     """Thread-safe hand-over of row tokens and row outcomes from the owner thread to the loop."""
 
@@ -139,6 +148,7 @@ class MTPReplica:
             numerics=numerics)
         self.load_s = time.perf_counter() - t0
         self.replica_id = _replica_id()
+        self.node_id = _node_id()
         self.stream_interval_s = max(0.0, float(stream_interval_ms) / 1000.0)
         self._jobs: Dict[str, list] = {}
         self._cohorts_started = 0
@@ -323,7 +333,7 @@ class MTPReplica:
 
     async def snapshot(self, **_pin) -> dict:
         snap = self.service.snapshot()
-        snap.update({"replica_id": self.replica_id, "model_id": self.model.model_id,
+        snap.update({"replica_id": self.replica_id, "node_id": self.node_id, "model_id": self.model.model_id,
                      "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
                      "live_requests": len(self._jobs)})
         return snap

@@ -47,6 +47,9 @@ class ReplicaPinningRouter(RequestRouter):
             return []
         pin = None
         if pending_request is not None:
+            # Back off between attempts when the chosen replicas are busy; without this the
+            # router's retry loop spins without yielding and starves its own queue probes.
+            pending_request.routing_context.should_backoff = True
             pin = (pending_request.kwargs or {}).get(PIN_KWARG)
         if pin is not None:
             for replica in candidate_replicas:

@@ -417,3 +417,27 @@ def test_scale_out_two_nodes_two_replicas():
     assert report["ok"], report
     assert len(report["cohorts_by_replica"]) == 2 and all(v > 0 for v in report["cohorts_by_replica"].values())
     assert len(set(report["replica_nodes"].values())) == 2
+
+
+@RAY_MARK
+def test_cancel_endpoint_stops_an_in_flight_request(serve_app, http):
+    import httpx
+
+    body = {"model": "mtplx-tiny-py", "messages": [{"role": "user", "content": PROMPTS[5]}], "temperature": 0,
+            "max_tokens": 400, "stream": True}
+    finish, n_chunks = None, 0
+    with httpx.Client(base_url=serve_app.base, timeout=120) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            rid = resp.headers["x-mtplx-request-id"]
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                n_chunks += 1
+                if n_chunks == 3:
+                    r = http.post(f"/v1/mtplx/cancel/{rid}")
+                    assert r.status_code == 200 and r.json()["cancelled"] is True, r.text
+                obj = json.loads(line[6:])
+                if obj.get("choices") and obj["choices"][0]["finish_reason"]:
+                    finish = obj["choices"][0]["finish_reason"]
+                    stats = obj["mtplx_stats"]
+    assert finish == "cancelled" and stats["completion_tokens"] < 400

@@ -1,0 +1,262 @@
+"""`bench_http`: what the HTTP / Ray Serve path costs over the in-process service.
+
+Arms, interleaved round by round on the same machine:
+  * in-process: `MTPBatchGenerationService.submit_cohort` of the same greedy rows (chat-templated
+    prompts, eos as stop ids, so both arms decode exactly the same tokens);
+  * HTTP: the same rows as concurrent `/v1/chat/completions` requests (streaming SSE, and
+    non-streaming JSON) through the Serve app.
+Reported: aggregate tok/s of each arm and their ratio (target >= 0.85), for `n_rows` (8) and for a
+2-row cohort; and time to first token of a lone request, HTTP vs in-process (target overhead
+<= 30 ms median). The lone in-process arm is `service.submit` (the service's own 20 ms gather
+window, like the ingress's `@serve.batch` window); the no-wait `submit_cohort` figure is reported
+too.
+
+    from deployments.bench_http import bench_http
+    report = bench_http()                     # starts a local Ray Serve on a free loopback port
+    report = bench_http(base_url="http://127.0.0.1:8000")   # or measure a running server
+
+`python -m deployments.bench_http [--json]` prints the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Optional
+
+BENCH_PROMPTS = (
+    "def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\n",
+    "for i in range(10):\n", "def read_lines(path):\n    with open(path) as f:", "try:\n    import json",
+    "    def __repr__(self):\n        return", "if __name__ == '__main__':\n",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _http_row(client, url: str, body: dict, stream: bool) -> dict:
+    t0 = time.perf_counter()
+    ttft, tokens, text = None, None, []
+    if not stream:
+        r = await client.post(url, json=body)
+        r.raise_for_status()
+        obj = r.json()
+        return {"t0": t0, "end": time.perf_counter(), "ttft": None,
+                "completion_tokens": obj["usage"]["completion_tokens"], "text": obj["choices"][0]["message"]["content"]}
+    async with client.stream("POST", url, json={**body, "stream": True,
+                                                 "stream_options": {"include_usage": True}}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("choices"):
+                piece = obj["choices"][0]["delta"].get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(piece)
+            elif obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+    return {"t0": t0, "end": time.perf_counter(), "ttft": ttft, "completion_tokens": tokens, "text": "".join(text)}
+
+
+async def _http_wave(base_url: str, bodies: list, stream: bool) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*[_http_row(client, "/v1/chat/completions", b, stream) for b in bodies])
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "rows": rows, "tokens": sum(r["completion_tokens"] or 0 for r in rows)}
+
+
+def _inproc_cohort(service, mtp_batch, prompts, max_tokens, eos, sampler, key) -> dict:
+    first = {}
+
+    def cb_for(i):
+        def cb(toks):
+            if i not in first:
+                first[i] = time.perf_counter()
+        return cb
+
+    jobs = [mtp_batch.MTPBatchJob(request_id=f"bench-{i}", prompt_ids=p, max_tokens=max_tokens, sampler=sampler,
+                                  seed=i, stop_token_ids=eos, token_callback=cb_for(i), compatibility_key=key)
+            for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    results = [f.result() for f in service.submit_cohort(jobs)]
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": sum(r["completion_tokens"] for r in results),
+            "ttft": [first.get(i, t0) - t0 for i in range(len(jobs))], "results": results}
+
+
+def _inproc_lone(service, mtp_batch, prompt, max_tokens, eos, sampler, key, use_submit: bool) -> float:
+    first = []
+    job = mtp_batch.MTPBatchJob(request_id="bench-lone", prompt_ids=prompt, max_tokens=max_tokens, sampler=sampler,
+                                seed=0, stop_token_ids=eos,
+                                token_callback=lambda toks: first.append(time.perf_counter()) if not first else None,
+                                compatibility_key=key)
+    t0 = time.perf_counter()
+    fut = service.submit(job) if use_submit else service.submit_cohort([job])[0]
+    fut.result()
+    return (first[0] if first else time.perf_counter()) - t0
+
+
+def _start_local_serve(app_args: Optional[dict]) -> tuple:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from deployments import build_app
+
+    ray.init(include_dashboard=False, log_to_driver=False, namespace="mtplx-bench")
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(dict(app_args or {})), name="mtplx-bench", route_prefix="/")
+
+    def stop():
+        serve.shutdown()
+        ray.shutdown()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: int = 256, rounds: int = 3,
+               lone_rounds: int = 10, two_row_case: bool = True, base_url: Optional[str] = None,
+               app_args: Optional[dict] = None, model_name: Optional[str] = None) -> dict:
+    """Run the HTTP-vs-in-process benchmark; returns a JSON-able report (see module docstring)."""
+    import mtplx
+    from mtplx.sampling import SamplerConfig
+    from mtplx.server import mtp_batch
+    from mtplx.server.openai import ChatMessage, encode_chat
+
+    model = mtplx.load_model(model_path)
+    greedy = SamplerConfig(temperature=0.0)
+    key = ("bench", "greedy")
+    eos = model.eos_token_ids
+    name = model_name or model.model_id
+    contents = [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(n_rows)]
+    prompts = [encode_chat(model.tokenizer, [ChatMessage(role="user", content=c)]) for c in contents]
+
+    def bodies(k, mt):
+        return [{"model": name, "messages": [{"role": "user", "content": contents[i]}], "temperature": 0,
+                 "max_tokens": mt, "seed": i} for i in range(k)]
+
+    stop = None
+    if base_url is None:
+        args = {"model_path": model_path, **(app_args or {})}
+        base_url, stop = _start_local_serve(args)
+    service = mtp_batch.MTPBatchGenerationService.for_model(model, widths=(3, 8))
+    report = {"base_url": base_url, "model": name, "n_rows": n_rows, "max_tokens": max_tokens, "rounds": rounds,
+              "runtime": mtplx.runtime_info()}
+    try:
+        # Warm both arms.
+        _inproc_cohort(service, mtp_batch, prompts[:n_rows], 16, eos, greedy, key)
+        asyncio.run(_http_wave(base_url, bodies(n_rows, 16), stream=True))
+
+        def cohort_case(k):
+            inproc, http_sse, http_json = [], [], []
+            same = True
+            for _ in range(rounds):
+                a = _inproc_cohort(service, mtp_batch, prompts[:k], max_tokens, eos, greedy, key)
+                b = asyncio.run(_http_wave(base_url, bodies(k, max_tokens), stream=True))
+                c = asyncio.run(_http_wave(base_url, bodies(k, max_tokens), stream=False))
+                same &= a["tokens"] == b["tokens"] == c["tokens"]
+                inproc.append(a["tokens"] / a["wall_s"])
+                http_sse.append(b["tokens"] / b["wall_s"])
+                http_json.append(c["tokens"] / c["wall_s"])
+            med = statistics.median
+            return {"rows": k, "completion_tokens": a["tokens"], "same_token_counts": bool(same),
+                    "inproc_tok_s": inproc, "http_stream_tok_s": http_sse, "http_json_tok_s": http_json,
+                    "inproc_tok_s_median": med(inproc), "http_stream_tok_s_median": med(http_sse),
+                    "http_json_tok_s_median": med(http_json),
+                    "ratio_stream": med(http_sse) / med(inproc), "ratio_json": med(http_json) / med(inproc),
+                    "http_ttft_s_median": med([r["ttft"] for r in b["rows"] if r["ttft"] is not None]),
+                    "inproc_ttft_s_median": med(a["ttft"])}
+
+        report["cohort"] = cohort_case(n_rows)
+        if two_row_case:
+            report["two_rows"] = cohort_case(2)
+
+        # A lone request: time to first token (interleaved).
+        lone_http, lone_submit, lone_cohort = [], [], []
+        for _ in range(lone_rounds):
+            lone_submit.append(_inproc_lone(service, mtp_batch, prompts[0], 8, eos, greedy, key, True))
+            lone_cohort.append(_inproc_lone(service, mtp_batch, prompts[0], 8, eos, greedy, key, False))
+            w = asyncio.run(_http_wave(base_url, bodies(1, 8), stream=True))
+            lone_http.append(w["rows"][0]["ttft"])
+        med = statistics.median
+        report["lone_ttft"] = {
+            "http_s": lone_http, "inproc_submit_s": lone_submit, "inproc_submit_cohort_s": lone_cohort,
+            "http_median_s": med(lone_http), "inproc_submit_median_s": med(lone_submit),
+            "inproc_submit_cohort_median_s": med(lone_cohort),
+            "overhead_ms_vs_submit": 1000 * (med(lone_http) - med(lone_submit)),
+            "overhead_ms_vs_submit_cohort": 1000 * (med(lone_http) - med(lone_cohort)),
+        }
+        report["targets"] = {
+            "aggregate_ratio_target": 0.85,
+            "aggregate_ratio_stream": report["cohort"]["ratio_stream"],
+            "aggregate_ratio_json": report["cohort"]["ratio_json"],
+            "ttft_overhead_target_ms": 30.0,
+            "ttft_overhead_ms": report["lone_ttft"]["overhead_ms_vs_submit"],
+        }
+        try:
+            import httpx
+
+            report["server_snapshot"] = httpx.get(f"{base_url}/v1/mtplx/snapshot", timeout=30).json()
+        except Exception as exc:  # informational only
+            report["server_snapshot"] = {"error": str(exc)}
+    finally:
+        service.shutdown()
+        if stop is not None:
+            stop()
+    return report
+
+
+def _summary(r: dict) -> str:
+    lines = [f"mtplx bench http  model={r['model']}  blas={r['runtime'].get('blas')}  max_tokens={r['max_tokens']}"]
+    for label in ("cohort", "two_rows"):
+        c = r.get(label)
+        if not c:
+            continue
+        lines.append(f"  {c['rows']} rows x {r['max_tokens']}: in-process {c['inproc_tok_s_median']:.1f} tok/s | "
+                     f"HTTP SSE {c['http_stream_tok_s_median']:.1f} ({c['ratio_stream']:.2f}x) | "
+                     f"HTTP JSON {c['http_json_tok_s_median']:.1f} ({c['ratio_json']:.2f}x) | "
+                     f"same tokens: {c['same_token_counts']}")
+    t = r["lone_ttft"]
+    lines.append(f"  lone TTFT: HTTP {1000 * t['http_median_s']:.1f} ms | in-process submit "
+                 f"{1000 * t['inproc_submit_median_s']:.1f} ms (overhead {t['overhead_ms_vs_submit']:.1f} ms) | "
+                 f"submit_cohort {1000 * t['inproc_submit_cohort_median_s']:.1f} ms "
+                 f"(overhead {t['overhead_ms_vs_submit_cohort']:.1f} ms)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--base-url", default=None)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lone-rounds", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    report = bench_http(model_path=a.model, n_rows=a.rows, max_tokens=a.max_tokens, rounds=a.rounds,
+                        lone_rounds=a.lone_rounds, base_url=a.base_url)
+    print(json.dumps(report, default=str) if a.json else _summary(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
