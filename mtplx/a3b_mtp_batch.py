@@ -109,6 +109,8 @@ class InstalledA3BMTPBatchLane:
     config_fingerprint: str
     selfcheck: dict = field(compare=False)
     prefill_chunk: int = PREFILL_CHUNK
+    compiled: bool = True                 # mx.compile the cycle's forwards when the caches allow
+    _graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------- installation
@@ -123,7 +125,7 @@ def _fingerprint(model, numerics: str, route_id: str) -> str:
 
 
 def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughput",
-                               selfcheck: bool = True) -> InstalledA3BMTPBatchLane:
+                               selfcheck: bool = True, compiled: Optional[bool] = None) -> InstalledA3BMTPBatchLane:
     """Bind a fixed-width cohort lane to a model, after a numerical self-check at real shapes."""
     if getattr(model, "mtp", None) is None:
         raise ValueError(f"cannot install an MTP batch lane: the model has no MTP head "
@@ -136,13 +138,20 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
     lane = InstalledA3BMTPBatchLane(
         model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics,
         route_id=route_id, config_fingerprint=_fingerprint(model, numerics, route_id),
-        selfcheck={"skipped": True})
+        selfcheck={"skipped": True},
+        compiled=_env_compile() if compiled is None else bool(compiled))
     if selfcheck:
         receipt = run_selfcheck(lane)
         if not receipt["ok"]:
             raise LaneSelfCheckError(f"lane {route_id} refused to install: {receipt['failures']}")
         object.__setattr__(lane, "selfcheck", receipt)
     return lane
+
+
+def _env_compile() -> bool:
+    import os
+
+    return os.environ.get("MTPLX_MTP_BATCH_COMPILE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
@@ -204,6 +213,68 @@ def _check_commit_math() -> list:
 
 
 # ---------------------------------------------------------------- the cohort driver
+
+def _flat(caches) -> list:
+    return [a for c in caches for a in (c.keys, c.values)]
+
+
+def _traced(kv, offset) -> list:
+    return [RaggedKVCache.traced(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
+
+
+class _CycleForwards:
+    """The two forwards of a cycle over fixed [W, 2] shapes: the MTP head (owed history entry +
+    draft entry) and the target verify. With attention-only caches they run as `mx.compile`d
+    graphs cached on the lane (they retrace only when a cache's capacity grows); otherwise
+    (recurrent layers) eagerly through the same code."""
+
+    def __init__(self, lane, caches, mtp_caches):
+        self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
+        self.compiled = lane.compiled and all(isinstance(c, RaggedKVCache) for c in caches + mtp_caches)
+        if self.compiled:
+            if not lane._graphs:
+                model = lane.model
+
+                def draft(h_in, t_in, sel, offset, *kv):
+                    mc = _traced(kv, offset)
+                    g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mc), sel, axis=1)
+                    return (model.logits(g)[:, 0],) + tuple(_flat(mc))
+
+                def verify(tokens, offset, *kv):
+                    tc = _traced(kv, offset)
+                    H = model.hidden(tokens, tc)
+                    return (H, model.logits(H)) + tuple(_flat(tc))
+
+                lane._graphs.update(draft=mx.compile(draft), verify=mx.compile(verify))
+            self._draft, self._verify = lane._graphs["draft"], lane._graphs["verify"]
+
+    @staticmethod
+    def _run(fn, caches, T, *args):
+        for c in caches:
+            c.ensure_capacity(int(c.lengths.max()) + T)
+        out = fn(*args, caches[0].offset, *_flat(caches))
+        n = len(out) - 2 * len(caches)
+        offset = caches[0].offset + T
+        for i, c in enumerate(caches):
+            c.keys, c.values = out[n + 2 * i], out[n + 2 * i + 1]
+            c.lengths, c.offset = c.lengths + T, offset
+        return out[:n]
+
+    def draft(self, h_in, t_in, sel):
+        """Draft logits [W, V] from the head's output at slot `sel` per row."""
+        if self.compiled:
+            return self._run(self._draft, self.mtp_caches, h_in.shape[1], h_in, t_in, sel)[0]
+        g = mx.take_along_axis(self.model.draft_hidden(h_in, t_in, self.mtp_caches), sel, axis=1)
+        return self.model.logits(g)[:, 0]
+
+    def verify(self, tokens):
+        """Target hidden [W, 2, H] and logits [W, 2, V] for [primary, draft]."""
+        if self.compiled:
+            H, L = self._run(self._verify, self.caches, tokens.shape[1], tokens)
+            return H, L
+        H = self.model.hidden(tokens, self.caches)
+        return H, self.model.logits(H)
+
 
 class _LaneRow:
     """One cohort row's own state: request, budget, stops, penalties, RNG, output."""
@@ -307,6 +378,7 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
     h_last = mx.concatenate([pr[3] for pr in per_row], axis=0)         # [W, 1, H]
     del per_row
     hist_h, hist_tok = h_last, np.zeros(W, dtype=np.int64)
+    forwards = _CycleForwards(lane, caches, mtp_caches)
     for row in rows:
         if row.live:
             row.req.on_decode_start()
@@ -348,10 +420,8 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
         owes_mx = mx.array(owes)
         slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
         slot0_t = mx.where(owes_mx, mx.array(hist_tok, dtype=mx.uint32), x0)
-        g = model.draft_hidden(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
-                               mtp_caches)
-        g = mx.take_along_axis(g, mx.array(owes.astype(np.int32))[:, None, None], axis=1)  # [W, 1, H]
-        q_logits = model.logits(g)[:, 0]                                                  # [W, V]
+        q_logits = forwards.draft(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
+                                  mx.array(owes.astype(np.int32))[:, None, None])        # [W, V]
         commit_rows(mtp_caches, 2, np.where(active, 1 + owes, 0))
         if greedy:
             d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
@@ -365,8 +435,7 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
             d = mx.array(d_host, dtype=mx.uint32)
 
         # 3. verify: target forward over [W, 2] = [x0, draft]
-        H = model.hidden(mx.stack([x0, d], axis=1), caches)   # [W, 2, Hd]
-        L = model.logits(H)                                    # [W, 2, V]
+        H, L = forwards.verify(mx.stack([x0, d], axis=1))   # [W, 2, Hd], [W, 2, V]
         if greedy:
             target_ids = mx.argmax(L, axis=-1)
             mx.eval(x0, d, target_ids)

@@ -154,3 +154,13 @@ def test_selfcheck_refuses_a_miswired_lane(model, monkeypatch):
 def test_any_width_installs(model):
     for w in (2, 5, 16):
         assert install_a3b_mtp_batch_lane(model, w).selfcheck["ok"]
+
+
+def test_compiled_and_eager_lanes_agree(model):
+    """The compiled cycle graphs are an optimisation only: same tokens, greedy and sampled."""
+    prompts = _prompts(model, 4)
+    lanes = [install_a3b_mtp_batch_lane(model, 4, compiled=c) for c in (True, False)]
+    for cfg in (GREEDY, SamplerConfig(temperature=0.7)):
+        reqs = [_req(i, p, 40, cfg, seed=i) for i, p in enumerate(prompts)]
+        a, b = (generate_a3b_mtp_batch(lane, reqs) for lane in lanes)
+        assert [s.tokens for s in a.streams] == [s.tokens for s in b.streams]

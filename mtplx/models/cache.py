@@ -32,6 +32,19 @@ class RaggedKVCache:
         self.keys, self.values = keys, values          # [B, H, capacity, D]
         self.lengths = np.asarray(lengths, dtype=np.int64).copy()  # host truth, per row
         self.offset = mx.array(self.lengths, dtype=mx.int32)
+        self.full_span = False    # traced: attend over the whole buffer, keep no host state
+
+    @classmethod
+    def traced(cls, keys: mx.array, values: mx.array, offset: mx.array) -> "RaggedKVCache":
+        """A pure-array view for `mx.compile`: shapes fixed by the buffer's capacity, no host
+        bookkeeping inside the graph (the caller advances `lengths`). The caller guarantees
+        capacity for the positions written."""
+        c = cls.__new__(cls)
+        c.keys, c.values, c.offset, c.lengths, c.full_span = keys, values, offset, None, True
+        return c
+
+    def _span(self, T: int) -> int:
+        return self.keys.shape[2] if self.full_span else int(self.lengths.max()) + T
 
     @classmethod
     def merge(cls, caches: Sequence, headroom: int = 0) -> "RaggedKVCache":
@@ -52,7 +65,7 @@ class RaggedKVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
-    def _ensure_capacity(self, needed: int) -> None:
+    def ensure_capacity(self, needed: int) -> None:
         cap = self.keys.shape[2]
         if needed <= cap:
             return
@@ -64,20 +77,23 @@ class RaggedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         B, H, T, _ = keys.shape
-        span = int(self.lengths.max()) + T
-        self._ensure_capacity(span)
+        span = self._span(T)
+        if not self.full_span:
+            self.ensure_capacity(span)
         pos = self.offset[:, None] + mx.arange(T, dtype=mx.int32)[None]          # [B, T]
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(pos[:, None, :, None], keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(
             self.values, mx.broadcast_to(pos[:, None, :, None], values.shape), values, axis=2)
-        self.lengths = self.lengths + T
         self.offset = self.offset + T
+        if self.full_span:
+            return self.keys, self.values
+        self.lengths = self.lengths + T
         return self.keys[..., :span, :], self.values[..., :span, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None) -> mx.array:
         """[B, 1, N, S]: query i of row b (at position offset_b + i) sees keys j <= offset_b + i."""
-        span = int(self.lengths.max()) + N
+        span = self._span(N)
         q_pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]       # [B, N]
         mask = mx.arange(span, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None]
         return mask[:, None]
