@@ -49,6 +49,9 @@ class AppArgs(BaseModel):
     ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)
     replica_max_ongoing_requests: int = Field(64, ge=1)
     warmup: bool = True
+    tokenizer_source: Literal["auto", "local", "replica"] = Field(
+        "auto", description="Where the ingress gets the tokenizer: the model dir on its own node "
+                            "(local), fetched from a replica (replica), or local when present (auto)")
 
     @field_validator("widths")
     @classmethod
@@ -84,7 +87,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "model_path": a.model_path, "served_model_name": a.served_model_name,
         "max_batch_size": a.max_batch_size, "batch_wait_timeout_s": a.batch_wait_timeout_s,
         "max_concurrent_batches": a.max_concurrent_batches, "default_max_tokens": a.default_max_tokens,
-        "default_generation_mode": a.default_generation_mode,
+        "default_generation_mode": a.default_generation_mode, "tokenizer_source": a.tokenizer_source,
     }
     ingress = serve.deployment(
         name=INGRESS_NAME,

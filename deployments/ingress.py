@@ -95,8 +95,14 @@ class OpenAIIngress:
         self._replica_name = getattr(replica, "deployment_name", "MTPReplica")
         model_dir = resolve_model_dir(cfg.get("model_path"))
         self.model_dir = model_dir
-        self.meta = load_model_metadata(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.meta: Optional[dict] = None
+        self.tokenizer = None
+        self._model_lock = asyncio.Lock()
+        source = cfg.get("tokenizer_source", "auto")
+        if source == "local" or (source == "auto" and (model_dir / "config.json").is_file()):
+            self._load_model_files(model_dir)
+        # else: this node does not have the checkpoint (a head node without MLX, say): the
+        # tokenizer and metadata files are fetched from a replica on first use.
         self.served_model = cfg.get("served_model_name") or model_dir.name
         self.model_aliases = {self.served_model, model_dir.name, str(model_dir), str(cfg.get("model_path") or "")}
         self.model_aliases.discard("")
@@ -118,6 +124,29 @@ class OpenAIIngress:
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
                        "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0}
         self._init_metrics()
+
+    def _load_model_files(self, model_dir: Path) -> None:
+        self.meta = load_model_metadata(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+
+    async def _ensure_model(self) -> None:
+        if self.tokenizer is not None:
+            return
+        async with self._model_lock:
+            if self.tokenizer is not None:
+                return
+            import tempfile
+
+            try:
+                files = await _call(self._replica.model_files, timeout_s=120)
+            except Exception as exc:
+                raise oa.unavailable(f"the tokenizer is not on this node and no model replica answered: "
+                                     f"{type(exc).__name__}: {exc}") from None
+            local = Path(tempfile.mkdtemp(prefix="mtplx-tokenizer-"))
+            for name, data in files.items():
+                (local / Path(name).name).write_bytes(data)
+            await asyncio.get_running_loop().run_in_executor(None, self._load_model_files, local)
+            log.info("mtplx ingress: tokenizer and metadata fetched from a replica into %s", local)
 
     def _init_metrics(self) -> None:
         self._metrics = None
@@ -157,6 +186,8 @@ class OpenAIIngress:
         method, path = request.method, request.url.path.rstrip("/") or "/"
         route = path
         try:
+            if path.startswith("/v1/") and self.tokenizer is None:
+                await self._ensure_model()
             if path == "/v1/chat/completions":
                 self._require(method, "POST", path)
                 resp = await self._chat(request)
@@ -413,7 +444,7 @@ class OpenAIIngress:
             return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503)
         ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
         body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
-                "max_context": self.meta["max_context"], "ingress": {"mlx_imported": _mlx_imported()},
+                "max_context": (self.meta or {}).get("max_context"), "ingress": {"mlx_imported": _mlx_imported()},
                 "replicas": replicas}
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -478,37 +509,47 @@ class _RowRun:
         self.final: Optional[dict] = None
         self.finish_reason: Optional[str] = None
         self.first_text_s: Optional[float] = None
-        self._events = None
+        self._queue: Optional[asyncio.Queue] = None
 
     # -- events ----------------------------------------------------------------------------------
+    #
+    # A pump task reads this row's batch slot (the @serve.batch generator) into a queue; the
+    # request handler reads the queue. When the client goes away the handler task is cancelled
+    # but the pump is not: it drains the slot to its end, so no batch future is left behind with
+    # an unretrieved exception, and the row's later events are simply dropped.
+
+    def _start_pump(self) -> None:
+        self._queue = asyncio.Queue()
+        task = asyncio.get_running_loop().create_task(self._pump())
+        self.ing._bg.add(task)
+        task.add_done_callback(self.ing._bg.discard)
+
+    async def _pump(self) -> None:
+        try:
+            async for update in self.ing._rows(self.row):
+                if update:
+                    self._queue.put_nowait(update)
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+        finally:
+            self._queue.put_nowait(_END)
 
     async def _next_update(self, timeout: Optional[float] = None) -> list:
-        if self._events is None:
-            self._events = self.ing._rows(self.row).__aiter__()
-        if timeout is None:
-            return await self._events.__anext__()
-        return await asyncio.wait_for(self._events.__anext__(), timeout)
-
-    async def _close_events(self) -> None:
-        """Consume the end-of-stream marker the batch sends right after a row's final event."""
-        if self._events is None:
-            return
-        try:
-            await asyncio.wait_for(self._events.__anext__(), 1.0)
-        except (StopAsyncIteration, asyncio.TimeoutError):
-            pass
-        except Exception:
-            pass
+        if self._queue is None:
+            self._start_pump()
+        item = await (self._queue.get() if timeout is None else asyncio.wait_for(self._queue.get(), timeout))
+        if item is _END:
+            self._queue.put_nowait(_END)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise oa.internal_error(f"the batch failed: {type(item).__name__}: {item}")
+        return item
 
     async def updates(self):
         """Yields text deltas; on return `self.final` / `self.finish_reason` are set.
         Raises OpenAIError for a failed row."""
-        try:
-            async for text in self._updates():
-                yield text
-        finally:
-            if self.finished:
-                await self._close_events()
+        async for text in self._updates():
+            yield text
 
     async def _updates(self):
         while not self.finished:
@@ -568,8 +609,6 @@ class _RowRun:
             pass
         except oa.OpenAIError:
             pass
-        if self.finished:
-            await self._close_events()
         self.finished = True
         self.finish_reason = "stop"
 
@@ -666,6 +705,9 @@ class _RowRun:
         finally:
             if not self.finished:   # disconnect mid-stream: cancel this row only
                 self.ing.cancel_row(self.rid, "disconnect")
+
+
+_END = object()
 
 
 def _row_error(payload: dict) -> oa.OpenAIError:

@@ -27,6 +27,11 @@ TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0
 WIDTH_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]
 
 
+MODEL_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                        "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
 class RowCancelled(RuntimeError):
     """A cohort row was cancelled (client gone, stop string matched, or the cancel endpoint)."""
 
@@ -142,7 +147,7 @@ class MTPReplica:
         self._mtp_batch = mtp_batch
         self._solo_cancelled = getattr(mtp_batch, "_SoloCancelled", RowCancelled)
         t0 = time.perf_counter()
-        self.model = mtplx.load_model(model_path)
+        self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
             self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
             numerics=numerics)
@@ -239,6 +244,16 @@ class MTPReplica:
             "mtp_disabled_reason": m.mtp_disabled_reason,
             "installed_widths": self.service.installed_widths, "load_s": self.load_s,
         }
+
+    async def model_files(self, **_pin) -> Dict[str, bytes]:
+        """The checkpoint's small metadata files (config, generation config, tokenizer), for an
+        ingress on a node without the checkpoint."""
+        out = {}
+        for name in MODEL_METADATA_FILES:
+            path = self.model.path / name
+            if path.is_file() and path.stat().st_size <= 64 * 1024 * 1024:
+                out[name] = path.read_bytes()
+        return out
 
     async def run_cohort(self, rows: List[dict]) -> AsyncIterator[dict]:
         """Stream one cohort. Messages: first {"replica": id}; then {"t": {row: [tokens]},

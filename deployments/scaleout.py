@@ -64,7 +64,9 @@ def run(waves: int = 3, rows_per_wave: int = 16, max_tokens: int = 48) -> dict:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app({"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpus": 1,
-                         "blas_threads": 1, "max_concurrent_batches": 4, "batch_wait_timeout_s": 0.05})
+                         "blas_threads": 1, "max_concurrent_batches": 4, "batch_wait_timeout_s": 0.05,
+                         # the ingress may land on the head node: get the tokenizer from a replica
+                         "tokenizer_source": "replica"})
         serve.run(app, name="mtplx", route_prefix="/")
         report["startup_s"] = time.time() - t0
         base = f"http://127.0.0.1:{port}"

@@ -441,3 +441,20 @@ def test_cancel_endpoint_stops_an_in_flight_request(serve_app, http):
                     finish = obj["choices"][0]["finish_reason"]
                     stats = obj["mtplx_stats"]
     assert finish == "cancelled" and stats["completion_tokens"] < 400
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "apple_silicon_qwen36_35b_a3b.yaml"])
+def test_serve_configs_are_valid(name):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.app import INGRESS_NAME, REPLICA_NAME, AppArgs
+
+    cfg = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "serve_configs" / name).read_text()))
+    (app,) = cfg.applications
+    assert app.import_path == "deployments:build_app"
+    args = AppArgs(**app.args)
+    assert args.max_batch_size * args.max_concurrent_batches <= next(
+        d.max_ongoing_requests for d in app.deployments if d.name == INGRESS_NAME)
+    assert {d.name for d in app.deployments} <= {INGRESS_NAME, REPLICA_NAME}
+    assert cfg.http_options.host == "127.0.0.1"
