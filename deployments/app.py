@@ -43,12 +43,15 @@ class AppArgs(BaseModel):
     replica_num_cpus: float = Field(1.0, ge=0.0)
     replica_resources: Optional[Dict[str, float]] = Field(
         None, description='Custom resources per replica, e.g. {"mlx": 1} to land on MLX hosts')
-    blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads in a replica (default: all cores)")
+    blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads per replica (default: replica_num_cpus)")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0.0)
     ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)
     replica_max_ongoing_requests: int = Field(64, ge=1)
     warmup: bool = True
+    niceness: Optional[int] = Field(
+        0, ge=-20, le=19, description="Niceness of replica and ingress processes (Ray starts workers at 15; "
+                                      "null keeps Ray's value; lowering needs CAP_SYS_NICE)")
     tokenizer_source: Literal["auto", "local", "replica"] = Field(
         "auto", description="Where the ingress gets the tokenizer: the model dir on its own node "
                             "(local), fetched from a replica (replica), or local when present (auto)")
@@ -80,14 +83,14 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     )(MTPReplica).bind(
         model_path=a.model_path, widths=tuple(a.widths), batch_wait_s=a.service_batch_wait_s,
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
-        warmup=a.warmup)
+        warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches.
     ingress_ongoing = a.ingress_max_ongoing_requests or max(256, 4 * a.max_batch_size * a.max_concurrent_batches)
     ingress_cfg = {
         "model_path": a.model_path, "served_model_name": a.served_model_name,
         "max_batch_size": a.max_batch_size, "batch_wait_timeout_s": a.batch_wait_timeout_s,
         "max_concurrent_batches": a.max_concurrent_batches, "default_max_tokens": a.default_max_tokens,
-        "default_generation_mode": a.default_generation_mode, "tokenizer_source": a.tokenizer_source,
+        "default_generation_mode": a.default_generation_mode, "tokenizer_source": a.tokenizer_source, "niceness": a.niceness,
     }
     ingress = serve.deployment(
         name=INGRESS_NAME,

@@ -69,14 +69,10 @@ async def _http_row(client, url: str, body: dict, stream: bool) -> dict:
     return {"t0": t0, "end": time.perf_counter(), "ttft": ttft, "completion_tokens": tokens, "text": "".join(text)}
 
 
-async def _http_wave(base_url: str, bodies: list, stream: bool) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        rows = await asyncio.gather(*[_http_row(client, "/v1/chat/completions", b, stream) for b in bodies])
-        wall = time.perf_counter() - t0
+async def _http_wave(client, bodies: list, stream: bool) -> dict:
+    t0 = time.perf_counter()
+    rows = await asyncio.gather(*[_http_row(client, "/v1/chat/completions", b, stream) for b in bodies])
+    wall = time.perf_counter() - t0
     return {"wall_s": wall, "rows": rows, "tokens": sum(r["completion_tokens"] or 0 for r in rows)}
 
 
@@ -111,6 +107,35 @@ def _inproc_lone(service, mtp_batch, prompt, max_tokens, eos, sampler, key, use_
     return (first[0] if first else time.perf_counter()) - t0
 
 
+def _replica_blas_threads(base_url: str) -> Optional[int]:
+    import httpx
+
+    try:
+        health = httpx.get(f"{base_url}/health", timeout=60).json()
+        threads = {r.get("blas_threads") for r in health.get("replicas", {}).values() if isinstance(r, dict)}
+        threads.discard(None)
+        return min(threads) if threads else None
+    except Exception:
+        return None
+
+
+def _set_blas_threads(n: Optional[int], runtime: dict) -> Optional[int]:
+    """openblas_set_num_threads(n) in this process (the library mtplx loaded); returns the count
+    now in effect, or None when it cannot be controlled (no OpenBLAS, e.g. macOS)."""
+    import ctypes
+
+    path = runtime.get("blas_path")
+    if runtime.get("blas") != "openblas" or not path:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        if n:
+            lib.openblas_set_num_threads(int(n))
+        return int(lib.openblas_get_num_threads())
+    except (OSError, AttributeError):
+        return None
+
+
 def _start_local_serve(app_args: Optional[dict]) -> tuple:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -132,7 +157,7 @@ def _start_local_serve(app_args: Optional[dict]) -> tuple:
 
 def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: int = 256, rounds: int = 3,
                lone_rounds: int = 10, two_row_case: bool = True, base_url: Optional[str] = None,
-               app_args: Optional[dict] = None, model_name: Optional[str] = None) -> dict:
+               app_args: Optional[dict] = None, model_name: Optional[str] = None, settle_s: float = 0.3) -> dict:
     """Run the HTTP-vs-in-process benchmark; returns a JSON-able report (see module docstring)."""
     import mtplx
     from mtplx.sampling import SamplerConfig
@@ -155,53 +180,17 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     if base_url is None:
         args = {"model_path": model_path, **(app_args or {})}
         base_url, stop = _start_local_serve(args)
+    # Same BLAS thread count in both arms (the replica reports its own in /health).
+    replica_threads = _replica_blas_threads(base_url)
+    inproc_threads = _set_blas_threads(replica_threads, mtplx.runtime_info())
     service = mtp_batch.MTPBatchGenerationService.for_model(model, widths=(3, 8))
     report = {"base_url": base_url, "model": name, "n_rows": n_rows, "max_tokens": max_tokens, "rounds": rounds,
-              "runtime": mtplx.runtime_info()}
+              "runtime": mtplx.runtime_info(), "settle_s": settle_s,
+              "blas_threads": {"replica": replica_threads, "in_process": inproc_threads}}
     try:
-        # Warm both arms.
-        _inproc_cohort(service, mtp_batch, prompts[:n_rows], 16, eos, greedy, key)
-        asyncio.run(_http_wave(base_url, bodies(n_rows, 16), stream=True))
-
-        def cohort_case(k):
-            inproc, http_sse, http_json = [], [], []
-            same = True
-            for _ in range(rounds):
-                a = _inproc_cohort(service, mtp_batch, prompts[:k], max_tokens, eos, greedy, key)
-                b = asyncio.run(_http_wave(base_url, bodies(k, max_tokens), stream=True))
-                c = asyncio.run(_http_wave(base_url, bodies(k, max_tokens), stream=False))
-                same &= a["tokens"] == b["tokens"] == c["tokens"]
-                inproc.append(a["tokens"] / a["wall_s"])
-                http_sse.append(b["tokens"] / b["wall_s"])
-                http_json.append(c["tokens"] / c["wall_s"])
-            med = statistics.median
-            return {"rows": k, "completion_tokens": a["tokens"], "same_token_counts": bool(same),
-                    "inproc_tok_s": inproc, "http_stream_tok_s": http_sse, "http_json_tok_s": http_json,
-                    "inproc_tok_s_median": med(inproc), "http_stream_tok_s_median": med(http_sse),
-                    "http_json_tok_s_median": med(http_json),
-                    "ratio_stream": med(http_sse) / med(inproc), "ratio_json": med(http_json) / med(inproc),
-                    "http_ttft_s_median": med([r["ttft"] for r in b["rows"] if r["ttft"] is not None]),
-                    "inproc_ttft_s_median": med(a["ttft"])}
-
-        report["cohort"] = cohort_case(n_rows)
-        if two_row_case:
-            report["two_rows"] = cohort_case(2)
-
-        # A lone request: time to first token (interleaved).
-        lone_http, lone_submit, lone_cohort = [], [], []
-        for _ in range(lone_rounds):
-            lone_submit.append(_inproc_lone(service, mtp_batch, prompts[0], 8, eos, greedy, key, True))
-            lone_cohort.append(_inproc_lone(service, mtp_batch, prompts[0], 8, eos, greedy, key, False))
-            w = asyncio.run(_http_wave(base_url, bodies(1, 8), stream=True))
-            lone_http.append(w["rows"][0]["ttft"])
-        med = statistics.median
-        report["lone_ttft"] = {
-            "http_s": lone_http, "inproc_submit_s": lone_submit, "inproc_submit_cohort_s": lone_cohort,
-            "http_median_s": med(lone_http), "inproc_submit_median_s": med(lone_submit),
-            "inproc_submit_cohort_median_s": med(lone_cohort),
-            "overhead_ms_vs_submit": 1000 * (med(lone_http) - med(lone_submit)),
-            "overhead_ms_vs_submit_cohort": 1000 * (med(lone_http) - med(lone_cohort)),
-        }
+        report.update(asyncio.run(_bench_async(
+            base_url, service, mtp_batch, prompts, bodies, n_rows, max_tokens, rounds, lone_rounds, two_row_case,
+            eos, greedy, key, settle_s)))
         report["targets"] = {
             "aggregate_ratio_target": 0.85,
             "aggregate_ratio_stream": report["cohort"]["ratio_stream"],
@@ -222,8 +211,79 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     return report
 
 
+async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, max_tokens, rounds, lone_rounds,
+                       two_row_case, eos, greedy, key, settle_s) -> dict:
+    """All arms on one event loop with one keep-alive HTTP client (like a real client); the
+    in-process arms run in a worker thread. Arms alternate, with a short settle pause between
+    them so one arm's spinning BLAS threads do not tax the next."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    med = statistics.median
+
+    async def inproc(fn, *args):
+        return await loop.run_in_executor(None, fn, *args)
+
+    async def settle():
+        await asyncio.sleep(settle_s)
+
+    out: dict = {}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        # Warm both arms (lanes, compiled graphs, connections).
+        for k in sorted({n_rows, 2, 1}):
+            await inproc(_inproc_cohort, service, mtp_batch, prompts[:k], 16, eos, greedy, key)
+            await _http_wave(client, bodies(k, 16), stream=True)
+
+        async def cohort_case(k):
+            inp, sse_, js = [], [], []
+            same = True
+            for _ in range(rounds):
+                await settle()
+                a = await inproc(_inproc_cohort, service, mtp_batch, prompts[:k], max_tokens, eos, greedy, key)
+                await settle()
+                b = await _http_wave(client, bodies(k, max_tokens), stream=True)
+                await settle()
+                c = await _http_wave(client, bodies(k, max_tokens), stream=False)
+                same &= a["tokens"] == b["tokens"] == c["tokens"]
+                inp.append(a["tokens"] / a["wall_s"])
+                sse_.append(b["tokens"] / b["wall_s"])
+                js.append(c["tokens"] / c["wall_s"])
+            return {"rows": k, "completion_tokens": a["tokens"], "same_token_counts": bool(same),
+                    "inproc_tok_s": inp, "http_stream_tok_s": sse_, "http_json_tok_s": js,
+                    "inproc_tok_s_median": med(inp), "http_stream_tok_s_median": med(sse_),
+                    "http_json_tok_s_median": med(js),
+                    "ratio_stream": med(sse_) / med(inp), "ratio_json": med(js) / med(inp),
+                    "http_ttft_s_median": med([r["ttft"] for r in b["rows"] if r["ttft"] is not None]),
+                    "inproc_ttft_s_median": med(a["ttft"])}
+
+        out["cohort"] = await cohort_case(n_rows)
+        if two_row_case:
+            out["two_rows"] = await cohort_case(2)
+
+        # A lone request: time to first token, interleaved.
+        lone_http, lone_submit, lone_cohort = [], [], []
+        for _ in range(lone_rounds):
+            await settle()
+            lone_submit.append(await inproc(_inproc_lone, service, mtp_batch, prompts[0], 8, eos, greedy, key, True))
+            await settle()
+            lone_cohort.append(await inproc(_inproc_lone, service, mtp_batch, prompts[0], 8, eos, greedy, key, False))
+            await settle()
+            w = await _http_wave(client, bodies(1, 8), stream=True)
+            lone_http.append(w["rows"][0]["ttft"])
+        out["lone_ttft"] = {
+            "http_s": lone_http, "inproc_submit_s": lone_submit, "inproc_submit_cohort_s": lone_cohort,
+            "http_median_s": med(lone_http), "inproc_submit_median_s": med(lone_submit),
+            "inproc_submit_cohort_median_s": med(lone_cohort),
+            "overhead_ms_vs_submit": 1000 * (med(lone_http) - med(lone_submit)),
+            "overhead_ms_vs_submit_cohort": 1000 * (med(lone_http) - med(lone_cohort)),
+        }
+    return out
+
+
 def _summary(r: dict) -> str:
-    lines = [f"mtplx bench http  model={r['model']}  blas={r['runtime'].get('blas')}  max_tokens={r['max_tokens']}"]
+    lines = [f"mtplx bench http  model={r['model']}  blas={r['runtime'].get('blas')} "
+             f"threads={r.get('blas_threads')}  max_tokens={r['max_tokens']}"]
     for label in ("cohort", "two_rows"):
         c = r.get(label)
         if not c:
@@ -254,7 +314,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     report = bench_http(model_path=a.model, n_rows=a.rows, max_tokens=a.max_tokens, rounds=a.rounds,
                         lone_rounds=a.lone_rounds, base_url=a.base_url)
-    print(json.dumps(report, default=str) if a.json else _summary(report))
+    print(json.dumps(report, default=str) if a.json else _summary(report), flush=True)
     return 0
 
 

@@ -90,6 +90,9 @@ class OpenAIIngress:
 
     def __init__(self, replica, config: Optional[dict] = None):
         cfg = dict(config or {})
+        from ._proc import renice_process
+
+        renice_process(cfg.get("niceness", 0))
         self._replica = replica
         self._replica_stream = replica.options(stream=True)
         self._replica_name = getattr(replica, "deployment_name", "MTPReplica")
@@ -294,6 +297,7 @@ class OpenAIIngress:
     async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, request: Request) -> Response:
         rid = request.headers.get("x-mtplx-request-id") or oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
         row = self._make_row(req, prompt_ids, rid)
+        row["http_received_at"] = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         run = _RowRun(self, row, req, kind, t0)
         headers = {"x-mtplx-request-id": rid}
@@ -309,6 +313,9 @@ class OpenAIIngress:
 
     async def _cohort_batch(self, rows: List[dict]):
         n = len(rows)
+        now = time.time()
+        for row in rows:
+            row["batch_started_at"] = now
         self._stats["batches"] += 1
         hist = self._stats["batch_size_histogram"]
         hist[str(n)] = hist.get(str(n), 0) + 1
@@ -509,6 +516,7 @@ class _RowRun:
         self.final: Optional[dict] = None
         self.finish_reason: Optional[str] = None
         self.first_text_s: Optional[float] = None
+        self.first_tokens_at: Optional[float] = None
         self._queue: Optional[asyncio.Queue] = None
 
     # -- events ----------------------------------------------------------------------------------
@@ -569,6 +577,8 @@ class _RowRun:
     def _apply(self, event) -> str:
         kind, payload = event
         if kind == "tokens":
+            if self.first_tokens_at is None:
+                self.first_tokens_at = time.time()
             if self.stops.stopped:
                 return ""
             self.n_tokens += len(payload)
@@ -619,10 +629,26 @@ class _RowRun:
         stats = dict(fin.get("stats") or {})
         stats["http_ttft_s"] = (self.first_text_s - self.t0) if self.first_text_s else None
         stats["http_elapsed_s"] = time.perf_counter() - self.t0
+        stats.update(self._timeline(stats))
         if self.stops.stopped:
             stats["stop_string_matched"] = True
             stats["finish_reason"] = "stop"
         return oa.usage(prompt_tokens, completion, fin.get("cached_tokens", 0)), stats
+
+    def _timeline(self, stats: dict) -> dict:
+        """Where a request's time to first token went (wall clock deltas across processes)."""
+        t_http, t_batch = self.row.get("http_received_at"), self.row.get("batch_started_at")
+        t_rep, t_first = stats.pop("replica_received_at", None), stats.pop("replica_first_token_at", None)
+        out = {}
+        if t_http and t_batch:
+            out["http_batch_wait_s"] = t_batch - t_http
+        if t_batch and t_rep:
+            out["http_dispatch_s"] = t_rep - t_batch
+        if t_rep and t_first:
+            out["replica_first_token_s"] = t_first - t_rep
+        if t_first and self.first_tokens_at:
+            out["http_token_return_s"] = self.first_tokens_at - t_first
+        return out
 
     def _mark_text(self) -> None:
         if self.first_text_s is None:
