@@ -186,7 +186,11 @@ class OpenAIIngress:
     # HTTP dispatch
 
     async def __call__(self, request: Request) -> Response:
-        method, path = request.method, request.url.path.rstrip("/") or "/"
+        method, path = request.method, request.url.path
+        root = request.scope.get("root_path") or ""
+        if root and path.startswith(root):   # an app served under a route_prefix
+            path = path[len(root):]
+        path = path.rstrip("/") or "/"
         route = path
         try:
             if path.startswith("/v1/") and self.tokenizer is None:

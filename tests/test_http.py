@@ -458,3 +458,19 @@ def test_serve_configs_are_valid(name):
         d.max_ongoing_requests for d in app.deployments if d.name == INGRESS_NAME)
     assert {d.name for d in app.deployments} <= {INGRESS_NAME, REPLICA_NAME}
     assert cfg.http_options.host == "127.0.0.1"
+
+
+@RAY_MARK
+def test_non_streaming_client_that_leaves_cancels_its_row(serve_app, http):
+    import httpx
+
+    before = _replica_sum(_snapshot(http), "requests_cancelled")
+    body = {"model": "mtplx-tiny-py", "messages": [{"role": "user", "content": PROMPTS[6]}], "temperature": 0,
+            "max_tokens": 600}
+    with httpx.Client(base_url=serve_app.base, timeout=httpx.Timeout(60, read=0.6)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json=body)
+    deadline = time.time() + 10
+    while _replica_sum(_snapshot(http), "requests_cancelled") <= before and time.time() < deadline:
+        time.sleep(0.1)
+    assert _replica_sum(_snapshot(http), "requests_cancelled") > before
