@@ -262,17 +262,28 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
-        prompt_ids = oa.encode_chat(self.tokenizer, req.messages)
+        size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
+        prompt_ids = await self._off_loop(size, oa.encode_chat, self.tokenizer, req.messages)
         return await self._generate("chat", req, prompt_ids, t0, request)
 
     async def _completions(self, request: Request) -> Response:
         t0 = time.perf_counter()
         req = oa.parse_request(oa.CompletionRequest, await self._body(request))
         self._check_model(req.model)
-        prompt_ids = oa.encode_prompt(self.tokenizer, req.single_prompt(), self.meta["vocab_size"] or 2 ** 31)
+        prompt = req.single_prompt()
+        prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
+                                          self.meta["vocab_size"] or 2 ** 31)
         if not prompt_ids:
             raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
         return await self._generate("completion", req, prompt_ids, t0, request)
+
+    @staticmethod
+    async def _off_loop(size: int, fn, *args):
+        """Small prompts are tokenized inline; long ones in a worker thread so that one big prompt
+        does not stall every other request's stream on this event loop."""
+        if size < 16384:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     def _make_row(self, req, prompt_ids: List[int], rid: str) -> dict:
         max_context = self.meta["max_context"]
