@@ -69,10 +69,9 @@ def serve_app():
 
 
 @pytest.fixture(scope="session")
-def ref_model():
-    import mtplx
-
-    return mtplx.load_model()
+def ref_model(model):
+    """The engine in this process (tests/conftest.py's shared shipped model), for references."""
+    return model
 
 
 @pytest.fixture()
