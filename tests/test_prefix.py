@@ -83,3 +83,28 @@ def test_bank_lru_budget_and_longest_match(model):
     assert bank.lookup([7]) is None
     bank.commit(state([5, 6], 400))      # over budget: evicts the least recently used
     assert bank.stats()["evictions"] == 1 and bank.lookup([1, 2, 3, 4, 0]).key == (1, 2)
+
+
+def test_service_reuses_prefixes_for_jobs_without_hooks(model):
+    """for_model gives the service a bank: a second job sharing a long prefix reports cached
+    tokens and the same greedy output as a cold run."""
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+
+    service = MTPBatchGenerationService.for_model(model, widths=(3,))
+    try:
+        base = _ids(_chat(model, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]))
+
+        def job(i, prompt):
+            return MTPBatchJob(request_id=f"r{i}", prompt_ids=prompt, max_tokens=16, sampler=GREEDY,
+                               draft_sampler=GREEDY, seed=0, stop_token_ids=set(), token_callback=None,
+                               compatibility_key=("k",), generation_limits={}, solo_runner=None,
+                               cancel_error=lambda j: RuntimeError("cancelled"))
+
+        first = service.submit(job(0, base)).result(timeout=120)
+        second = service.submit(job(1, base + [7, 8])).result(timeout=120)
+        cold = generate_mtpk(model, base + [7, 8], 16, GREEDY)
+        assert first["stats"]["cached_tokens"] == 0 and second["stats"]["cached_tokens"] >= 256
+        assert second["tokens"] == cold.tokens
+        assert service.snapshot()["session_bank"]["hits"] >= 1
+    finally:
+        service.shutdown(timeout_s=10)

@@ -393,8 +393,11 @@ class MTPBatchGenerationService:
     def __init__(self, model=None, lanes=None, *, driver: Optional[Callable] = None,
                  batch_wait_s: float = DEFAULT_BATCH_WAIT_S, numerics: Optional[str] = None,
                  owner_finalize: Optional[Callable[[list], Any]] = None,
-                 max_cohort_rows: int = MAX_COHORT_ROWS, start: bool = True):
+                 max_cohort_rows: int = MAX_COHORT_ROWS, start: bool = True, session_bank=None):
         self.model = model
+        # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
+        # is unchanged by reuse; see mtplx.prefix_cache).
+        self.session_bank = session_bank
         self.batch_wait_s = max(0.0, float(batch_wait_s))
         self._driver = driver
         self._owner_finalize = owner_finalize
@@ -443,6 +446,10 @@ class MTPBatchGenerationService:
         ``b1-exact`` installs no lane: every job runs through the solo path."""
         if numerics not in NUMERICS:
             raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS}")
+        if "session_bank" not in kwargs and getattr(model, "mtp", None) is not None:
+            from ..session_bank import SessionBank
+
+            kwargs["session_bank"] = SessionBank(f"{model.model_id}:{hash(repr(sorted(model.config.items())))}")
         service = cls(model, {}, batch_wait_s=batch_wait_s, numerics=numerics, **kwargs)
         if numerics != "b1-exact":
             try:
@@ -582,6 +589,8 @@ class MTPBatchGenerationService:
         for job in jobs:
             if not isinstance(job, MTPBatchJob):
                 raise TypeError(f"submit expects MTPBatchJob, got {type(job).__name__}")
+            if self.session_bank is not None and job.session_restore is None and job.session_commit is None:
+                job.session_restore, job.session_commit = self.session_bank.hooks(job.prompt_ids)
             if job._service is not None:
                 raise ValueError(f"job {job.request_id!r} was already submitted")
         accepted = []
@@ -856,7 +865,9 @@ class MTPBatchGenerationService:
         return generate_mtpk(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
                              draft_sampler=job.draft_sampler, depth=MTP_DEPTH, seed=job.seed,
                              stop_token_ids=job.stop_token_ids,
-                             omit_speculative_bonus=job.omit_speculative_bonus, on_token=on_token)
+                             omit_speculative_bonus=job.omit_speculative_bonus, on_token=on_token,
+                             session_restore=_failsafe(job.session_restore),
+                             session_commit=_failsafe(job.session_commit))
 
     # -- cohorts -----------------------------------------------------------------------------
 
@@ -962,6 +973,7 @@ class MTPBatchGenerationService:
                 "forced_width": self.forced_width,
                 "numerics": self.numerics,
                 "route_ids": {str(w): lane.route_id for w, lane in sorted(self._lanes.items())},
+                "session_bank": self.session_bank.stats() if self.session_bank is not None else None,
                 "config_fingerprints": {str(w): getattr(lane, "config_fingerprint", None)
                                         for w, lane in sorted(self._lanes.items())},
                 "batch_wait_s": self.batch_wait_s,
