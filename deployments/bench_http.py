@@ -281,7 +281,8 @@ async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, ma
     return out
 
 
-def _summary(r: dict) -> str:
+def format_report(r: dict) -> str:
+    """A few human-readable lines from a bench_http report."""
     lines = [f"mtplx bench http  model={r['model']}  blas={r['runtime'].get('blas')} "
              f"threads={r.get('blas_threads')}  max_tokens={r['max_tokens']}"]
     for label in ("cohort", "two_rows"):
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     report = bench_http(model_path=a.model, n_rows=a.rows, max_tokens=a.max_tokens, rounds=a.rounds,
                         lone_rounds=a.lone_rounds, base_url=a.base_url)
-    print(json.dumps(report, default=str) if a.json else _summary(report), flush=True)
+    print(json.dumps(report, default=str) if a.json else format_report(report), flush=True)
     return 0
 
 
@@ -326,3 +327,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+_summary = format_report   # older name
