@@ -262,7 +262,7 @@ class _CycleForwards:
 
     def draft(self, h_in, t_in, sel):
         """Draft logits [W, V] from the head's output at slot `sel` per row."""
-        if self.compiled:
+        if self.compiled and self.mtp_caches[0].keys is not None:
             return self._run(self._draft, self.mtp_caches, h_in.shape[1], h_in, t_in, sel)[0]
         g = mx.take_along_axis(self.model.draft_hidden(h_in, t_in, self.mtp_caches), sel, axis=1)
         return self.model.logits(g)[:, 0]
@@ -326,10 +326,26 @@ class _LaneRow:
         return not self.live
 
 
+def solo_lane(model) -> InstalledA3BMTPBatchLane:
+    """The one-row lane the solo depth-1 path decodes through (compiled cycle graphs, same code
+    as the cohorts). Cached on the model; its numerics are covered by the cohort self-checks and
+    the solo exactness tests."""
+    lane = getattr(model, "_solo_lane", None)
+    if lane is None:
+        route_id = _route_id(model, 1, "throughput")
+        lane = InstalledA3BMTPBatchLane(
+            model=model, width=1, depth=DEPTH, verify_t=VERIFY_T, numerics="throughput", route_id=route_id,
+            config_fingerprint=_fingerprint(model, "throughput", route_id), selfcheck={"skipped": "solo lane"},
+            compiled=_env_compile())
+        model._solo_lane = lane
+    return lane
+
+
 def _validate(lane, requests) -> None:
     n = len(requests)
-    if not MIN_WIDTH <= n <= lane.width:
-        raise ValueError(f"a cohort needs {MIN_WIDTH}..{lane.width} requests for lane {lane.route_id}; got {n}")
+    lo = 1 if lane.width == 1 else MIN_WIDTH
+    if not lo <= n <= lane.width:
+        raise ValueError(f"a cohort needs {lo}..{lane.width} requests for lane {lane.route_id}; got {n}")
     for r in requests:
         if not r.prompt_ids:
             raise ValueError(f"request {r.request_id}: prompt_ids is empty")

@@ -197,6 +197,47 @@ def generate_ar(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig 
     return GenerationResult(row.tokens, row.finish_reason, stats)
 
 
+def _generate_mtp1(model, prompt, max_tokens, sampler, draft_sampler, seed, stop_token_ids,
+                   omit_speculative_bonus, on_token, session_restore, session_commit) -> GenerationResult:
+    """Depth 1 runs as a one-row cohort of the batched lane: the same decode code and RNG order,
+    with the cycle's forwards compiled for fixed shapes."""
+    from .a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, solo_lane
+
+    errors = []
+
+    def forward_token(token):
+        try:
+            on_token(token)
+        except BaseException as exc:  # surface the caller's own exception, as the loop path does
+            errors.append(exc)
+            raise
+
+    req = A3BMTPBatchRequest(
+        request_id="solo", prompt_ids=prompt, sampler=sampler, draft_sampler=draft_sampler, seed=seed,
+        max_tokens=int(max_tokens), stop_token_ids=frozenset(stop_token_ids),
+        omit_speculative_bonus=omit_speculative_bonus,
+        on_token=forward_token if on_token is not None else (lambda _t: None),
+        session_restore=session_restore, session_commit=session_commit)
+    t_start = time.perf_counter()
+    res = generate_a3b_mtp_batch(solo_lane(model), [req])
+    if errors:
+        raise errors[0]
+    s = res.streams[0]
+    n = len(s.tokens)
+    decode_s = max(s.terminal_perf_s - (t_start + res.prefill_s), 1e-9)
+    elapsed = max(s.terminal_perf_s - t_start, 1e-9)
+    stats = {
+        "prompt_tokens": len(prompt), "completion_tokens": n, "prompt_eval_time_s": res.prefill_s,
+        "decode_elapsed_s": decode_s, "decode_tok_s": n / decode_s, "elapsed_s": elapsed,
+        "end_to_end_tok_s": n / elapsed, "mode": "mtp", "generation_mode": "mtp", "mtp_depth": 1,
+        "cached_tokens": s.cached_tokens, "accepted_drafts": s.accepted_drafts,
+        "rejected_drafts": s.rejected_drafts, "verify_calls": s.cycles,
+        "acceptance_rate": s.accepted_drafts / max(s.accepted_drafts + s.rejected_drafts, 1),
+        "mean_tokens_per_verify": n / max(s.cycles, 1),
+    }
+    return GenerationResult(list(s.tokens), s.finish_reason, stats)
+
+
 def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig = SamplerConfig(),
                   draft_sampler: Optional[SamplerConfig] = None, depth: int = 1, seed: int = 0,
                   stop_token_ids: Iterable[int] = frozenset(), omit_speculative_bonus: bool = False,
@@ -209,6 +250,9 @@ def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfi
         raise ValueError(f"depth={depth} is invalid: must be 1, 2 or 3")
     prompt = check_request(model, prompt_ids, max_tokens)
     draft_sampler = draft_sampler or sampler
+    if int(depth) == 1:
+        return _generate_mtp1(model, prompt, max_tokens, sampler, draft_sampler, seed, stop_token_ids,
+                              omit_speculative_bonus, on_token, session_restore, session_commit)
     row = _Row(model, sampler, max_tokens, seed, stop_token_ids)
     greedy = sampler.is_greedy and draft_sampler.is_greedy and not sampler.has_penalties
     t_start = time.perf_counter()

@@ -19,7 +19,7 @@ implement the same four in their own module):
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +65,16 @@ class RaggedKVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
-    def ensure_capacity(self, needed: int) -> None:
+    def ensure_capacity(self, needed: int, like: Optional[tuple] = None) -> None:
+        if self.keys is None:        # every row started empty: allocate from the first write
+            if like is None:
+                return
+            k, v = like
+            B, H, _, Dk = k.shape
+            cap = -(-needed // STEP) * STEP
+            self.keys = mx.zeros((B, H, cap, Dk), k.dtype)
+            self.values = mx.zeros((B, H, cap, v.shape[3]), v.dtype)
+            return
         cap = self.keys.shape[2]
         if needed <= cap:
             return
@@ -79,7 +88,7 @@ class RaggedKVCache:
         B, H, T, _ = keys.shape
         span = self._span(T)
         if not self.full_span:
-            self.ensure_capacity(span)
+            self.ensure_capacity(span, like=(keys, values))
         pos = self.offset[:, None] + mx.arange(T, dtype=mx.int32)[None]          # [B, T]
         self.keys = mx.put_along_axis(
             self.keys, mx.broadcast_to(pos[:, None, :, None], keys.shape), keys, axis=2)
@@ -111,7 +120,7 @@ class RaggedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 def merge_layer(per_row: Sequence, headroom: int = 2):
@@ -122,8 +131,8 @@ def merge_layer(per_row: Sequence, headroom: int = 2):
     if hasattr(first, "merge_rows"):
         return type(first).merge_rows(per_row)
     ref = next((c for c in per_row if c.keys is not None), None)
-    if ref is None:
-        raise RuntimeError("no row has any cached positions; prefill the rows first")
+    if ref is None:  # e.g. the MTP history of 1-token prompts: buffers come with the first write
+        return RaggedKVCache(None, None, [0] * len(per_row))
     for c in per_row:
         if c.keys is None:
             shape_k, shape_v = list(ref.keys.shape), list(ref.values.shape)
