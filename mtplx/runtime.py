@@ -79,6 +79,19 @@ def warn_if_slow_blas() -> None:
         )
 
 
+def clear_streams_at_exit() -> None:
+    """MLX expects each thread, the main one included, to tear down its own streams before the
+    interpreter finalizes; otherwise exit can abort. Registered once, on first model load."""
+    if _state.get("atexit"):
+        return
+    _state["atexit"] = True
+    import atexit
+
+    import mlx.core as mx
+
+    atexit.register(mx.clear_streams)
+
+
 def runtime_info() -> dict:
     """What is live: BLAS, MLX device and versions."""
     import mlx.core as mx

@@ -165,9 +165,10 @@ def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Option
 
 def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
     """Load a checkpoint directory; None loads the shipped default model."""
-    from ..runtime import warn_if_slow_blas
+    from ..runtime import clear_streams_at_exit, warn_if_slow_blas
 
     warn_if_slow_blas()
+    clear_streams_at_exit()
     path = Path(path) if path is not None else SHIPPED_MODEL
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")

@@ -46,12 +46,14 @@ Other choices worth knowing:
 from __future__ import annotations
 
 import asyncio
+import atexit
 import math
 import os
 import secrets
 import statistics
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Optional
@@ -380,6 +382,20 @@ class _SoloCancelled(Exception):
     pass
 
 
+_LIVE_SERVICES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_services() -> None:
+    """Stop owner threads before the interpreter finalizes: an MLX thread torn down during
+    finalization aborts the process ("terminate called without an active exception")."""
+    for service in list(_LIVE_SERVICES):
+        try:
+            service.shutdown(timeout_s=5)
+        except Exception:
+            pass
+
+
 class MTPBatchGenerationService:
     """Seals compatible jobs into cohorts and runs them on one model-owner thread.
 
@@ -661,7 +677,16 @@ class MTPBatchGenerationService:
     # -- the owner thread --------------------------------------------------------------------
 
     def _owner_main(self) -> None:
+        import mlx.core as mx
+
+        try:
+            self._owner_loop()
+        finally:
+            mx.clear_streams()   # MLX needs its per-thread streams torn down by the thread itself
+
+    def _owner_loop(self) -> None:
         self._owner_ident = threading.get_ident()
+        _LIVE_SERVICES.add(self)
         while True:
             with self._cond:
                 self._busy = False
