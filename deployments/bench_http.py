@@ -320,12 +320,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Exit without interpreter teardown: an MTP batch service whose lanes were installed on its
-    # owner thread currently aborts at teardown ("terminate called without an active exception",
-    # an engine issue reported upstream), which would turn a finished benchmark into exit code 134.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
 
 _summary = format_report   # older name

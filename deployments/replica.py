@@ -183,7 +183,7 @@ class MTPReplica:
         self._mtplx = mtplx
         self._generate_ar = generate_ar
         self._mtp_batch = mtp_batch
-        self._solo_cancelled = getattr(mtp_batch, "_SoloCancelled", RowCancelled)
+        self._solo_cancelled = mtp_batch.SoloCancelled
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)
         self.service = mtp_batch.MTPBatchGenerationService.for_model(

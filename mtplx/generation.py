@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplerConfig, distribution, sample, token_counts, verify_one_token
+from .sampling import SamplerConfig, distribution, sample, verify_one_token
 
 PREFILL_CHUNK = 256
 
@@ -109,13 +109,13 @@ def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
             cache, start = None, 0
     if cache is None:
         cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
-    hook = None
-    if session_commit is not None:
-        def hook(m):
-            try:
-                session_commit(snapshot(prompt, m, cache, mtp_cache))
-            except Exception:
-                pass
+    def commit_boundary(m):
+        try:
+            session_commit(snapshot(prompt, m, cache, mtp_cache))
+        except Exception:
+            pass
+
+    hook = commit_boundary if session_commit is not None else None
     out = prefill(model, prompt, cache, mtp_cache, chunk, cancelled=cancelled, start=start, boundary_hook=hook)
     return cache, mtp_cache, out, start
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import sysconfig
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import mtplx  # noqa: E402  (loads the fast BLAS before MLX)
+import mtplx  # noqa: E402,F401  (loads the fast BLAS before MLX)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402

@@ -50,9 +50,6 @@ class RaggedKVCache:
     def merge(cls, caches: Sequence, headroom: int = 0) -> "RaggedKVCache":
         """Merge per-row mlx-lm KVCaches (each [1, H, L_i, D]) into one ragged batch."""
         lengths = [c.offset for c in caches]
-        ref = next(c for c in caches if c.keys is not None)
-        _, H, _, Dk = ref.keys.shape
-        Dv = ref.values.shape[3]
         cap = -(-(max(lengths) + headroom + 1) // STEP) * STEP
         rows_k, rows_v = [], []
         for c, n in zip(caches, lengths):

@@ -378,8 +378,8 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
 # The service
 
 
-class _SoloCancelled(Exception):
-    pass
+class SoloCancelled(Exception):
+    """Raised from a solo run's token callback to stop a job that was cancelled mid-decode."""
 
 
 _LIVE_SERVICES: "weakref.WeakSet" = weakref.WeakSet()
@@ -836,7 +836,7 @@ class MTPBatchGenerationService:
                 out = self._builtin_solo(job)
             else:
                 out = job.solo_runner(job)
-        except _SoloCancelled:
+        except SoloCancelled:
             job._fail(job._cancel_exception())
             return
         except Exception as exc:  # solo failures stay local to the job
@@ -882,10 +882,10 @@ class MTPBatchGenerationService:
 
         def on_token(token):
             if job.cancel_requested():
-                raise _SoloCancelled()
+                raise SoloCancelled()
             job.emit_token(token)
             if job.cancel_requested():   # the callback failed: stop decoding this job
-                raise _SoloCancelled()
+                raise SoloCancelled()
 
         return generate_mtpk(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
                              draft_sampler=job.draft_sampler, depth=MTP_DEPTH, seed=job.seed,
