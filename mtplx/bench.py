@@ -61,8 +61,10 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
     generate_mtpk(model, prompts[0], 8, GREEDY)  # warm up
     out = {}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
-        ar = [_solo_round(model, prompts, tokens, sampler, mtp=False) for _ in range(rounds)]
-        mtp = [_solo_round(model, prompts, tokens, sampler, mtp=True) for _ in range(rounds)]
+        ar, mtp = [], []
+        for _ in range(rounds):  # interleaved, so a noisy spell hits both arms
+            ar.append(_solo_round(model, prompts, tokens, sampler, mtp=False))
+            mtp.append(_solo_round(model, prompts, tokens, sampler, mtp=True))
         ar_tok_s, mtp_tok_s = _median([r["tok_s"] for r in ar]), _median([r["tok_s"] for r in mtp])
         m = mtp[0]
         acceptance = m["accepted"] / max(m["accepted"] + m["rejected"], 1)
@@ -144,19 +146,23 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
     _lane_round(lanes[8], prompts8, 8, GREEDY)  # warm up
     out = {}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
-        med = lambda f: {k: round(_median([r[k] for r in rs]), 3) for rs in [[f() for _ in range(rounds)]]
-                         for k in rs[0]}
-        row = {
-            "serial_ar": med(lambda: _solo_round(model, prompts8, tokens, sampler, mtp=False)),
-            "serial_mtp": med(lambda: _solo_round(model, prompts8, tokens, sampler, mtp=True)),
-            "b8_8rows": med(lambda: _lane_round(lanes[8], prompts8, tokens, sampler)),
-            "b3_3rows": med(lambda: _lane_round(lanes[3], prompts8[:3], tokens, sampler)),
-            "b8_3rows": med(lambda: _lane_round(lanes[8], prompts8[:3], tokens, sampler)),
-            "b2_2rows": med(lambda: _lane_round(lanes[2], prompts8[:2], tokens, sampler)),
-            "serial_mtp_2rows": med(lambda: _solo_round(model, prompts8[:2], tokens, sampler, mtp=True)),
+        arms = {
+            "serial_ar": lambda: _solo_round(model, prompts8, tokens, sampler, mtp=False),
+            "serial_mtp": lambda: _solo_round(model, prompts8, tokens, sampler, mtp=True),
+            "b8_8rows": lambda: _lane_round(lanes[8], prompts8, tokens, sampler),
+            "b3_3rows": lambda: _lane_round(lanes[3], prompts8[:3], tokens, sampler),
+            "b8_3rows": lambda: _lane_round(lanes[8], prompts8[:3], tokens, sampler),
+            "b2_2rows": lambda: _lane_round(lanes[2], prompts8[:2], tokens, sampler),
+            "serial_mtp_2rows": lambda: _solo_round(model, prompts8[:2], tokens, sampler, mtp=True),
         }
         if sampler is GREEDY:
-            row["mlx_lm_batch_8rows"] = med(lambda: _mlx_lm_batch_round(model, prompts8, tokens))
+            arms["mlx_lm_batch_8rows"] = lambda: _mlx_lm_batch_round(model, prompts8, tokens)
+        runs = {k: [] for k in arms}
+        for _ in range(rounds):  # interleaved, so a noisy spell hits every arm alike
+            for k, fn in arms.items():
+                runs[k].append(fn())
+        row = {k: {m: round(_median([r[m] for r in rs]), 3) for m in rs[0]} for k, rs in runs.items()}
+        if sampler is GREEDY:
             row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
             row["b8_vs_mlx_lm_batch"] = round(row["b8_8rows"]["tok_s"] / row["mlx_lm_batch_8rows"]["tok_s"], 3)
         else:
