@@ -403,11 +403,16 @@ def test_bad_requests_get_openai_errors_and_server_survives(http, client):
 
 @RAY_MARK
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MTPLX_SCALEOUT_TEST") != "1",
+                    reason="opt-in (MTPLX_SCALEOUT_TEST=1): the local multi-node cluster's nodes talk over "
+                           "the machine's interface address, not loopback")
 def test_scale_out_two_nodes_two_replicas():
     """Two nodes with {"mlx": 1} each, two replicas: cohorts are served by both.
 
     Runs `python -m deployments.scaleout` in a subprocess (its own multi-node Ray cluster, so it does
-    not clash with the session's Ray). Heavy on a 2-core machine (~1 min): marked slow."""
+    not clash with the session's Ray). Heavy on a 2-core machine (~1 min): marked slow. Opt-in:
+    Ray's multi-node syncer fails when every node is pinned to 127.0.0.1 here, so the nodes use the
+    machine's own interface address, and tests by default keep all traffic on loopback."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     out = subprocess.run([sys.executable, "-m", "deployments.scaleout", "--json"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
