@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx.server import openai as oa
 
+from .metrics import record
 from .router import PIN_KWARG, known_replicas
 
 log = logging.getLogger("ray.serve")
@@ -171,16 +172,7 @@ class OpenAIIngress:
             log.warning("mtplx ingress metrics disabled: %s", exc)
 
     def _metric(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
-        m = self._metrics and self._metrics.get(name)
-        if not m:
-            return
-        try:
-            if hasattr(m, "observe"):
-                m.observe(value, tags=tags)
-            else:
-                m.inc(value, tags=tags)
-        except Exception:
-            pass
+        record(self._metrics, name, value, tags)
 
     # ------------------------------------------------------------------------------------------
     # HTTP dispatch

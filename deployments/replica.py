@@ -21,6 +21,8 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ray import serve
 
+from .metrics import record
+
 log = logging.getLogger("ray.serve")
 
 URGENT_TOKENS = 4   # a row's first tokens skip the stream grouping delay
@@ -248,16 +250,7 @@ class MTPReplica:
             log.warning("mtplx replica metrics disabled: %s", exc)
 
     def _observe(self, name: str, value: float, tags: Optional[dict] = None) -> None:
-        m = self._metrics and self._metrics.get(name)
-        if not m:
-            return
-        try:
-            if hasattr(m, "observe"):
-                m.observe(value, tags=tags)
-            else:
-                m.inc(value, tags=tags)
-        except Exception:
-            pass
+        record(self._metrics, name, value, tags)
 
     # -- the solo AR runner ----------------------------------------------------------------------
 

@@ -8,32 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
 from . import hybrid
+# Same text-model layout as qwen3: post-norm hidden from `target.model`, tied or separate head.
+from .qwen3 import embed, hidden_size, hidden_states, logits, rms_norm_eps, text_model  # noqa: F401
 
 MODEL_TYPES = ("qwen3_next",)
 MTP_PREFIXES = ("mtp.", "model.mtp.")
-
-
-def text_model(target: nn.Module) -> nn.Module:
-    return target.model
-
-
-def hidden_states(target: nn.Module, inputs: mx.array, cache=None) -> mx.array:
-    return target.model(inputs, cache)
-
-
-def logits(target: nn.Module, hidden: mx.array) -> mx.array:
-    if target.args.tie_word_embeddings:
-        return target.model.embed_tokens.as_linear(hidden)
-    return target.lm_head(hidden)
-
-
-def embed(target: nn.Module, tokens: mx.array) -> mx.array:
-    return target.model.embed_tokens(tokens)
 
 
 def make_mtp_block(args) -> nn.Module:
@@ -45,14 +28,6 @@ def make_mtp_block(args) -> nn.Module:
     elif not sparse and not isinstance(block.mlp, qwen3_next.Qwen3NextMLP):
         block.mlp = qwen3_next.Qwen3NextMLP(args.hidden_size, args.intermediate_size)
     return block
-
-
-def hidden_size(args) -> int:
-    return args.hidden_size
-
-
-def rms_norm_eps(args) -> float:
-    return args.rms_norm_eps
 
 
 def make_cache(target: nn.Module) -> list:
