@@ -212,7 +212,7 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
         mtp.eval()
 
     tokenizer = _load_tokenizer(path)
-    eos = config.get("eos_token_id")
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
