@@ -12,8 +12,6 @@ The lane name and route ids follow MTPLX's A3B lane; the lane here is architectu
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -120,8 +118,7 @@ def _route_id(model, width: int, numerics: str) -> str:
 
 
 def _fingerprint(model, numerics: str, route_id: str) -> str:
-    blob = json.dumps(model.config, sort_keys=True, default=str).encode()
-    return f"{hashlib.sha256(blob).hexdigest()[:16]}:{numerics}:{route_id}"
+    return f"{model.fingerprint}:{numerics}:{route_id}"
 
 
 def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughput",

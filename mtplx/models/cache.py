@@ -104,12 +104,13 @@ class RaggedKVCache:
         mask = mx.arange(span, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None]
         return mask[:, None]
 
-    def advance(self, delta: np.ndarray) -> None:
-        """Move each row's offset by delta (negative to drop the positions just written)."""
+    def advance(self, delta: np.ndarray, offset: Optional[mx.array] = None) -> None:
+        """Move each row's offset by delta (negative to drop the positions just written).
+        `offset` may pass the resulting device offsets when a sibling layer already built them."""
         delta = np.asarray(delta, dtype=np.int64)
         if delta.any():
             self.lengths = self.lengths + delta
-            self.offset = mx.array(self.lengths, dtype=mx.int32)
+            self.offset = offset if offset is not None else mx.array(self.lengths, dtype=mx.int32)
 
     @property
     def state(self):
@@ -166,5 +167,12 @@ def snapshot_nbytes(snap) -> int:
 def commit_rows(caches: Sequence[RaggedKVCache], written: int, keep: np.ndarray) -> None:
     """After a forward that wrote `written` positions per row, keep `keep[b]` of them."""
     delta = np.asarray(keep, dtype=np.int64) - written
+    offset = lengths = None   # a cohort's attention layers hold the same lengths: one device array
     for c in caches:
-        c.advance(delta)
+        if not isinstance(c, RaggedKVCache):
+            c.advance(delta)
+            continue
+        same = lengths is not None and np.array_equal(c.lengths + delta, lengths)
+        c.advance(delta, offset if same else None)
+        if not same:
+            offset, lengths = c.offset, c.lengths

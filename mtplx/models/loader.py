@@ -73,6 +73,13 @@ class MTPModel:
         return self.config.get("text_config") or self.config
 
     @property
+    def fingerprint(self) -> str:
+        """sha256[:16] of the config: what prefix states and lane routes are bound to."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    @property
     def max_context(self) -> int:
         return int(self.text_config.get("max_position_embeddings") or 2048)
 

@@ -465,7 +465,7 @@ class MTPBatchGenerationService:
         if "session_bank" not in kwargs and getattr(model, "mtp", None) is not None:
             from ..session_bank import SessionBank
 
-            kwargs["session_bank"] = SessionBank(f"{model.model_id}:{hash(repr(sorted(model.config.items())))}")
+            kwargs["session_bank"] = SessionBank(f"{model.model_id}:{model.fingerprint}")
         service = cls(model, {}, batch_wait_s=batch_wait_s, numerics=numerics, **kwargs)
         if numerics != "b1-exact":
             try:
