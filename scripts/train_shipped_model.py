@@ -116,6 +116,16 @@ def model_config() -> dict:
     }
 
 
+def use_chunked_gdn() -> None:
+    """Training and eval forwards are whole sequences with no cache: run the GDN layers' recurrence
+    in its chunked form (same maths, ~10x faster forward + backward on a CPU than stepping it)."""
+    from mlx_lm.models import qwen3_5
+
+    from mtplx.models.gated_delta_chunked import gated_delta_update_chunked
+
+    qwen3_5.gated_delta_update = gated_delta_update_chunked
+
+
 class TargetWithMTP(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
@@ -250,6 +260,8 @@ def main():
     a = ap.parse_args()
     global ARCH
     ARCH = a.arch
+    if ARCH == "qwen3_5":
+        use_chunked_gdn()
     p1, p2 = (20, 10) if a.quick else (PHASE1_STEPS, PHASE2_STEPS)
     if a.steps:
         p1, p2 = a.steps
