@@ -211,66 +211,92 @@ def _check_commit_math() -> list:
 
 # ---------------------------------------------------------------- the cohort driver
 
-def _flat(caches) -> list:
-    return [a for c in caches for a in (c.keys, c.values)]
+def _graph_inputs(caches) -> Optional[list]:
+    """The caches as plain arrays for a compiled forward; None when some cache cannot enter one
+    (no graph protocol, or a buffer not allocated yet)."""
+    arrays = []
+    for c in caches:
+        if not hasattr(c, "graph_inputs"):
+            return None
+        arrays.extend(c.graph_inputs())
+    return arrays if all(a is not None for a in arrays) else None
 
 
-def _traced(kv, offset) -> list:
-    return [RaggedKVCache.traced(kv[i], kv[i + 1], offset) for i in range(0, len(kv), 2)]
+def _graph_outputs(caches) -> tuple:
+    return tuple(a for c in caches for a in c.graph_outputs())
+
+
+def _graph_views(kinds, arrays, offset) -> list:
+    it = iter(arrays)
+    return [kind.graph_view([next(it), next(it)], offset) for kind in kinds]
 
 
 class _CycleForwards:
     """The two forwards of a cycle over fixed [W, 2] shapes: the MTP head (owed history entry +
-    draft entry) and the target verify. With attention-only caches they run as `mx.compile`d
-    graphs cached on the lane (they retrace only when a cache's capacity grows); otherwise
-    (recurrent layers) eagerly through the same code."""
+    draft entry) and the target verify. They run as `mx.compile`d graphs cached on the lane: each
+    cache enters as arrays (KV buffers, or a GDN layer's conv window and state) and comes back as
+    arrays (updated buffers, or the GDN capture the commit rolls back from). A graph retraces only
+    when a KV buffer's capacity grows. Eager through the same code when compiling is off or a
+    cache cannot enter a graph yet."""
 
     def __init__(self, lane, caches, mtp_caches):
         self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
-        self.compiled = lane.compiled and all(isinstance(c, RaggedKVCache) for c in caches + mtp_caches)
-        if self.compiled:
-            if not lane._graphs:
-                model = lane.model
+        self.compiled = lane.compiled
+        if self.compiled and not lane._graphs:
+            model = lane.model
+            kinds = [type(c) for c in caches]
+            mtp_kinds = [type(c) for c in mtp_caches]
 
-                def draft(h_in, t_in, sel, offset, *kv):
-                    mc = _traced(kv, offset)
-                    g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mc), sel, axis=1)
-                    return (model.logits(g)[:, 0],) + tuple(_flat(mc))
+            def draft(h_in, t_in, sel, offset, *arrays):
+                mc = _graph_views(mtp_kinds, arrays, offset)
+                g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mc), sel, axis=1)
+                return (model.logits(g)[:, 0],) + _graph_outputs(mc)
 
-                def verify(tokens, offset, *kv):
-                    tc = _traced(kv, offset)
-                    H = model.hidden(tokens, tc)
-                    return (H, model.logits(H)) + tuple(_flat(tc))
+            def verify(tokens, offset, *arrays):
+                tc = _graph_views(kinds, arrays, offset)
+                H = model.hidden(tokens, tc)
+                return (H, model.logits(H)) + _graph_outputs(tc)
 
-                lane._graphs.update(draft=mx.compile(draft), verify=mx.compile(verify))
-            self._draft, self._verify = lane._graphs["draft"], lane._graphs["verify"]
+            lane._graphs.update(draft=mx.compile(draft), verify=mx.compile(verify))
+        self._graphs = lane._graphs
 
-    @staticmethod
-    def _run(fn, caches, T, *args):
-        for c in caches:
+    def _run(self, name, caches, T, *args):
+        """Run graph `name` over these caches if they can enter it; None otherwise."""
+        if not self.compiled:
+            return None
+        ragged = [c for c in caches if isinstance(c, RaggedKVCache)]
+        for c in ragged:
             c.ensure_capacity(int(c.lengths.max()) + T)
-        out = fn(*args, caches[0].offset, *_flat(caches))
-        n = len(out) - 2 * len(caches)
-        offset = caches[0].offset + T
-        for i, c in enumerate(caches):
-            c.keys, c.values = out[n + 2 * i], out[n + 2 * i + 1]
-            c.lengths, c.offset = c.lengths + T, offset
-        return out[:n]
+        arrays = _graph_inputs(caches)
+        if arrays is None:
+            return None
+        offset = ragged[0].offset if ragged else mx.zeros((1,), mx.int32)
+        return self._graphs[name](*args, offset, *arrays), offset + T
 
     def draft(self, h_in, t_in, sel):
         """Draft logits [W, V] from the head's output at slot `sel` per row."""
-        if self.compiled and self.mtp_caches[0].keys is not None:
-            return self._run(self._draft, self.mtp_caches, h_in.shape[1], h_in, t_in, sel)[0]
-        g = mx.take_along_axis(self.model.draft_hidden(h_in, t_in, self.mtp_caches), sel, axis=1)
-        return self.model.logits(g)[:, 0]
+        ran = self._run("draft", self.mtp_caches, h_in.shape[1], h_in, t_in, sel)
+        if ran is None:
+            g = mx.take_along_axis(self.model.draft_hidden(h_in, t_in, self.mtp_caches), sel, axis=1)
+            return self.model.logits(g)[:, 0]
+        return self._absorb(ran, self.mtp_caches, h_in.shape[1], 1)[0]
 
     def verify(self, tokens):
         """Target hidden [W, 2, H] and logits [W, 2, V] for [primary, draft]."""
-        if self.compiled:
-            H, L = self._run(self._verify, self.caches, tokens.shape[1], tokens)
-            return H, L
-        H = self.model.hidden(tokens, self.caches)
-        return H, self.model.logits(H)
+        ran = self._run("verify", self.caches, tokens.shape[1], tokens)
+        if ran is None:
+            H = self.model.hidden(tokens, self.caches)
+            return H, self.model.logits(H)
+        H, L = self._absorb(ran, self.caches, tokens.shape[1], 2)
+        return H, L
+
+    @staticmethod
+    def _absorb(ran, caches, T, n_results):
+        out, offset = ran
+        rest = iter(out[n_results:])
+        for c in caches:
+            c.absorb_graph(rest, T, offset)
+        return out[:n_results]
 
 
 class _LaneRow:

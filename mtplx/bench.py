@@ -5,7 +5,9 @@ ratios from the same run, report medians).
           speedup ceiling (1 + acceptance) x cost(AR step) / cost(MTP cycle); and the same
           with the optimized BLAS turned off (a child process, since BLAS loads at import).
   lane  - serial solo AR / solo MTP vs the B8 lane, B3 vs B8 at 3 rows, a 2-row cohort, and
-          mlx-lm's BatchGenerator on the same prompts and weights; forward costs [B,1]/[B,2].
+          mlx-lm's BatchGenerator on the same prompts and weights; the B8 lane with its cycle
+          graphs compiled vs eager; forward costs [B,1]/[B,2].
+  Both report, for hybrid (GDN) models, capture-commit vs a plain verify forward.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
             "ceiling": round((1 + acceptance) * ms_ar_step / ms_cycle, 3),
         }
     out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2)])
+    capture = capture_commit_costs(model, 1)
+    if capture:
+        out["capture_commit"] = capture
     if blas_off_child:
         out["blas_off"] = _child_bench(["solo", "--tokens", "32", "--prompts", "2", "--rounds", "1"],
                                        {"MTPLX_BLAS": "off"})
@@ -116,6 +121,60 @@ def forward_costs(model, shapes, ctx=64, n=20) -> dict:
     return out
 
 
+def capture_commit_costs(model, B, ctx=64, n=20):
+    """Hybrid (GDN) models: ms per [B, 2] verify through the capturing GDN forward plus a commit
+    of mixed keeps (rows keep 0/1/2), against mlx-lm's plain forward of the same shape that keeps
+    no per-position state and commits nothing. None for attention-only models."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from .models.cache import commit_rows, merge_layer
+    from .models.recurrent_cache import RecurrentCache
+
+    per = [model.make_cache() for _ in range(B)]
+    if not any(isinstance(c, RecurrentCache) for c in per[0]):
+        return None
+    for pc in per:
+        model.hidden(mx.array([[1] * ctx]), pc)
+    caches = [merge_layer([p[layer] for p in per], 0) for layer in range(len(per[0]))]
+    saved = [(c[0], c[1]) if isinstance(c, RecurrentCache) else None for c in caches]
+    keep = np.arange(B) % 3
+    x = mx.ones((B, 2), dtype=mx.uint32)
+
+    def plain():
+        out = []
+        for c, s in zip(caches, saved):
+            if s is not None:           # not a RecurrentCache: the GDN layers take mlx-lm's forward
+                c = ArraysCache(2)
+                c[0], c[1] = s
+            out.append(c)
+        logits = model.logits(model.hidden(x, out))
+        mx.eval(mx.argmax(logits, axis=-1), [c.cache for c, s in zip(out, saved) if s is not None])
+        return np.full(B, -2)
+
+    def capture_commit():
+        logits = model.logits(model.hidden(x, caches))
+        mx.eval(mx.argmax(logits, axis=-1))
+        commit_rows(caches, 2, keep)
+        mx.eval([c.cache for c in caches if isinstance(c, RecurrentCache)])
+        return -keep
+
+    times = {"plain": [], "capture_commit": []}
+    for i in range(n + 3):
+        for name, fn in (("plain", plain), ("capture_commit", capture_commit)):
+            t = time.perf_counter()
+            back = fn()
+            if i >= 3:
+                times[name].append(time.perf_counter() - t)
+            for c, s in zip(caches, saved):
+                if s is None:
+                    c.advance(back)
+                else:
+                    c[0], c[1] = s
+    out = {f"[{B},2] {k} ms": round(_median(v) * 1e3, 2) for k, v in times.items()}
+    out["overhead"] = round(_median(times["capture_commit"]) / _median(times["plain"]) - 1, 3)
+    return out
+
+
 def _lane_round(lane, prompts, tokens, sampler):
     reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=sampler, max_tokens=tokens, seed=i)
             for i, p in enumerate(prompts)]
@@ -143,6 +202,7 @@ def _mlx_lm_batch_round(model, prompts, tokens):
 def bench_lane(model, tokens=256, rounds=3) -> dict:
     prompts8 = _prompt_ids(model, 8)
     lanes = {w: install_a3b_mtp_batch_lane(model, w) for w in (2, 3, 8)}
+    eager8 = install_a3b_mtp_batch_lane(model, 8, selfcheck=False, compiled=False)
     _lane_round(lanes[8], prompts8, 8, GREEDY)  # warm up
     out = {}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
@@ -157,6 +217,7 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
         }
         if sampler is GREEDY:
             arms["mlx_lm_batch_8rows"] = lambda: _mlx_lm_batch_round(model, prompts8, tokens)
+            arms["b8_8rows_eager"] = lambda: _lane_round(eager8, prompts8, tokens, sampler)
         runs = {k: [] for k in arms}
         for _ in range(rounds):  # interleaved, so a noisy spell hits every arm alike
             for k, fn in arms.items():
@@ -165,10 +226,14 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
         if sampler is GREEDY:
             row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
             row["b8_vs_mlx_lm_batch"] = round(row["b8_8rows"]["tok_s"] / row["mlx_lm_batch_8rows"]["tok_s"], 3)
+            row["b8_compiled_vs_eager"] = round(row["b8_8rows"]["tok_s"] / row["b8_8rows_eager"]["tok_s"], 3)
         else:
             row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
         row["b2_vs_serial_mtp_2rows"] = round(row["b2_2rows"]["tok_s"] / row["serial_mtp_2rows"]["tok_s"], 3)
         row["b3_vs_b8_at_3rows"] = round(row["b3_3rows"]["tok_s"] / row["b8_3rows"]["tok_s"], 3)
         out[name] = row
     out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2), (2, 2), (3, 1), (3, 2), (8, 1), (8, 2)])
+    capture = capture_commit_costs(model, 8)
+    if capture:
+        out["capture_commit"] = capture
     return out

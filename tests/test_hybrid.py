@@ -388,3 +388,31 @@ def test_sampled_cohort_row_independent(models, lanes):
     c = generate_a3b_mtp_batch(lane, [reqs[0]] + others)
     assert c.streams[0].tokens == a.streams[0].tokens
     assert a.accepted_drafts > 0 and a.rejected_drafts > 0
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_compiled_cycle_graphs_carry_recurrent_state(models, kind):
+    """GDN caches enter the compiled cycle graphs (state in, per-position capture out): the
+    compiled lane runs its verify graph every cycle and decodes exactly what the eager one does,
+    greedy and sampled."""
+    from mtplx.sampling import SamplerConfig
+
+    m = models[kind]
+    compiled, eager = (install_a3b_mtp_batch_lane(m, 4, compiled=c, selfcheck=False) for c in (True, False))
+    generate_a3b_mtp_batch(compiled, [_req(i, p, 4) for i, p in enumerate(_prompts(2, seed=5))])
+    calls = {"verify": 0}
+    graph = compiled._graphs["verify"]
+
+    def counted(*args):
+        calls["verify"] += 1
+        return graph(*args)
+
+    compiled._graphs["verify"] = counted
+    prompts = _prompts(4, seed=41)
+    for cfg in (GREEDY, SamplerConfig(temperature=0.7)):
+        reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=cfg, seed=i, max_tokens=30)
+                for i, p in enumerate(prompts)]
+        calls["verify"] = 0
+        a, b = generate_a3b_mtp_batch(compiled, reqs), generate_a3b_mtp_batch(eager, reqs)
+        assert [s.tokens for s in a.streams] == [s.tokens for s in b.streams]
+        assert a.rejected_drafts > 0 and calls["verify"] == a.cycles

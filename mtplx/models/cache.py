@@ -112,6 +112,23 @@ class RaggedKVCache:
             self.lengths = self.lengths + delta
             self.offset = offset if offset is not None else mx.array(self.lengths, dtype=mx.int32)
 
+    # ---- the compiled-cycle protocol (`mtplx.a3b_mtp_batch._CycleForwards`): a cache enters an
+    # `mx.compile`d forward as plain arrays, runs there as a traced view, and takes back its outputs
+    def graph_inputs(self) -> list:
+        return [self.keys, self.values]
+
+    @classmethod
+    def graph_view(cls, arrays: Sequence[mx.array], offset: mx.array) -> "RaggedKVCache":
+        return cls.traced(arrays[0], arrays[1], offset)
+
+    def graph_outputs(self) -> list:
+        return [self.keys, self.values]
+
+    def absorb_graph(self, outputs, T: int, offset: mx.array) -> None:
+        """Take this cache's outputs from the iterator; `offset` is the cohort's moved offset."""
+        self.keys, self.values = next(outputs), next(outputs)
+        self.lengths, self.offset = self.lengths + T, offset
+
     @property
     def state(self):
         return self.keys, self.values, self.offset

@@ -105,6 +105,29 @@ class RecurrentCache(ArraysCache):
         self.rollback(self.captured_positions - n)
         return n
 
+    # ---- the compiled-cycle protocol (see `RaggedKVCache.graph_inputs`): the verify graph takes
+    # the conv window and state, and gives back the capture (conv input, state after each position)
+    def graph_inputs(self) -> list:
+        return [self.cache[0], self.cache[1]]
+
+    @classmethod
+    def graph_view(cls, arrays: Sequence[mx.array], offset=None) -> "RecurrentCache":
+        c = cls()
+        c[0], c[1] = arrays
+        return c
+
+    def graph_outputs(self) -> list:
+        if self._states is None:
+            raise RuntimeError("a compiled GDN forward must be a capture forward "
+                               f"(at most {CAPTURE_MAX_T} positions)")
+        return [self._conv_input, *self._states[1:]]
+
+    def absorb_graph(self, outputs, T: int, offset=None) -> None:
+        conv_input = next(outputs)
+        states = [self.cache[1]] + [next(outputs) for _ in range(T)]
+        self.record(conv_input, states)
+        self.cache[0], self.cache[1] = conv_input[:, T:], states[-1]
+
     def is_trimmable(self) -> bool:
         return self._states is not None
 
