@@ -275,6 +275,26 @@ def test_commit_keeps_0_1_2_per_row_like_a_replay(models):
     assert mx.array_equal(s[1], r[1]).item() and mx.array_equal(s[0], r[0]).item()
 
 
+def test_commit_of_all_layers_at_once_equals_each_layer_alone(models):
+    """A cohort commits its GDN layers in one compiled select: bit-for-bit each layer's own."""
+    layer = _gdn(models)
+    mx.random.seed(6)
+    caches = []
+    for _ in range(3):
+        x, v = mx.random.normal((4, 5, 32)), mx.random.normal((4, 2, 32))
+        one, alone = RecurrentCache(), RecurrentCache()
+        for c in (one, alone):
+            layer(x, None, c)
+            layer(v, None, c)
+        caches.append((one, alone))
+    delta = np.array([0, 1, 2, 1]) - 2
+    RecurrentCache.advance_all([one for one, _ in caches], delta)
+    for one, alone in caches:
+        alone.advance(delta)
+        assert one.captured_positions == 0
+        assert mx.array_equal(one[0], alone[0]).item() and mx.array_equal(one[1], alone[1]).item()
+
+
 def test_rollback_without_capture_is_an_error(models):
     layer = _gdn(models)
     c = RecurrentCache()
@@ -314,6 +334,8 @@ def test_broken_rollback_is_caught(models, monkeypatch, kind):
     little, so the self-check's short rows catch it at width 8, not always at width 3.)"""
     m = models[kind]
     monkeypatch.setattr(rc.RecurrentCache, "rollback", lambda self, kept: self.clear_capture())
+    monkeypatch.setattr(rc.RecurrentCache, "advance_all",
+                        classmethod(lambda cls, caches, delta: [c.clear_capture() for c in caches]))
     diverged = [generate_mtpk(m, ids, 40, GREEDY).tokens != generate_ar(m, ids, 40, GREEDY).tokens
                 for ids in _prompts(3, seed=2, lengths=(40, 5, 17))]
     assert any(diverged)

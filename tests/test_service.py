@@ -127,7 +127,7 @@ def test_seed_example_create_job_and_read_stats(model, capsys):
     assert streamed == [f"token: [{t}]" for t in non_stop]
     assert result["tokens"] == generate_mtpk(model, [101, 102, 103], 256, SamplerConfig(temperature=0.7),
                                              SamplerConfig(), seed=42, stop_token_ids={0}).tokens
-    assert f"Fixed width used: 1" in out
+    assert "Fixed width used: 1" in out
     assert stats["decode_elapsed_s"] > 0 and stats["decode_tok_s"] > 0
     assert service.snapshot()["installed_widths"] == [3, 8]
 

@@ -185,11 +185,17 @@ def commit_rows(caches: Sequence[RaggedKVCache], written: int, keep: np.ndarray)
     """After a forward that wrote `written` positions per row, keep `keep[b]` of them."""
     delta = np.asarray(keep, dtype=np.int64) - written
     offset = lengths = None   # a cohort's attention layers hold the same lengths: one device array
+    grouped: dict = {}        # other layer types that commit all their layers at once
     for c in caches:
         if not isinstance(c, RaggedKVCache):
-            c.advance(delta)
+            if hasattr(type(c), "advance_all"):
+                grouped.setdefault(type(c), []).append(c)
+            else:
+                c.advance(delta)
             continue
         same = lengths is not None and np.array_equal(c.lengths + delta, lengths)
         c.advance(delta, offset if same else None)
         if not same:
             offset, lengths = c.offset, c.lengths
+    for kind, group in grouped.items():
+        kind.advance_all(group, delta)

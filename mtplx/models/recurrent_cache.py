@@ -96,6 +96,30 @@ class RecurrentCache(ArraysCache):
             return
         self.rollback(self.captured_positions + np.minimum(delta, 0))
 
+    @classmethod
+    def advance_all(cls, caches: Sequence["RecurrentCache"], delta) -> None:
+        """`advance(delta)` for all of a cohort's GDN layers: a mixed commit selects every layer's
+        rows in one compiled call (one dispatch per cycle, not one per layer)."""
+        delta = np.asarray(delta, dtype=np.int64)
+        T = caches[0].captured_positions if caches else 0
+        mixed = (np.ndim(delta) == 1 and (delta < 0).any() and not (delta == delta[0]).all()
+                 and T > 0 and all(c.captured_positions == T for c in caches))
+        if not mixed:
+            for c in caches:
+                c.advance(delta)
+            return
+        kept = T + np.minimum(delta, 0)
+        if kept.min() < 0:
+            raise ValueError(f"cannot keep {kept.tolist()} of {T} captured positions")
+        used = sorted(set(kept.tolist()))
+        slot = np.searchsorted(used, kept).astype(np.int32)
+        k1 = caches[0]._conv_input.shape[1] - T
+        arrays = [a for c in caches for a in (c._conv_input, *[c._states[j] for j in used])]
+        out = _select_rows_all(len(used), k1, mx.array(kept.astype(np.int32)), mx.array(slot), *arrays)
+        for i, c in enumerate(caches):
+            c.cache[0], c.cache[1] = out[2 * i], out[2 * i + 1]
+            c.clear_capture()
+
     def trim(self, n: int) -> int:
         """Solo rollback: drop the last n positions of the latest capture forward."""
         n = int(n)
@@ -177,6 +201,24 @@ def _select_rows(kept, slot, k1, conv_input, *states):
 
 
 _SELECT_COMPILED: dict = {}
+
+
+def _select_rows_all(n_used: int, k1: int, kept: mx.array, slot: mx.array, *arrays: mx.array):
+    """`_select_rows` for many layers in one graph: arrays are, per layer, its conv input and its
+    `n_used` kept states."""
+    key = ("all", k1, n_used, len(arrays))
+    fn = _SELECT_COMPILED.get(key)
+    if fn is None:
+        per = 1 + n_used
+
+        def select_all(kept, slot, *arrays):
+            out = []
+            for i in range(0, len(arrays), per):
+                out.extend(_select_rows_impl(kept, slot, k1, arrays[i], *arrays[i + 1:i + per]))
+            return out
+
+        fn = _SELECT_COMPILED[key] = mx.compile(select_all)
+    return fn(kept, slot, *arrays)
 
 
 class RecurrentSnapshot:
