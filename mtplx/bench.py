@@ -1,9 +1,10 @@
 """Benchmarks, measured side by side in one process (the machine is shared and noisy: compare
 ratios from the same run, report medians).
 
-  solo  - AR vs MTP, greedy and sampled; acceptance, tokens per verify, ms per cycle, the
-          speedup ceiling (1 + acceptance) x cost(AR step) / cost(MTP cycle); and the same
-          with the optimized BLAS turned off (a child process, since BLAS loads at import).
+  solo  - AR vs MTP, greedy and sampled (greedy MTP also vs mlx-lm's `generate_step`);
+          acceptance, tokens per verify, ms per cycle, the speedup ceiling
+          (1 + acceptance) x cost(AR step) / cost(MTP cycle); and the same with the optimized
+          BLAS turned off (a child process, since BLAS loads at import).
   lane  - serial solo AR / solo MTP vs the B8 lane, B3 vs B8 at 3 rows, a 2-row cohort, and
           mlx-lm's BatchGenerator on the same prompts and weights; the B8 lane with its cycle
           graphs compiled vs eager; forward costs [B,1]/[B,2].
@@ -58,15 +59,31 @@ def _solo_round(model, prompts, tokens, sampler, mtp: bool):
             "accepted": acc, "rejected": rej, "cycles": cycles}
 
 
+def _mlx_lm_solo_round(model, prompts, tokens):
+    """mlx-lm's own greedy decode loop (`generate_step`) over the same prompts and weights."""
+    from mlx_lm.generate import generate_step
+
+    decode_s = n_tok = 0
+    for p in prompts:
+        steps = generate_step(mx.array(p), model.target, max_tokens=tokens)
+        next(steps)                       # the first token comes from prefill
+        t = time.perf_counter()
+        n = sum(1 for _ in steps)
+        decode_s, n_tok = decode_s + time.perf_counter() - t, n_tok + n
+    return {"tok_s": n_tok / decode_s}
+
+
 def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) -> dict:
     prompts = _prompt_ids(model, n_prompts)
     generate_mtpk(model, prompts[0], 8, GREEDY)  # warm up
     out = {}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
-        ar, mtp = [], []
-        for _ in range(rounds):  # interleaved, so a noisy spell hits both arms
+        ar, mtp, mlx_lm_ar = [], [], []
+        for _ in range(rounds):  # interleaved, so a noisy spell hits every arm
             ar.append(_solo_round(model, prompts, tokens, sampler, mtp=False))
             mtp.append(_solo_round(model, prompts, tokens, sampler, mtp=True))
+            if sampler is GREEDY:
+                mlx_lm_ar.append(_mlx_lm_solo_round(model, prompts, tokens))
         ar_tok_s, mtp_tok_s = _median([r["tok_s"] for r in ar]), _median([r["tok_s"] for r in mtp])
         m = mtp[0]
         acceptance = m["accepted"] / max(m["accepted"] + m["rejected"], 1)
@@ -79,6 +96,10 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
             "ms_per_ar_step": round(ms_ar_step, 2), "ms_per_mtp_cycle": round(ms_cycle, 2),
             "ceiling": round((1 + acceptance) * ms_ar_step / ms_cycle, 3),
         }
+        if mlx_lm_ar:
+            mlx_lm_tok_s = _median([r["tok_s"] for r in mlx_lm_ar])
+            out[name]["mlx_lm_ar_tok_s"] = round(mlx_lm_tok_s, 1)
+            out[name]["speedup_vs_mlx_lm_ar"] = round(mtp_tok_s / mlx_lm_tok_s, 3)
     out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2)])
     capture = capture_commit_costs(model, 1)
     if capture:
