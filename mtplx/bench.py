@@ -105,8 +105,8 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
     if capture:
         out["capture_commit"] = capture
     if blas_off_child:
-        out["blas_off"] = _child_bench(["solo", "--tokens", "32", "--prompts", "2", "--rounds", "1"],
-                                       {"MTPLX_BLAS": "off"})
+        out["blas_off"] = _child_bench(["solo", "--model", str(model.path), "--tokens", "32", "--prompts", "2",
+                                        "--rounds", "1"], {"MTPLX_BLAS": "off"})
     return out
 
 
@@ -145,10 +145,11 @@ def forward_costs(model, shapes, ctx=64, n=20) -> dict:
 def capture_commit_costs(model, B, ctx=64, n=20):
     """Hybrid (GDN) models: ms per [B, 2] verify through the capturing GDN forward plus a commit
     of mixed keeps (rows keep 0/1/2), against mlx-lm's plain forward of the same shape that keeps
-    no per-position state and commits nothing. None for attention-only models."""
+    no per-position state and commits nothing; eager, and as compiled graphs like the lane's.
+    None for attention-only models."""
     from mlx_lm.models.cache import ArraysCache
 
-    from .models.cache import commit_rows, merge_layer
+    from .models.cache import RaggedKVCache, commit_rows, merge_layer
     from .models.recurrent_cache import RecurrentCache
 
     per = [model.make_cache() for _ in range(B)]
@@ -156,43 +157,80 @@ def capture_commit_costs(model, B, ctx=64, n=20):
         return None
     for pc in per:
         model.hidden(mx.array([[1] * ctx]), pc)
-    caches = [merge_layer([p[layer] for p in per], 0) for layer in range(len(per[0]))]
-    saved = [(c[0], c[1]) if isinstance(c, RecurrentCache) else None for c in caches]
+    caches = [merge_layer([p[layer] for p in per], 2) for layer in range(len(per[0]))]
+    kv = [c for c in caches if isinstance(c, RaggedKVCache)]
+    gdn = [c for c in caches if isinstance(c, RecurrentCache)]
+    saved = [c.graph_inputs() for c in caches], [(c.lengths, c.offset) for c in kv]
     keep = np.arange(B) % 3
     x = mx.ones((B, 2), dtype=mx.uint32)
 
-    def plain():
+    def views(arrays, offset, plain):
         out = []
-        for c, s in zip(caches, saved):
-            if s is not None:           # not a RecurrentCache: the GDN layers take mlx-lm's forward
-                c = ArraysCache(2)
-                c[0], c[1] = s
-            out.append(c)
-        logits = model.logits(model.hidden(x, out))
-        mx.eval(mx.argmax(logits, axis=-1), [c.cache for c, s in zip(out, saved) if s is not None])
-        return np.full(B, -2)
+        for i, c in enumerate(caches):
+            if plain and isinstance(c, RecurrentCache):   # mlx-lm's own GDN forward: no capture
+                v = ArraysCache(2)
+                v[0], v[1] = arrays[2 * i], arrays[2 * i + 1]
+            else:
+                v = type(c).graph_view(arrays[2 * i:2 * i + 2], offset)
+            out.append(v)
+        return out
 
-    def capture_commit():
-        logits = model.logits(model.hidden(x, caches))
-        mx.eval(mx.argmax(logits, axis=-1))
+    def graph(plain):
+        def verify(x, offset, *arrays):
+            vs = views(arrays, offset, plain)
+            ids = mx.argmax(model.logits(model.hidden(x, vs)), axis=-1)
+            return (ids,) + tuple(a for v in vs for a in (v.cache if type(v) is ArraysCache else v.graph_outputs()))
+        return mx.compile(verify)
+
+    compiled = {plain: graph(plain) for plain in (True, False)}
+
+    def plain_eager():
+        vs = [c if isinstance(c, RaggedKVCache) else ArraysCache(2) for c in caches]
+        for v, c in zip(vs, caches):
+            if v is not c:
+                v[0], v[1] = c[0], c[1]
+        mx.eval(mx.argmax(model.logits(model.hidden(x, vs)), axis=-1), [v.cache for v in vs if type(v) is ArraysCache])
+
+    def capture_eager():
+        mx.eval(mx.argmax(model.logits(model.hidden(x, caches)), axis=-1))
         commit_rows(caches, 2, keep)
-        mx.eval([c.cache for c in caches if isinstance(c, RecurrentCache)])
-        return -keep
+        mx.eval([c.cache for c in gdn])
 
-    times = {"plain": [], "capture_commit": []}
+    def plain_compiled():
+        mx.eval(compiled[True](x, kv[0].offset, *[a for c in caches for a in c.graph_inputs()]))
+
+    def capture_compiled():
+        out = compiled[False](x, kv[0].offset, *[a for c in caches for a in c.graph_inputs()])
+        rest = iter(out[1:])
+        for c in caches:
+            c.absorb_graph(rest, 2, kv[0].offset + 2)
+        commit_rows(caches, 2, keep)
+        mx.eval(out[0], [c.cache for c in gdn], [c.keys for c in kv])
+
+    def restore():
+        for c, arrays in zip(caches, saved[0]):
+            if isinstance(c, RecurrentCache):
+                c[0], c[1] = arrays
+                c.clear_capture()
+            else:
+                c.keys, c.values = arrays
+        for c, (lengths, offset) in zip(kv, saved[1]):
+            c.lengths, c.offset = lengths, offset
+
+    arms = {"eager plain": plain_eager, "eager capture_commit": capture_eager,
+            "compiled plain": plain_compiled, "compiled capture_commit": capture_compiled}
+    times = {k: [] for k in arms}
     for i in range(n + 3):
-        for name, fn in (("plain", plain), ("capture_commit", capture_commit)):
+        for name, fn in arms.items():   # interleaved
             t = time.perf_counter()
-            back = fn()
+            fn()
             if i >= 3:
                 times[name].append(time.perf_counter() - t)
-            for c, s in zip(caches, saved):
-                if s is None:
-                    c.advance(back)
-                else:
-                    c[0], c[1] = s
-    out = {f"[{B},2] {k} ms": round(_median(v) * 1e3, 2) for k, v in times.items()}
-    out["overhead"] = round(_median(times["capture_commit"]) / _median(times["plain"]) - 1, 3)
+            restore()
+    ms = {k: _median(v) * 1e3 for k, v in times.items()}
+    out = {f"[{B},2] {k} ms": round(v, 2) for k, v in ms.items()}
+    for mode in ("eager", "compiled"):
+        out[f"{mode} overhead"] = round(ms[f"{mode} capture_commit"] / ms[f"{mode} plain"] - 1, 3)
     return out
 
 
