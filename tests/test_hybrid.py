@@ -438,3 +438,14 @@ def test_compiled_cycle_graphs_carry_recurrent_state(models, kind):
         a, b = generate_a3b_mtp_batch(compiled, reqs), generate_a3b_mtp_batch(eager, reqs)
         assert [s.tokens for s in a.streams] == [s.tokens for s in b.streams]
         assert a.rejected_drafts > 0 and calls["verify"] == a.cycles
+
+
+def test_capture_commit_cost_measurement_runs(models):
+    """`mtplx bench` reports capture-commit vs a plain verify; it must leave the caches it borrows
+    consistent and report both modes."""
+    from mtplx.bench import capture_commit_costs
+
+    out = capture_commit_costs(models["qwen3_5"], 3, ctx=8, n=1)
+    assert {"[3,2] compiled plain ms", "[3,2] compiled capture_commit ms", "eager overhead",
+            "compiled overhead"} <= set(out)
+    assert all(v > 0 for k, v in out.items() if k.endswith(" ms"))
