@@ -44,10 +44,10 @@ def _prompt_ids(model, n):
     return [model.tokenizer.encode(t) for t in (BENCH_PROMPTS * 2)[:n]]
 
 
-def _solo_round(model, prompts, tokens, sampler, mtp: bool):
+def _solo_round(model, prompts, tokens, sampler, mtp: bool, first_seed: int = 0):
     """Serial solo decode of all prompts: aggregate decode tok/s and summed counters."""
     decode_s = n_tok = acc = rej = cycles = 0
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts, start=first_seed):
         if mtp:
             r = generate_mtpk(model, p, tokens, sampler, seed=i)
             acc, rej, cycles = acc + r.stats["accepted_drafts"], rej + r.stats["rejected_drafts"], cycles + r.stats["verify_calls"]
@@ -70,7 +70,14 @@ def _mlx_lm_solo_round(model, prompts, tokens):
         t = time.perf_counter()
         n = sum(1 for _ in steps)
         decode_s, n_tok = decode_s + time.perf_counter() - t, n_tok + n
-    return {"tok_s": n_tok / decode_s}
+    return {"tok_s": n_tok / decode_s, "tokens": n_tok, "decode_s": decode_s}
+
+
+def _summed(parts: list) -> dict:
+    """One round's arm from its per-prompt parts: counters summed, tok/s recomputed."""
+    out = {k: sum(p[k] for p in parts) for k in parts[0] if k != "tok_s"}
+    out["tok_s"] = out["tokens"] / out["decode_s"]
+    return out
 
 
 def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) -> dict:
@@ -79,19 +86,26 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
     out = {}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
         ar, mtp, mlx_lm_ar = [], [], []
-        for _ in range(rounds):  # interleaved, so a noisy spell hits every arm
-            ar.append(_solo_round(model, prompts, tokens, sampler, mtp=False))
-            mtp.append(_solo_round(model, prompts, tokens, sampler, mtp=True))
-            if sampler is GREEDY:
-                mlx_lm_ar.append(_mlx_lm_solo_round(model, prompts, tokens))
+        for _ in range(rounds):  # arms interleaved prompt by prompt, so a noisy spell hits every arm
+            parts = {"ar": [], "mtp": [], "mlx_lm": []}
+            for i, p in enumerate(prompts):
+                parts["ar"].append(_solo_round(model, [p], tokens, sampler, mtp=False, first_seed=i))
+                parts["mtp"].append(_solo_round(model, [p], tokens, sampler, mtp=True, first_seed=i))
+                if sampler is GREEDY:
+                    parts["mlx_lm"].append(_mlx_lm_solo_round(model, [p], tokens))
+            ar.append(_summed(parts["ar"]))
+            mtp.append(_summed(parts["mtp"]))
+            if parts["mlx_lm"]:
+                mlx_lm_ar.append(_summed(parts["mlx_lm"]))
         ar_tok_s, mtp_tok_s = _median([r["tok_s"] for r in ar]), _median([r["tok_s"] for r in mtp])
+        speedup = _median([b["tok_s"] / a["tok_s"] for a, b in zip(ar, mtp)])   # per-round ratios
         m = mtp[0]
         acceptance = m["accepted"] / max(m["accepted"] + m["rejected"], 1)
         ms_cycle = _median([r["decode_s"] / r["cycles"] for r in mtp]) * 1e3
         ms_ar_step = _median([r["decode_s"] / r["tokens"] for r in ar]) * 1e3
         out[name] = {
             "ar_tok_s": round(ar_tok_s, 1), "mtp_tok_s": round(mtp_tok_s, 1),
-            "speedup": round(mtp_tok_s / ar_tok_s, 3), "acceptance": round(acceptance, 3),
+            "speedup": round(speedup, 3), "acceptance": round(acceptance, 3),
             "tokens_per_verify": round(m["tokens"] / m["cycles"], 3),
             "ms_per_ar_step": round(ms_ar_step, 2), "ms_per_mtp_cycle": round(ms_cycle, 2),
             "ceiling": round((1 + acceptance) * ms_ar_step / ms_cycle, 3),
@@ -99,7 +113,8 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
         if mlx_lm_ar:
             mlx_lm_tok_s = _median([r["tok_s"] for r in mlx_lm_ar])
             out[name]["mlx_lm_ar_tok_s"] = round(mlx_lm_tok_s, 1)
-            out[name]["speedup_vs_mlx_lm_ar"] = round(mtp_tok_s / mlx_lm_tok_s, 3)
+            out[name]["speedup_vs_mlx_lm_ar"] = round(
+                _median([b["tok_s"] / c["tok_s"] for b, c in zip(mtp, mlx_lm_ar)]), 3)
     out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2)])
     capture = capture_commit_costs(model, 1)
     if capture:

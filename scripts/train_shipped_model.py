@@ -4,7 +4,9 @@ Reads top to bottom:
   1. corpus   - the Python standard library's own sources (every machine with Python has them);
                 a fixed set of files is held out for evaluation.
   2. tokenizer - byte-level BPE trained with `tokenizers`, ChatML special tokens.
-  3. model    - mlx-lm's qwen3 architecture (deep and narrow) + our one-layer MTP head.
+  3. model    - mlx-lm's qwen3 architecture (deep and narrow) + our one-layer MTP head
+                (--arch qwen3_5: the Qwen3.5 hybrid layout, whose Gated DeltaNet layers train
+                through the chunked form of their recurrence, `mtplx.models.gated_delta_chunked`).
   4. phase 1  - joint training: next-token loss + MTP_WEIGHT * MTP (token t+2) loss.
   5. phase 2  - self-distillation: target frozen, the MTP head learns the target's own
                 next-token distribution (what it will be asked to predict when drafting).
@@ -241,7 +243,7 @@ def export(model, tok, out: Path, card: dict):
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}, indent=2) + "\n")
     (out / "training_receipt.json").write_text(json.dumps(card, indent=2) + "\n")
     lines = [
-        "# mtplx-tiny-py", "",
+        f"# {out.name}", "",
         f"A small {ARCH}-architecture model with a jointly trained one-layer MTP head, trained by",
         "`scripts/train_shipped_model.py` on the Python standard library's sources. It exists so that",
         "`mtplx` serves and tests with no download, with draft acceptance that means something.", "",
