@@ -58,29 +58,7 @@ class RecurrentCache(ArraysCache):
     def rollback(self, kept) -> None:
         """Install, per row, the state after `kept[b]` positions of the latest capture forward
         (0 = the state before it). Consumes the capture."""
-        if self._states is None:
-            raise RuntimeError("GDN state cannot be rolled back: the latest forward captured no "
-                               f"per-position states (more than {CAPTURE_MAX_T} positions, or none)")
-        T = len(self._states) - 1
-        kept = np.asarray(kept, dtype=np.int64).reshape(-1)
-        B = self._states[0].shape[0]
-        if kept.size == 1 and B > 1:
-            kept = np.full(B, int(kept[0]))
-        if kept.size != B or kept.min() < 0 or kept.max() > T:
-            raise ValueError(f"cannot keep {kept.tolist()} of {T} captured positions for {B} rows")
-        k1 = self._conv_input.shape[1] - T
-        if (kept == kept[0]).all():
-            j = int(kept[0])
-            self.cache[0] = mx.contiguous(self._conv_input[:, j:j + k1, :])
-            self.cache[1] = self._states[j]
-        else:
-            # Only the states some row keeps are read (all rows active: two of the three at T=2).
-            used = sorted(set(kept.tolist()))
-            slot = np.searchsorted(used, kept).astype(np.int32)
-            self.cache[0], self.cache[1] = _select_rows(
-                mx.array(kept.astype(np.int32)), mx.array(slot), k1, self._conv_input,
-                *[self._states[j] for j in used])
-        self.clear_capture()
+        _rollback([self], kept)
 
     # ---- the engine's cache protocol
     def advance(self, delta) -> None:
@@ -98,27 +76,13 @@ class RecurrentCache(ArraysCache):
 
     @classmethod
     def advance_all(cls, caches: Sequence["RecurrentCache"], delta) -> None:
-        """`advance(delta)` for all of a cohort's GDN layers: a mixed commit selects every layer's
-        rows in one compiled call (one dispatch per cycle, not one per layer)."""
-        delta = np.asarray(delta, dtype=np.int64)
-        T = caches[0].captured_positions if caches else 0
-        mixed = (np.ndim(delta) == 1 and (delta < 0).any() and not (delta == delta[0]).all()
-                 and T > 0 and all(c.captured_positions == T for c in caches))
-        if not mixed:
+        """`advance(delta)` for all of a cohort's GDN layers at once: a mixed commit selects every
+        layer's rows in one compiled call (one dispatch per cycle, not one per layer)."""
+        if np.ndim(delta) == 0 or (np.asarray(delta) >= 0).all():
             for c in caches:
                 c.advance(delta)
-            return
-        kept = T + np.minimum(delta, 0)
-        if kept.min() < 0:
-            raise ValueError(f"cannot keep {kept.tolist()} of {T} captured positions")
-        used = sorted(set(kept.tolist()))
-        slot = np.searchsorted(used, kept).astype(np.int32)
-        k1 = caches[0]._conv_input.shape[1] - T
-        arrays = [a for c in caches for a in (c._conv_input, *[c._states[j] for j in used])]
-        out = _select_rows_all(len(used), k1, mx.array(kept.astype(np.int32)), mx.array(slot), *arrays)
-        for i, c in enumerate(caches):
-            c.cache[0], c.cache[1] = out[2 * i], out[2 * i + 1]
-            c.clear_capture()
+        elif caches:
+            _rollback(caches, caches[0].captured_positions + np.minimum(np.asarray(delta, dtype=np.int64), 0))
 
     def trim(self, n: int) -> int:
         """Solo rollback: drop the last n positions of the latest capture forward."""
@@ -192,21 +156,40 @@ def _select_rows_impl(kept: mx.array, slot: mx.array, k1: int, conv_input: mx.ar
     return conv, state
 
 
-def _select_rows(kept, slot, k1, conv_input, *states):
-    # one fused elementwise graph per shape (the where chain reads each used state once)
-    fn = _SELECT_COMPILED.get(k1)
-    if fn is None:
-        fn = _SELECT_COMPILED[k1] = mx.compile(lambda kept, slot, ci, *st: _select_rows_impl(kept, slot, k1, ci, *st))
-    return fn(kept, slot, conv_input, *states)
-
-
-_SELECT_COMPILED: dict = {}
+def _rollback(caches: Sequence[RecurrentCache], kept) -> None:
+    """Install in each cache, per row b, the state after kept[b] positions of its latest capture
+    forward (0 = the state before it), and consume the captures."""
+    if any(c._states is None for c in caches):
+        raise RuntimeError("GDN state cannot be rolled back: the latest forward captured no "
+                           f"per-position states (more than {CAPTURE_MAX_T} positions, or none)")
+    T = caches[0].captured_positions
+    B = caches[0]._states[0].shape[0]
+    kept = np.asarray(kept, dtype=np.int64).reshape(-1)
+    if kept.size == 1 and B > 1:
+        kept = np.full(B, int(kept[0]))
+    if kept.size != B or kept.min() < 0 or kept.max() > T or any(c.captured_positions != T for c in caches):
+        raise ValueError(f"cannot keep {kept.tolist()} of {T} captured positions for {B} rows")
+    k1 = caches[0]._conv_input.shape[1] - T
+    if (kept == kept[0]).all():
+        j = int(kept[0])
+        for c in caches:
+            c.cache[0], c.cache[1] = mx.contiguous(c._conv_input[:, j:j + k1, :]), c._states[j]
+    else:
+        # Only the states some row keeps are read (all rows active: two of the three at T=2).
+        used = sorted(set(kept.tolist()))
+        slot = np.searchsorted(used, kept).astype(np.int32)
+        arrays = [a for c in caches for a in (c._conv_input, *[c._states[j] for j in used])]
+        out = _select_rows_all(len(used), k1, mx.array(kept.astype(np.int32)), mx.array(slot), *arrays)
+        for i, c in enumerate(caches):
+            c.cache[0], c.cache[1] = out[2 * i], out[2 * i + 1]
+    for c in caches:
+        c.clear_capture()
 
 
 def _select_rows_all(n_used: int, k1: int, kept: mx.array, slot: mx.array, *arrays: mx.array):
-    """`_select_rows` for many layers in one graph: arrays are, per layer, its conv input and its
-    `n_used` kept states."""
-    key = ("all", k1, n_used, len(arrays))
+    """`_select_rows_impl` for every layer in one compiled graph (one fused elementwise pass per
+    layer); arrays are, per layer, its conv input and its `n_used` kept states."""
+    key = (k1, n_used, len(arrays))
     fn = _SELECT_COMPILED.get(key)
     if fn is None:
         per = 1 + n_used
@@ -219,6 +202,9 @@ def _select_rows_all(n_used: int, k1: int, kept: mx.array, slot: mx.array, *arra
 
         fn = _SELECT_COMPILED[key] = mx.compile(select_all)
     return fn(kept, slot, *arrays)
+
+
+_SELECT_COMPILED: dict = {}
 
 
 class RecurrentSnapshot:
