@@ -227,6 +227,7 @@ def _graph_outputs(caches) -> tuple:
 
 
 def _graph_views(kinds, arrays, offset) -> list:
+    """Inside a graph: each layer's cache rebuilt from its two arrays."""
     it = iter(arrays)
     return [kind.graph_view([next(it), next(it)], offset) for kind in kinds]
 
@@ -287,8 +288,7 @@ class _CycleForwards:
         if ran is None:
             H = self.model.hidden(tokens, self.caches)
             return H, self.model.logits(H)
-        H, L = self._absorb(ran, self.caches, tokens.shape[1], 2)
-        return H, L
+        return tuple(self._absorb(ran, self.caches, tokens.shape[1], 2))
 
     @staticmethod
     def _absorb(ran, caches, T, n_results):
