@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Optional
 
 log = logging.getLogger("ray.serve")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a local Serve HTTP proxy)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def renice_process(niceness: Optional[int]) -> Optional[int]:

@@ -23,23 +23,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from typing import Optional
+
+from ._proc import free_port
 
 BENCH_PROMPTS = (
     "def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\n",
     "for i in range(10):\n", "def read_lines(path):\n    with open(path) as f:", "try:\n    import json",
     "    def __repr__(self):\n        return", "if __name__ == '__main__':\n",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _http_row(client, url: str, body: dict, stream: bool) -> dict:
@@ -76,7 +71,9 @@ async def _http_wave(client, bodies: list, stream: bool) -> dict:
     return {"wall_s": wall, "rows": rows, "tokens": sum(r["completion_tokens"] or 0 for r in rows)}
 
 
-def _inproc_cohort(service, mtp_batch, prompts, max_tokens, eos, sampler, key) -> dict:
+def _inproc_cohort(service, mtp_batch, prompts, max_tokens, eos, sampler, key, submit_each: bool = False) -> dict:
+    """The rows in-process: one `submit_cohort` (no gather window), or one `submit` per row
+    (through the service's gather window, like requests arriving at the ingress)."""
     first = {}
 
     def cb_for(i):
@@ -89,22 +86,15 @@ def _inproc_cohort(service, mtp_batch, prompts, max_tokens, eos, sampler, key) -
                                   seed=i, stop_token_ids=eos, token_callback=cb_for(i), compatibility_key=key)
             for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    results = [f.result() for f in service.submit_cohort(jobs)]
+    futures = [service.submit(j) for j in jobs] if submit_each else service.submit_cohort(jobs)
+    results = [f.result() for f in futures]
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens": sum(r["completion_tokens"] for r in results),
             "ttft": [first.get(i, t0) - t0 for i in range(len(jobs))], "results": results}
 
 
-def _inproc_lone(service, mtp_batch, prompt, max_tokens, eos, sampler, key, use_submit: bool) -> float:
-    first = []
-    job = mtp_batch.MTPBatchJob(request_id="bench-lone", prompt_ids=prompt, max_tokens=max_tokens, sampler=sampler,
-                                seed=0, stop_token_ids=eos,
-                                token_callback=lambda toks: first.append(time.perf_counter()) if not first else None,
-                                compatibility_key=key)
-    t0 = time.perf_counter()
-    fut = service.submit(job) if use_submit else service.submit_cohort([job])[0]
-    fut.result()
-    return (first[0] if first else time.perf_counter()) - t0
+def _inproc_lone_ttft(service, mtp_batch, prompt, max_tokens, eos, sampler, key, submit_each: bool) -> float:
+    return _inproc_cohort(service, mtp_batch, [prompt], max_tokens, eos, sampler, key, submit_each)["ttft"][0]
 
 
 def _replica_blas_threads(base_url: str) -> Optional[int]:
@@ -144,7 +134,7 @@ def _start_local_serve(app_args: Optional[dict]) -> tuple:
     from deployments import build_app
 
     ray.init(include_dashboard=False, log_to_driver=False, namespace="mtplx-bench")
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(dict(app_args or {})), name="mtplx-bench", route_prefix="/")
 
@@ -265,9 +255,9 @@ async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, ma
         lone_http, lone_submit, lone_cohort = [], [], []
         for _ in range(lone_rounds):
             await settle()
-            lone_submit.append(await inproc(_inproc_lone, service, mtp_batch, prompts[0], 8, eos, greedy, key, True))
+            lone_submit.append(await inproc(_inproc_lone_ttft, service, mtp_batch, prompts[0], 8, eos, greedy, key, True))
             await settle()
-            lone_cohort.append(await inproc(_inproc_lone, service, mtp_batch, prompts[0], 8, eos, greedy, key, False))
+            lone_cohort.append(await inproc(_inproc_lone_ttft, service, mtp_batch, prompts[0], 8, eos, greedy, key, False))
             await settle()
             w = await _http_wave(client, bodies(1, 8), stream=True)
             lone_http.append(w["rows"][0]["ttft"])
@@ -321,5 +311,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-_summary = format_report   # older name

@@ -563,10 +563,6 @@ class _RowRun:
     async def updates(self):
         """Yields text deltas; on return `self.final` / `self.finish_reason` are set.
         Raises OpenAIError for a failed row."""
-        async for text in self._updates():
-            yield text
-
-    async def _updates(self):
         while not self.finished:
             try:
                 update = await self._next_update()
@@ -592,7 +588,6 @@ class _RowRun:
             text = self.stops.push(self.detok.push(payload))
             if self.stops.stopped:
                 self.ing.cancel_row(self.rid, "stop_string")
-                return text
             return text
         if kind == "final":
             self.finished = True

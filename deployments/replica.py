@@ -72,19 +72,17 @@ class _CohortBuffer:
 
     def _wake_locked(self, urgent: bool = False) -> None:
         if urgent and not self._urgent_pending:
-            self._urgent_pending = True
-            try:
-                self._loop.call_soon_threadsafe(self._set_both)
-            except RuntimeError:  # loop closed: the cohort call is gone
-                pass
+            self._urgent_pending = self._wake_pending = True
+            self._call_soon(self._set_both)
+        elif not self._wake_pending:
             self._wake_pending = True
-            return
-        if not self._wake_pending:
-            self._wake_pending = True
-            try:
-                self._loop.call_soon_threadsafe(self.event.set)
-            except RuntimeError:
-                pass
+            self._call_soon(self.event.set)
+
+    def _call_soon(self, fn) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # loop closed: the cohort call is gone
+            pass
 
     def _set_both(self) -> None:
         self.event.set()
@@ -103,12 +101,12 @@ class _CohortBuffer:
             self._finals[row] = outcome
             self._wake_locked(urgent=True)
 
-    def urgent(self, sent_counts: Dict[int, int]) -> bool:
+    def urgent(self) -> bool:
         """True when the buffer holds a row's end, or tokens of a row that has sent fewer than
         URGENT_TOKENS so far (its first visible text may need several: special tokens, a UTF-8
         character split over byte tokens)."""
         with self._lock:
-            return bool(self._finals) or any(sent_counts.get(r, 0) < URGENT_TOKENS for r in self._tokens)
+            return bool(self._finals) or any(self.sent.get(r, 0) < URGENT_TOKENS for r in self._tokens)
 
     def take(self):
         with self._lock:
@@ -168,7 +166,7 @@ class MTPReplica:
                  niceness: Optional[int] = 0):
         from ._proc import renice_process
 
-        renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
+        self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
         # BLAS threads (CPU backend): by default as many as the CPUs this replica reserved from Ray,
         # so replicas and the ingress do not oversubscribe the cores the scheduler handed out.
         # (Measured on the 2-core dev box with the shipped model: 1 thread decodes a B8 cohort
@@ -198,7 +196,6 @@ class MTPReplica:
         self._jobs: Dict[str, list] = {}
         self._cohorts_started = 0
         self._stream_messages = 0
-        self.niceness = renice_process(niceness)
         if warmup:
             self._warmup()
         self._init_metrics()
@@ -325,7 +322,7 @@ class MTPReplica:
             last_sent = 0.0
             while open_rows:
                 await buf.event.wait()
-                if self.stream_interval_s and not buf.urgent(buf.sent):
+                if self.stream_interval_s and not buf.urgent():
                     # Group updates: at most one message per interval, except that a row's first
                     # tokens and a row's end go out at once (time to first token, prompt finals).
                     delay = last_sent + self.stream_interval_s - time.perf_counter()

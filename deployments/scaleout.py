@@ -15,15 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ._proc import free_port
 
 
 async def _wave(base: str, n: int, max_tokens: int) -> list:
@@ -61,7 +56,7 @@ def run(waves: int = 3, rows_per_wave: int = 16, max_tokens: int = 48) -> dict:
     try:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, namespace="mtplx-scaleout")
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app({"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpus": 1,
                          "blas_threads": 1, "max_concurrent_batches": 4, "batch_wait_timeout_s": 0.05,

@@ -131,18 +131,21 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
         raise ValueError(f"width={width!r} is invalid: must be an integer in [{MIN_WIDTH}, {MAX_WIDTH}]")
     if numerics not in NUMERICS_PROFILES:
         raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS_PROFILES}")
-    route_id = _route_id(model, width, numerics)
-    lane = InstalledA3BMTPBatchLane(
-        model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics,
-        route_id=route_id, config_fingerprint=_fingerprint(model, numerics, route_id),
-        selfcheck={"skipped": True},
-        compiled=_env_compile() if compiled is None else bool(compiled))
+    lane = _new_lane(model, width, numerics, {"skipped": True}, compiled)
     if selfcheck:
         receipt = run_selfcheck(lane)
         if not receipt["ok"]:
-            raise LaneSelfCheckError(f"lane {route_id} refused to install: {receipt['failures']}")
+            raise LaneSelfCheckError(f"lane {lane.route_id} refused to install: {receipt['failures']}")
         object.__setattr__(lane, "selfcheck", receipt)
     return lane
+
+
+def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool]) -> InstalledA3BMTPBatchLane:
+    route_id = _route_id(model, width, numerics)
+    return InstalledA3BMTPBatchLane(
+        model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
+        config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
+        compiled=_env_compile() if compiled is None else bool(compiled))
 
 
 def _env_compile() -> bool:
@@ -355,12 +358,7 @@ def solo_lane(model) -> InstalledA3BMTPBatchLane:
     the solo exactness tests."""
     lane = getattr(model, "_solo_lane", None)
     if lane is None:
-        route_id = _route_id(model, 1, "throughput")
-        lane = InstalledA3BMTPBatchLane(
-            model=model, width=1, depth=DEPTH, verify_t=VERIFY_T, numerics="throughput", route_id=route_id,
-            config_fingerprint=_fingerprint(model, "throughput", route_id), selfcheck={"skipped": "solo lane"},
-            compiled=_env_compile())
-        model._solo_lane = lane
+        lane = model._solo_lane = _new_lane(model, 1, "throughput", {"skipped": "solo lane"}, None)
     return lane
 
 

@@ -134,16 +134,22 @@ def _child_bench(args, env_extra) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def forward_costs(model, shapes, ctx=64, n=20) -> dict:
-    """ms per target forward of [B, T] over a ragged cache of `ctx` tokens per row."""
+def _cohort_caches(model, B: int, ctx: int, headroom: int = 0) -> list:
+    """Target caches of a B-row cohort, each row prefilled alone with `ctx` tokens, then merged
+    (any layer type)."""
     from .models.cache import merge_layer
 
+    per = [model.make_cache() for _ in range(B)]
+    for pc in per:
+        model.hidden(mx.array([[1] * ctx]), pc)
+    return [merge_layer([p[layer] for p in per], headroom) for layer in range(len(per[0]))]
+
+
+def forward_costs(model, shapes, ctx=64, n=20) -> dict:
+    """ms per target forward of [B, T] over a ragged cache of `ctx` tokens per row."""
     out = {}
     for B, T in shapes:
-        per = [model.make_cache() for _ in range(B)]
-        for pc in per:
-            model.hidden(mx.array([[1] * ctx]), pc)
-        caches = [merge_layer([p[layer] for p in per], 0) for layer in range(len(per[0]))]  # any layer type
+        caches = _cohort_caches(model, B, ctx)
         x = mx.ones((B, T), dtype=mx.uint32)
         times = []
         for i in range(n + 3):
@@ -164,15 +170,12 @@ def capture_commit_costs(model, B, ctx=64, n=20):
     None for attention-only models."""
     from mlx_lm.models.cache import ArraysCache
 
-    from .models.cache import RaggedKVCache, commit_rows, merge_layer
+    from .models.cache import RaggedKVCache, commit_rows
     from .models.recurrent_cache import RecurrentCache
 
-    per = [model.make_cache() for _ in range(B)]
-    if not any(isinstance(c, RecurrentCache) for c in per[0]):
+    if not any(isinstance(c, RecurrentCache) for c in model.make_cache()):
         return None
-    for pc in per:
-        model.hidden(mx.array([[1] * ctx]), pc)
-    caches = [merge_layer([p[layer] for p in per], 2) for layer in range(len(per[0]))]
+    caches = _cohort_caches(model, B, ctx, headroom=2)
     kv = [c for c in caches if isinstance(c, RaggedKVCache)]
     gdn = [c for c in caches if isinstance(c, RecurrentCache)]
     saved = [c.graph_inputs() for c in caches], [(c.lengths, c.offset) for c in kv]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from deployments._proc import free_port
+from deployments.bench_http import BENCH_PROMPTS as PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
 RAY_MARK = pytest.mark.ray
@@ -27,17 +29,6 @@ RAY_MARK = pytest.mark.ray
 TEST_APP_ARGS = {"batch_wait_timeout_s": 0.25, "max_concurrent_batches": 4, "default_max_tokens": 64}
 SEED_STATS_KEYS = ("decode_elapsed_s", "decode_tok_s", "scheduler_policy", "mtp_batch_fixed_width",
                    "mtp_batch_route_id")
-PROMPTS = [
-    "def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\n",
-    "for i in range(10):\n", "def read_lines(path):\n    with open(path) as f:", "try:\n    import json",
-    "    def __repr__(self):\n        return", "if __name__ == '__main__':\n",
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -56,7 +47,7 @@ def serve_app():
     if started_ray:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="mtplx-tests",
                  _node_ip_address="127.0.0.1")
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(dict(TEST_APP_ARGS)), name="mtplx", route_prefix="/")
     base = f"http://127.0.0.1:{port}"

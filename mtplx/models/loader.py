@@ -40,6 +40,11 @@ class CheckpointShapeError(ModelLoadError):
     pass
 
 
+def _text_config(config: dict) -> dict:
+    """The language model's config (multimodal checkpoints nest it under `text_config`)."""
+    return config.get("text_config") or config
+
+
 def _architectures() -> dict[str, ModuleType]:
     from . import qwen3, qwen3_5, qwen3_next
 
@@ -69,8 +74,7 @@ class MTPModel:
 
     @property
     def text_config(self) -> dict:
-        """The language model's config (multimodal checkpoints nest it under `text_config`)."""
-        return self.config.get("text_config") or self.config
+        return _text_config(self.config)
 
     @property
     def fingerprint(self) -> str:
@@ -151,8 +155,7 @@ def _quant_params(module: nn.Module, path: str, weights: dict, default: dict) ->
 
 
 def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Optional[Path] = None) -> MTPHead:
-    text_config = config.get("text_config") or config
-    n_layers = int(text_config.get("mtp_num_hidden_layers") or config.get("mtp_num_hidden_layers") or 1)
+    n_layers = int(_text_config(config).get("mtp_num_hidden_layers") or config.get("mtp_num_hidden_layers") or 1)
     if hasattr(arch, "sanitize_mtp"):                   # HF layout -> mlx layout (norms, experts)
         weights = arch.sanitize_mtp(weights, path, args)
     head = MTPHead(arch.hidden_size(args), arch.rms_norm_eps(args),
@@ -219,7 +222,7 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
         mtp.eval()
 
     tokenizer = _load_tokenizer(path)
-    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    eos = config.get("eos_token_id", _text_config(config).get("eos_token_id"))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
