@@ -13,14 +13,15 @@ The lane name and route ids follow MTPLX's A3B lane; the lane here is architectu
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .generation import PREFILL_CHUNK, CapacityError, prefill, prefill_with_prefix
-from .models.cache import RaggedKVCache, commit_rows, merge_layer
+from .generation import PREFILL_CHUNK, CapacityError, start_prefill
+from .models.cache import RaggedKVCache, _with_row, commit_rows, empty_batch_layer
 from .sampling import SamplerConfig, distribution, sample, verify_one_token
 
 DEPTH = 1
@@ -56,13 +57,15 @@ class A3BMTPBatchRequest:
     stop_token_ids: frozenset = frozenset()
     omit_speculative_bonus: bool = False
     on_token: Callable[[int], None] = _noop
-    on_decode_start: Callable[[], None] = _noop
+    on_admit: Callable[[], None] = _noop               # the row leaves the queue: its prefill starts
+    on_decode_start: Callable[[], None] = _noop        # the row has a slot: its first cycle is next
     on_terminal: Callable[[str, int], None] = _noop
     cancelled: Callable[[], bool] = _never
     repetition_stop: bool = False
     session_restore: Optional[Callable[[], object]] = None
     session_commit: Optional[Callable[..., None]] = None
     on_result: Optional[Callable[["A3BMTPBatchStreamResult"], None]] = None  # the row's final stream, at its terminal
+    speculative: bool = True                            # False: one target token per cycle (plain AR)
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -74,12 +77,19 @@ class A3BMTPBatchStreamResult:
     request_id: str
     tokens: list = field(default_factory=list)
     finish_reason: Optional[str] = None             # "stop" | "length" | "cancelled"
-    cycles: int = 0
+    cycles: int = 0                                 # cycles this row was live in
     accepted_drafts: int = 0
     rejected_drafts: int = 0
     terminal_perf_s: Optional[float] = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # what the lane looked like while this row ran (a running lane widens and narrows)
+    admitted_at_cycle: Optional[int] = None         # the lane's cycle count when the row took its slot
+    fixed_width: int = 0                            # widest lane width the row decoded in
+    route_id: Optional[str] = None                  # that lane's route id
+    real_width: int = 0                             # most live rows in one of its cycles
+    occupancy_sum: int = 0                          # live rows, summed over its cycles
+    mean_occupancy: float = 0.0                     # occupancy_sum / cycles
 
 
 @dataclass
@@ -303,38 +313,44 @@ class _CycleForwards:
 
 
 class _LaneRow:
-    """One cohort row's own state: request, budget, stops, penalties, RNG, output."""
+    """One lane row's own state: request, budget, stops, penalties, RNG, output, and what the
+    lane looked like while it ran (for its stats)."""
 
-    def __init__(self, req: Optional[A3BMTPBatchRequest], vocab: int):
+    def __init__(self, req: A3BMTPBatchRequest, vocab: int):
         self.req = req
-        self.live = req is not None
-        self.sampler = req.sampler if req else SamplerConfig(temperature=0.0)
-        self.draft_sampler = (req.draft_sampler or req.sampler) if req else self.sampler
-        self.rng = np.random.default_rng(req.seed if req else 0)
+        self.live = True
+        self.sampler = req.sampler
+        self.draft_sampler = req.draft_sampler or req.sampler
+        self.rng = np.random.default_rng(req.seed)
         self.counts = np.zeros(vocab, dtype=np.int64) if self.sampler.has_penalties else None
-        self.result = A3BMTPBatchStreamResult(request_id=req.request_id if req else "",
-                                              prompt_tokens=len(req.prompt_ids) if req else 0)
+        self.result = A3BMTPBatchStreamResult(request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
         self.pending: Optional[int] = None
         self.owes_history = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
 
     def dist(self, logits_row, cfg=None):
         return distribution(logits_row, cfg or self.sampler, self.counts)
 
-    def finish(self, reason: str, cycles: int) -> None:
-        if self.result.finish_reason is not None:
+    def finish(self, reason: str) -> None:
+        r = self.result
+        if r.finish_reason is not None:
             return
-        self.result.finish_reason = reason
-        self.result.cycles = cycles
-        self.result.terminal_perf_s = time.perf_counter()
+        r.finish_reason = reason
+        r.terminal_perf_s = time.perf_counter()
+        if r.cycles:
+            r.mean_occupancy = r.occupancy_sum / r.cycles
         self.live = False
         try:
-            self.req.on_terminal(reason, cycles)
+            self.req.on_terminal(reason, r.cycles)
             if self.req.on_result is not None:
-                self.req.on_result(self.result)
-        except Exception:  # a client's callback never breaks the cohort
+                self.req.on_result(r)
+        except Exception:  # a client's callback never breaks the lane
             pass
 
-    def emit(self, token: int, cycles: int) -> bool:
+    def emit(self, token: int) -> bool:
         """Record a token; returns True when the row has finished."""
         r = self.result
         r.tokens.append(token)
@@ -343,23 +359,43 @@ class _LaneRow:
         try:
             self.req.on_token(token)
         except Exception:
-            self.finish("cancelled", cycles)
+            self.finish("cancelled")
             return True
         if token in self.req.stop_token_ids:
-            self.finish("stop", cycles)
+            self.finish("stop")
         elif len(r.tokens) >= self.req.max_tokens:
-            self.finish("length", cycles)
+            self.finish("length")
         return not self.live
+
+    def cancelled(self) -> bool:
+        try:
+            return bool(self.req.cancelled())
+        except Exception:  # a broken callback cancels its own row only
+            return True
 
 
 def solo_lane(model) -> InstalledA3BMTPBatchLane:
-    """The one-row lane the solo depth-1 path decodes through (compiled cycle graphs, same code
-    as the cohorts). Cached on the model; its numerics are covered by the cohort self-checks and
-    the solo exactness tests."""
+    """The one-row lane: the solo depth-1 path decodes through it, and a running lane with one
+    row runs at this width (compiled cycle graphs, same code as the cohorts). Cached on the model;
+    its numerics are covered by the cohort self-checks and the solo exactness tests."""
     lane = getattr(model, "_solo_lane", None)
     if lane is None:
         lane = model._solo_lane = _new_lane(model, 1, "throughput", {"skipped": "solo lane"}, None)
     return lane
+
+
+def _validate_request(model, r: A3BMTPBatchRequest) -> None:
+    if not r.prompt_ids:
+        raise ValueError(f"request {r.request_id}: prompt_ids is empty")
+    if r.max_tokens < 1:
+        raise ValueError(f"request {r.request_id}: max_tokens={r.max_tokens} must be >= 1")
+    bad = [t for t in r.prompt_ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise ValueError(f"request {r.request_id}: token id {bad[0]} is outside the vocabulary")
+    if len(r.prompt_ids) + r.max_tokens > model.max_context:
+        raise A3BMTPBatchCapacityError(
+            f"request {r.request_id}: prompt ({len(r.prompt_ids)}) + max_tokens ({r.max_tokens}) "
+            f"exceeds the context window of {model.max_context} tokens")
 
 
 def _validate(lane, requests) -> None:
@@ -368,79 +404,267 @@ def _validate(lane, requests) -> None:
     if not lo <= n <= lane.width:
         raise ValueError(f"a cohort needs {lo}..{lane.width} requests for lane {lane.route_id}; got {n}")
     for r in requests:
-        if not r.prompt_ids:
-            raise ValueError(f"request {r.request_id}: prompt_ids is empty")
-        if r.max_tokens < 1:
-            raise ValueError(f"request {r.request_id}: max_tokens={r.max_tokens} must be >= 1")
-        bad = [t for t in r.prompt_ids if not 0 <= t < lane.model.vocab_size]
-        if bad:
-            raise ValueError(f"request {r.request_id}: token id {bad[0]} is outside the vocabulary")
-        if len(r.prompt_ids) + r.max_tokens > lane.model.max_context:
-            raise A3BMTPBatchCapacityError(
-                f"request {r.request_id}: prompt ({len(r.prompt_ids)}) + max_tokens ({r.max_tokens}) "
-                f"exceeds the context window of {lane.model.max_context} tokens")
+        _validate_request(lane.model, r)
 
 
-def _prefill_row(lane, row: _LaneRow):
-    """Prefill one row alone at its own length; a cancelled or padding row gets a dummy [0]."""
-    model, req = lane.model, row.req
-    if row.live and req.cancelled():
-        row.finish("cancelled", 0)
-    if row.live:
-        cache, mtp_cache, out, cached = prefill_with_prefix(
-            model, list(req.prompt_ids), lane.prefill_chunk, cancelled=req.cancelled,
-            session_restore=req.session_restore, session_commit=req.session_commit)
-        row.result.cached_tokens = cached
-        if out is not None:
-            return cache, mtp_cache, out[0], out[1]
-        row.finish("cancelled", 0)       # cancelled between prefill chunks
-    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
-    logits, hidden = prefill(model, [0], cache, mtp_cache)
-    return cache, mtp_cache, logits, hidden
+class _Admission:
+    """A row on its way into the lane: its own prefill, one chunk at a time. The prefill starts
+    (and the row's prefix restore is looked up) at the first chunk, so a row queued behind another
+    with the same prompt prefix reuses what that one banked."""
+
+    def __init__(self, model, row: _LaneRow, chunk: int):
+        self.model, self.row, self.chunk = model, row, chunk
+        self.steps = None
+        self.out = None        # (logits [V], hidden [1, 1, H]) once the prefill has ended
+
+    def advance(self) -> int:
+        """Run the next chunk; returns its token count (1 for the last prompt token)."""
+        if self.steps is None:
+            req = self.row.req
+            try:
+                req.on_admit()
+            except Exception:
+                pass
+            self.cache, self.mtp_cache, self.steps, cached = start_prefill(
+                self.model, list(req.prompt_ids), self.chunk, req.session_restore, req.session_commit)
+            self.row.result.cached_tokens = cached
+        try:
+            return next(self.steps)
+        except StopIteration as done:
+            self.out = done.value
+            return 1
 
 
-def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_log: bool = False) -> A3BMTPBatchResult:
-    """Decode 2..width requests as one fixed-width cohort. Rows are returned in request order."""
-    requests = list(requests)
-    _validate(lane, requests)
-    model, W = lane.model, lane.width
-    vocab = model.vocab_size
-    rows = [_LaneRow(requests[b] if b < len(requests) else None, vocab) for b in range(W)]
-    t_prefill = time.perf_counter()
+NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
 
-    per_row = [_prefill_row(lane, row) for row in rows]
-    caches = [merge_layer([pr[0][layer] for pr in per_row], VERIFY_T) for layer in range(len(per_row[0][0]))]
-    mtp_caches = [merge_layer([pr[1][layer] for pr in per_row], VERIFY_T) for layer in range(len(per_row[0][1]))]
-    logits_last = mx.stack([pr[2] for pr in per_row])                  # [W, V]
-    h_last = mx.concatenate([pr[3] for pr in per_row], axis=0)         # [W, 1, H]
-    del per_row
-    hist_h, hist_tok = h_last, np.zeros(W, dtype=np.int64)
-    forwards = _CycleForwards(lane, caches, mtp_caches)
-    for row in rows:
-        if row.live:
+
+class RunningLane:
+    """A fixed-width lane that keeps running while rows come and go (continuous admission).
+
+    `add(request)` queues a row; each `step()` is one cycle boundary: rows whose prefill is done
+    take free slots (a new row is prefilled alone, at its own length, one chunk per step while
+    other rows decode, then merged into its slot of the ragged caches and the MTP history), then
+    one MTP cycle runs for every live row. A row leaves at its own end and its slot is free at the
+    next boundary. `ladder` is the installed lanes this one may run as: when more rows want in than
+    the current width holds, the lane widens to the narrowest installed width that fits, carrying
+    the live rows' state over; after `narrow_after` cycles of low demand it narrows again. The
+    compiled [W, 2] graphs belong to the installed lanes, so rows coming and going never
+    recompile. Shaped after mlx-lm's `BatchGenerator` (`insert`, `next`), with MTP inside.
+
+    Each cycle, for all rows at once: one MTP head forward [W, 2] (the row's owed history entry,
+    if any, and the draft entry (h_last, primary)), one target verify forward [W, 2] = [primary,
+    draft], then a per-row decision with the row's own RNG in the solo path's order (primary,
+    draft, accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions. Free slots are
+    inert (commit 0). A row with `speculative=False` keeps one target token per cycle (plain AR in
+    the same forwards; its output and RNG draws are `generate_ar`'s).
+    """
+
+    def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
+                 narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False):
+        ladder = [ladder] if isinstance(ladder, InstalledA3BMTPBatchLane) else list(ladder)
+        if not ladder:
+            raise ValueError("a running lane needs at least one installed lane")
+        self.ladder = sorted(ladder, key=lambda ln: ln.width)
+        self.model = self.ladder[0].model
+        self.prefill_chunk = self.ladder[0].prefill_chunk
+        self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
+        self.narrow_after = int(narrow_after)
+        self.lane: Optional[InstalledA3BMTPBatchLane] = None
+        self.rows: list = []                           # slot -> _LaneRow or None (free)
+        self.waiting: deque = deque()                  # rows not yet prefilling
+        self.admitting: deque = deque()                # _Admission, FIFO
+        self.caches = self.mtp_caches = None
+        self.logits_last = self.h_last = self.hist_h = None
+        self.hist_tok: Optional[np.ndarray] = None
+        self.forwards: Optional[_CycleForwards] = None
+        self.cycles = self.accepted = self.rejected = 0
+        self.row_cycles = 0                             # sum over cycles of live rows
+        self.width_cycles: dict = {}
+        self.admitted = self.widenings = self.narrowings = 0
+        self._low_demand = 0
+        self.keep_log = [] if keep_log else None
+
+    # -- rows in and out --------------------------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        return self.lane.width if self.lane is not None else 0
+
+    @property
+    def route_id(self) -> Optional[str]:
+        return self.lane.route_id if self.lane is not None else None
+
+    @property
+    def live_rows(self) -> int:
+        return sum(1 for r in self.rows if r is not None)
+
+    @property
+    def demand(self) -> int:
+        """Rows that want a slot: live, prefilling and waiting."""
+        return self.live_rows + len(self.admitting) + len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return self.demand > 0
+
+    def add(self, req: A3BMTPBatchRequest) -> A3BMTPBatchStreamResult:
+        """Queue a row; it joins at a cycle boundary when a slot is free. Returns its stream."""
+        _validate_request(self.model, req)
+        row = _LaneRow(req, self.model.vocab_size)
+        self.waiting.append(row)
+        return row.result
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        for row in list(self.waiting) + [a.row for a in self.admitting] + [r for r in self.rows if r]:
+            row.finish(reason)
+        self.waiting.clear()
+        self.admitting.clear()
+        self.rows = [None] * len(self.rows)
+
+    # -- one cycle boundary and one cycle ------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit what fits, then run one cycle for the live rows."""
+        self._drop_cancelled()
+        self._resize()
+        self._admit()
+        if self.live_rows:
+            self._cycle()
+
+    def admit_all(self) -> None:
+        """Prefill and merge every waiting row that fits, before any cycle (a sealed cohort)."""
+        budget, self.prefill_budget = self.prefill_budget, None
+        try:
+            self._drop_cancelled()
+            self._resize()
+            self._admit()
+        finally:
+            self.prefill_budget = budget
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.waiting if r.cancelled()]:
+            self.waiting.remove(row)
+            row.finish("cancelled")
+        for adm in [a for a in self.admitting if a.row.cancelled()]:
+            self.admitting.remove(adm)
+            adm.row.finish("cancelled")
+        for b, row in enumerate(self.rows):
+            if row is not None and row.cancelled():
+                row.finish("cancelled")
+                self.rows[b] = None
+
+    def _resize(self) -> None:
+        """Pick the narrowest installed width that fits the demand: widen at once, narrow after
+        `narrow_after` cycles of low demand (never below the live rows)."""
+        demand = self.demand
+        fit = next((ln for ln in self.ladder if ln.width >= demand), self.ladder[-1])
+        if self.lane is None:
+            self._reshape(fit, [])
+        elif fit.width > self.width:
+            self.widenings += 1
+            self._low_demand = 0
+            self._reshape(fit, list(range(self.width)))
+        elif fit.width < self.width and self.live_rows <= fit.width:
+            self._low_demand += 1
+            if self._low_demand >= self.narrow_after or not self.live_rows:
+                self.narrowings += 1
+                self._low_demand = 0
+                self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
+        else:
+            self._low_demand = 0
+
+    def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
+        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state."""
+        W = lane.width
+        index = keep + [None] * (W - len(keep))
+        rows = [self.rows[i] if i is not None else None for i in index]
+        if self.caches is not None and any(r is not None for r in rows):
+            take = [i if i is not None else 0 for i in index]
+            self.caches = [c.take_rows(index) for c in self.caches]
+            self.mtp_caches = [c.take_rows(index) for c in self.mtp_caches]
+            sel = mx.array(take, dtype=mx.int32)
+            self.logits_last, self.h_last, self.hist_h = (
+                self.logits_last[sel], self.h_last[sel], self.hist_h[sel])
+            self.hist_tok = self.hist_tok[np.array(take)]
+        else:            # nothing live to carry: start from empty layers at the new width
+            self.caches = self.mtp_caches = None
+        self.lane, self.rows = lane, rows
+        self.forwards = None
+
+    def _ensure_state(self, adm: _Admission) -> None:
+        """Empty lane state at the current width, shaped like this first row's."""
+        if self.caches is not None:
+            return
+        W = self.width
+        self.caches = [empty_batch_layer(c, W) for c in adm.cache]
+        self.mtp_caches = [empty_batch_layer(c, W) for c in adm.mtp_cache]
+        logits, hidden = adm.out
+        self.logits_last = mx.zeros((W,) + logits.shape, logits.dtype)
+        self.h_last = mx.zeros((W,) + hidden.shape[1:], hidden.dtype)
+        self.hist_h = self.h_last
+        self.hist_tok = np.zeros(W, dtype=np.int64)
+
+    def _admit(self) -> None:
+        """Start prefills for free slots (FIFO), advance them within the prefill budget, and merge
+        each finished prefill into a free slot."""
+        free = self.width - self.live_rows
+        while self.waiting and len(self.admitting) < free:
+            self.admitting.append(_Admission(self.model, self.waiting.popleft(), self.prefill_chunk))
+        budget = self.prefill_budget
+        spent = 0
+        while self.admitting and (budget is None or spent < budget):
+            adm = self.admitting[0]
+            spent += adm.advance()
+            if adm.out is not None:
+                self.admitting.popleft()
+                self._place(adm)
+
+    def _place(self, adm: _Admission) -> None:
+        self._ensure_state(adm)
+        b = self.rows.index(None)
+        for layer, per_row in zip(self.caches, adm.cache):
+            layer.put_row(b, per_row)
+        for layer, per_row in zip(self.mtp_caches, adm.mtp_cache):
+            layer.put_row(b, per_row)
+        logits, hidden = adm.out
+        self.logits_last = _with_row(self.logits_last, b, logits[None])
+        self.h_last = _with_row(self.h_last, b, hidden)
+        self.hist_tok[b] = 0
+        row = adm.row
+        row.result.admitted_at_cycle = self.cycles
+        self.rows[b] = row
+        self.admitted += 1
+        try:
             row.req.on_decode_start()
-    t_decode = time.perf_counter()
+        except Exception:
+            row.finish("cancelled")
+            self.rows[b] = None
 
-    greedy = all(r.sampler.is_greedy and r.draft_sampler.is_greedy and not r.sampler.has_penalties
-                 for r in rows if r.req is not None)
-    logits_host = None if greedy else np.array(logits_last, dtype=np.float64)
-    max_cycles = max(r.max_tokens for r in requests) + 2
-    cycles = accepted = rejected = 0
-    keep_log = []
-
-    while any(r.live for r in rows):
-        cycles += 1
-        if cycles > max_cycles:
-            raise RuntimeError(f"cohort exceeded its safety cap of {max_cycles} cycles")
+    def _cycle(self) -> None:
+        if self.forwards is None:
+            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches)
+        caches, mtp_caches, forwards = self.caches, self.mtp_caches, self.forwards
+        rows, W = self.rows, self.width
+        self.cycles += 1
+        n_live = self.live_rows
+        self.row_cycles += n_live
+        self.width_cycles[W] = self.width_cycles.get(W, 0) + 1
+        active = np.array([r is not None for r in rows])
         for row in rows:
-            if row.live and row.req.cancelled():
-                row.finish("cancelled", cycles - 1)
-        active = np.array([r.live for r in rows])
-        if not active.any():
-            break
-        has_pending = np.array([r.live and r.pending is not None for r in rows])
-        pending = np.array([r.pending if r.pending is not None else 0 for r in rows], dtype=np.int64)
-        owes = np.array([r.live and r.owes_history for r in rows])
+            if row is not None:
+                r = row.result
+                r.cycles += 1
+                r.occupancy_sum += n_live
+                r.real_width = max(r.real_width, n_live)
+                if W >= r.fixed_width:
+                    r.fixed_width, r.route_id = W, self.lane.route_id
+        has_pending = np.array([r is not None and r.pending is not None for r in rows])
+        pending = np.array([r.pending if r is not None and r.pending is not None else 0 for r in rows],
+                           dtype=np.int64)
+        owes = np.array([r is not None and r.owes_history for r in rows])
+        greedy = all(r.greedy for r in rows if r is not None)
+        logits_host = None if greedy else _host(self.logits_last)
+        h_last, hist_h, logits_last = self.h_last, self.hist_h, self.logits_last
 
         # 1. primary token per row
         if greedy:
@@ -456,17 +680,17 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
         # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]
         owes_mx = mx.array(owes)
         slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
-        slot0_t = mx.where(owes_mx, mx.array(hist_tok, dtype=mx.uint32), x0)
+        slot0_t = mx.where(owes_mx, mx.array(self.hist_tok, dtype=mx.uint32), x0)
         q_logits = forwards.draft(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
                                   mx.array(owes.astype(np.int32))[:, None, None])        # [W, V]
         commit_rows(mtp_caches, 2, np.where(active, 1 + owes, 0))
         if greedy:
             d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
         else:
-            q_host = np.array(q_logits, dtype=np.float64)
+            q_host = _host(q_logits)
             q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
             for b, row in enumerate(rows):
-                if active[b]:
+                if active[b] and row.req.speculative:
                     q_probs[b] = row.dist(q_host[b], row.draft_sampler)
                     d_host[b] = sample(q_probs[b], row.rng)
             d = mx.array(d_host, dtype=mx.uint32)
@@ -478,14 +702,21 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
             mx.eval(x0, d, target_ids)
             x0_host, d_host, target_ids = np.array(x0), np.array(d), np.array(target_ids)
         else:
-            L_host = np.array(L, dtype=np.float64)
+            L_host = _host(L)
 
         # 4. per-row decision, same RNG order as the solo path
         keep = np.zeros(W, dtype=np.int64)
         for b, row in enumerate(rows):
             if not active[b]:
                 continue
-            if not has_pending[b] and row.emit(int(x0_host[b]), cycles):
+            if not has_pending[b] and row.emit(int(x0_host[b])):
+                continue
+            r = row.result
+            if not row.req.speculative:       # plain AR: the target's own next token
+                tok = int(target_ids[b, 0]) if greedy else sample(row.dist(L_host[b, 0]), row.rng)
+                row.pending, row.owes_history, keep[b] = None, False, 1
+                if not row.emit(tok):
+                    row.pending = tok
                 continue
             draft = int(d_host[b])
             if greedy:
@@ -494,46 +725,63 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
                 ok, tok = verify_one_token(row.dist(L_host[b, 0]), q_probs[b], draft, row.rng)
             row.pending, row.owes_history = None, ok
             if ok:
-                accepted += 1
-                row.result.accepted_drafts += 1
-                if row.emit(tok, cycles):
+                self.accepted += 1
+                r.accepted_drafts += 1
+                if row.emit(tok):
                     continue
                 keep[b] = 2
-                if not row.req.omit_speculative_bonus and len(row.result.tokens) < row.req.max_tokens:
+                if not row.req.omit_speculative_bonus and len(r.tokens) < row.req.max_tokens:
                     bonus = int(target_ids[b, 1]) if greedy else sample(row.dist(L_host[b, 1]), row.rng)
-                    if not row.emit(bonus, cycles):
+                    if not row.emit(bonus):
                         row.pending = bonus
             else:
-                rejected += 1
-                row.result.rejected_drafts += 1
+                self.rejected += 1
+                r.rejected_drafts += 1
                 keep[b] = 1
-                if not row.emit(tok, cycles):
+                if not row.emit(tok):
                     row.pending = tok
-            hist_tok[b] = draft
+            self.hist_tok[b] = draft
         for b, row in enumerate(rows):
             if active[b] and not row.live:
-                keep[b] = 0           # finished this cycle: freeze its state
-        if _keep_log:
-            keep_log.extend(int(k) for k, a in zip(keep, active) if a)
+                keep[b] = 0           # finished this cycle: freeze its state, free its slot
+                rows[b] = None
+        if self.keep_log is not None:
+            self.keep_log.extend(int(k) for k, a in zip(keep, active) if a)
 
         # 5. commit: each row keeps 0/1/2 verify positions; last logits/hidden follow
         commit_rows(caches, VERIFY_T, keep)
         sel = mx.array(np.maximum(keep - 1, 0).astype(np.int32))[:, None, None]
-        hist_h = H[:, 0:1]
-        h_last = mx.take_along_axis(H, sel, axis=1)
-        if greedy:
-            logits_last = mx.take_along_axis(L, sel, axis=1)[:, 0]
-        else:
-            logits_host = L_host[np.arange(W), np.maximum(keep - 1, 0)]
-        for b, row in enumerate(rows):
-            if row.live:
-                row.result.cycles = cycles
+        self.hist_h = H[:, 0:1]
+        self.h_last = mx.take_along_axis(H, sel, axis=1)
+        self.logits_last = mx.take_along_axis(L, sel, axis=1)[:, 0]
 
+
+def _host(x: mx.array) -> np.ndarray:
+    """Logits on the host in float64 (cast on the device first: numpy cannot read bfloat16)."""
+    return np.array(x.astype(mx.float32), dtype=np.float64)
+
+
+def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_log: bool = False) -> A3BMTPBatchResult:
+    """Decode 2..width requests as one sealed cohort of this lane (every row prefilled before the
+    first cycle; no row joins later). Rows are returned in request order."""
+    requests = list(requests)
+    _validate(lane, requests)
+    running = RunningLane(lane, keep_log=_keep_log)
+    streams = [running.add(r) for r in requests]
+    t_prefill = time.perf_counter()
+    running.admit_all()
+    t_decode = time.perf_counter()
+    max_cycles = max(r.max_tokens for r in requests) + 2
+    while running.has_work:
+        if running.cycles >= max_cycles:
+            raise RuntimeError(f"cohort exceeded its safety cap of {max_cycles} cycles")
+        running.step()
     t_end = time.perf_counter()
     result = A3BMTPBatchResult(
-        streams=[r.result for r in rows[:len(requests)]], cycles=cycles, accepted_drafts=accepted,
-        rejected_drafts=rejected, route_id=lane.route_id, width_histogram={W: cycles},
-        real_width=len(requests), fixed_width=W, prefill_s=t_decode - t_prefill, decode_s=t_end - t_decode)
+        streams=streams, cycles=running.cycles, accepted_drafts=running.accepted,
+        rejected_drafts=running.rejected, route_id=lane.route_id, width_histogram={lane.width: running.cycles},
+        real_width=len(requests), fixed_width=lane.width, prefill_s=t_decode - t_prefill,
+        decode_s=t_end - t_decode)
     if _keep_log:
-        result.keep_log = keep_log
+        result.keep_log = running.keep_log
     return result

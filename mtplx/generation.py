@@ -55,21 +55,21 @@ def check_request(model, prompt_ids, max_tokens: int) -> list[int]:
     return prompt
 
 
-def prefill(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFILL_CHUNK,
-            cancelled: Callable[[], bool] = lambda: False, start: int = 0, boundary_hook=None):
-    """Run the prompt through the target (and prime the MTP history when mtp_cache is given).
+def prefill_steps(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFILL_CHUNK,
+                  start: int = 0, boundary_hook=None):
+    """The prefill as a generator: each `next()` runs one chunk of the prompt body and yields its
+    token count; the generator returns (logits_last [V], hidden_last [1, 1, H]).
 
     The body (prompt[:-1]) is split at absolute multiples of `chunk`, then the last prompt token
-    runs alone, so every path (AR, MTP, cohort rows, prefix restores) uses one partition.
-    `start` is a chunk boundary whose state the caches already hold (a prefix restore);
-    `boundary_hook(m)` is called after the last full chunk boundary m (for prefix snapshots).
-    Returns (logits_last [V], hidden_last [1, 1, H]), or None when cancelled between chunks.
+    runs alone, so every path (AR, MTP, lane rows, prefix restores) uses one partition and greedy
+    outputs agree token for token. A running lane drives it one chunk per cycle, so a long prompt
+    delays the lane's live rows by at most one chunk per cycle. The MTP history is primed when
+    `mtp_cache` is given. `start` is a chunk boundary whose state the caches already hold (a prefix
+    restore); `boundary_hook(m)` is called after the last full chunk boundary m (prefix snapshots).
     """
     body = prompt[:-1]
     last_boundary = ((len(body)) // chunk) * chunk if mtp_cache is not None else 0
     for s in range(start, len(body), chunk):
-        if cancelled():
-            return None
         piece = body[s:s + chunk]
         h = model.hidden(mx.array([piece]), cache)
         if mtp_cache is not None:
@@ -78,22 +78,38 @@ def prefill(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFIL
         mx.eval([c.state for c in cache] + ([c.state for c in mtp_cache] if mtp_cache else []))
         if boundary_hook is not None and s + len(piece) == last_boundary and last_boundary > start:
             boundary_hook(last_boundary)
-    if cancelled():
-        return None
+        yield len(piece)
     h_last = model.hidden(mx.array([prompt[-1:]]), cache)
     logits_last = model.logits(h_last)[0, -1]
     mx.eval(logits_last, h_last)
     return logits_last, h_last
 
 
-def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
-                        cancelled: Callable[[], bool] = lambda: False,
-                        session_restore=None, session_commit=None):
-    """Prefill with the MTP history, reusing a banked prefix state when one matches.
+def run_steps(steps, cancelled: Callable[[], bool] = lambda: False):
+    """Drive a `prefill_steps` generator to its end; None when cancelled between chunks."""
+    while True:
+        if cancelled():
+            return None
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFILL_CHUNK,
+            cancelled: Callable[[], bool] = lambda: False, start: int = 0, boundary_hook=None):
+    """`prefill_steps` run to the end. Returns (logits_last [V], hidden_last [1, 1, H]), or None
+    when cancelled between chunks."""
+    return run_steps(prefill_steps(model, prompt, cache, mtp_cache, chunk, start, boundary_hook), cancelled)
+
+
+def start_prefill(model, prompt: list[int], chunk: int = PREFILL_CHUNK, session_restore=None,
+                  session_commit=None):
+    """A prefill with the MTP history that reuses a banked prefix state when one matches.
 
     `session_restore()` returns a PrefixState or None; `session_commit(state)` receives the
     state at the last chunk boundary. Both hooks are fail-safe: a bank problem only costs reuse.
-    Returns (cache, mtp_cache, prefill output or None if cancelled, cached_tokens).
+    Returns (cache, mtp_cache, steps, cached_tokens); `steps` is a `prefill_steps` generator.
     """
     from .prefix_cache import restore, snapshot
 
@@ -109,6 +125,7 @@ def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
             cache, start = None, 0
     if cache is None:
         cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+
     def commit_boundary(m):
         try:
             session_commit(snapshot(prompt, m, cache, mtp_cache))
@@ -116,8 +133,16 @@ def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
             pass
 
     hook = commit_boundary if session_commit is not None else None
-    out = prefill(model, prompt, cache, mtp_cache, chunk, cancelled=cancelled, start=start, boundary_hook=hook)
-    return cache, mtp_cache, out, start
+    return cache, mtp_cache, prefill_steps(model, prompt, cache, mtp_cache, chunk, start, hook), start
+
+
+def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
+                        cancelled: Callable[[], bool] = lambda: False,
+                        session_restore=None, session_commit=None):
+    """`start_prefill` run to the end: (cache, mtp_cache, prefill output or None if cancelled,
+    cached_tokens)."""
+    cache, mtp_cache, steps, start = start_prefill(model, prompt, chunk, session_restore, session_commit)
+    return cache, mtp_cache, run_steps(steps, cancelled), start
 
 
 class _Row:

@@ -14,6 +14,8 @@ implement the same four in their own module):
   solo:    `trim(n)` drops the last n positions written by the latest forward;
   cohort:  `merge_rows(per_row_caches)` builds the batched cache, `advance(delta)` moves each row
            by `keep - written` after a verify (`commit_rows`);
+  lane:    `empty_rows(width)`, `put_row(b, per_row)` (a newly prefilled row joins a running lane)
+           and `take_rows(index)` (the lane widens or narrows, rows keep their state);
   prefix:  `snapshot_layer` / `restore_layer` below.
 """
 
@@ -61,6 +63,34 @@ class RaggedKVCache:
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
+
+    # ---- the running lane's row protocol
+    @classmethod
+    def empty_rows(cls, width: int) -> "RaggedKVCache":
+        return cls(None, None, [0] * width)
+
+    def put_row(self, b: int, kv) -> None:
+        """Row b becomes the per-row mlx-lm KVCache `kv` (its positions, its length); the row's old
+        slots past that length are dead (the mask never reaches them)."""
+        n = int(kv.offset) if kv.keys is not None else 0
+        if n:
+            k, v = kv.keys[..., :n, :], kv.values[..., :n, :]
+            W = len(self.lengths)
+            self.ensure_capacity(n + 2, like=(mx.broadcast_to(k[:, :, :1], (W,) + k.shape[1:2] + (1,) + k.shape[3:]),
+                                              mx.broadcast_to(v[:, :, :1], (W,) + v.shape[1:2] + (1,) + v.shape[3:])))
+            self.keys = _with_row(self.keys, b, k)
+            self.values = _with_row(self.values, b, v)
+        self.lengths = self.lengths.copy()
+        self.lengths[b] = n
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+
+    def take_rows(self, index: Sequence[Optional[int]]) -> "RaggedKVCache":
+        """A cache whose row i is this cache's row index[i] (None: an empty row)."""
+        lengths = [int(self.lengths[i]) if i is not None else 0 for i in index]
+        if self.keys is None:
+            return RaggedKVCache(None, None, lengths)
+        rows = mx.array([i if i is not None else 0 for i in index], dtype=mx.int32)
+        return RaggedKVCache(self.keys[rows], self.values[rows], lengths)
 
     def ensure_capacity(self, needed: int, like: Optional[tuple] = None) -> None:
         if self.keys is None:        # every row started empty: allocate from the first write
@@ -136,6 +166,22 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def _with_row(buf: mx.array, b: int, row: mx.array) -> mx.array:
+    """`buf` with batch row b replaced by `row` ([1, ...]; shorter axes, e.g. a KV row's positions,
+    are zero-padded). A new array: buffers are never written in place (snapshots may hold
+    references)."""
+    if row.shape[1:] != buf.shape[1:]:
+        row = mx.pad(row, [(0, 0)] + [(0, n - m) for m, n in zip(row.shape[1:], buf.shape[1:])])
+    return mx.concatenate([buf[:b], row.astype(buf.dtype), buf[b + 1:]], axis=0)
+
+
+def empty_batch_layer(per_row, width: int):
+    """A lane layer of `width` empty rows, of the batched type that matches this per-row cache."""
+    if hasattr(type(per_row), "empty_rows"):
+        return type(per_row).empty_rows(width)
+    return RaggedKVCache.empty_rows(width)
 
 
 def merge_layer(per_row: Sequence, headroom: int = 2):

@@ -43,6 +43,7 @@ class RecurrentCache(ArraysCache):
         # positions is rows j..j+K-2) and the recurrent states [pre, after 1, ..., after T].
         self._conv_input: Optional[mx.array] = None
         self._states: Optional[list] = None
+        self._width: Optional[int] = None          # rows of a lane layer (`empty_rows`)
 
     # ---- the capture record
     def record(self, conv_input: mx.array, states: list) -> None:
@@ -132,6 +133,29 @@ class RecurrentCache(ArraysCache):
                 continue
             out[e] = mx.concatenate(
                 [c[e] if c[e] is not None else mx.zeros((1,) + ref.shape[1:], ref.dtype) for c in per_row])
+        return out
+
+    # ---- the running lane's row protocol (see `RaggedKVCache.put_row`)
+    @classmethod
+    def empty_rows(cls, width: int) -> "RecurrentCache":
+        out = cls()
+        out._width = width
+        return out
+
+    def put_row(self, b: int, row: "RecurrentCache") -> None:
+        for e in range(2):
+            if row[e] is None:
+                continue
+            if self[e] is None:
+                self[e] = mx.zeros((self._width,) + row[e].shape[1:], row[e].dtype)
+            self[e] = mx.concatenate([self[e][:b], row[e].astype(self[e].dtype), self[e][b + 1:]], axis=0)
+
+    def take_rows(self, index: Sequence[Optional[int]]) -> "RecurrentCache":
+        out = type(self).empty_rows(len(index))
+        rows = mx.array([i if i is not None else 0 for i in index], dtype=mx.int32)
+        for e in range(2):
+            if self[e] is not None:
+                out[e] = self[e][rows]
         return out
 
     def snapshot(self, m: int) -> "RecurrentSnapshot":
