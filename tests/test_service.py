@@ -207,8 +207,8 @@ def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n
         # greedy cohort rows equal plain AR (exactness through the service wiring)
         assert r["tokens"] == generate_ar(model, prompts[i], 6 + 3 * i, GREEDY).tokens
     snap = settle(service)
-    assert snap["batch_histogram"] == {str(n): 1}
-    assert snap["last_real_width"] == n and snap["last_fixed_width"] == fixed
+    assert snap["lanes_started"] == 1 and snap["admissions"] == n and snap["lanes"] == []
+    assert snap["last_fixed_width"] == fixed
     assert snap["last_route_id"] == lanes[fixed].route_id
     assert set(snap["fixed_width_histogram"]) == {str(fixed)}
     assert snap["target_verify_cycles"] == snap["fixed_width_histogram"][str(fixed)] > 0
@@ -237,27 +237,33 @@ def test_force_width_env_must_name_an_installed_width(monkeypatch, make_service,
         make_service()
 
 
-def test_cohort_seals_at_eight_and_ninth_waits(service, prompts):
-    jobs = [job(prompts[i], max_tokens=5, seed=i, rid=f"r{i}") for i in range(9)]
+def test_ninth_row_joins_the_running_b8_lane_when_a_slot_frees(model, service, prompts):
+    budgets = [4, 40, 40, 40, 40, 40, 40, 40, 12]
+    jobs = [job(prompts[i], max_tokens=budgets[i], seed=i, rid=f"r{i}") for i in range(9)]
     results = run_held(service, jobs)
-    assert [r["stats"]["mtp_batch_real_width"] for r in results] == [8] * 8 + [1]
-    assert results[8]["stats"]["scheduler_policy"] == "solo_mtp"
-    # the ninth was admitted only after the first cohort ran
-    assert jobs[8].admitted_s > max(j.decode_started_s for j in jobs[:8])
-    assert service.snapshot()["batch_histogram"] == {"8": 1, "1": 1}
+    assert [r["stats"]["mtp_batch_fixed_width"] for r in results] == [8] * 9
+    # the ninth waited for row 0's slot, then decoded beside the other seven (no second cohort)
+    assert jobs[8].admitted_s >= jobs[0].completed_s
+    assert jobs[8].decode_started_s < min(j.completed_s for j in jobs[1:8])
+    assert results[8]["stats"]["admitted_at_cycle"] > 0
+    assert results[8]["stats"]["lane_mean_occupancy"] > 6
+    for i, r in enumerate(results):
+        assert r["tokens"] == generate_ar(model, prompts[i], budgets[i], GREEDY).tokens
+    snap = settle(service)
+    assert snap["lanes_started"] == 1 and snap["admissions"] == 9 and set(snap["fixed_width_histogram"]) == {"8"}
 
 
-def test_different_keys_seal_separately_fifo(service, prompts):
+def test_different_keys_run_side_by_side(service, prompts):
     kinds = [GREEDY, HOT, GREEDY, HOT, GREEDY]
-    jobs = [job(prompts[i], max_tokens=6, sampler=s, seed=i) for i, s in enumerate(kinds)]
+    jobs = [job(prompts[i], max_tokens=30, sampler=s, seed=i) for i, s in enumerate(kinds)]
     results = run_held(service, jobs)
     greedy_rows = [r for r, s in zip(results, kinds) if s is GREEDY]
     hot_rows = [r for r, s in zip(results, kinds) if s is HOT]
     assert {r["stats"]["mtp_batch_real_width"] for r in greedy_rows} == {3}
     assert {r["stats"]["mtp_batch_real_width"] for r in hot_rows} == {2}
-    # the head job's key sealed first; the other key waited in the queue
-    assert max(jobs[i].admitted_s for i in (0, 2, 4)) < min(jobs[i].admitted_s for i in (1, 3))
-    assert service.snapshot()["batch_histogram"] == {"3": 1, "2": 1}
+    # the two keys' lanes take turns cycle by cycle: neither waits for the other to drain
+    assert max(jobs[i].decode_started_s for i in (1, 3)) < min(jobs[i].completed_s for i in (0, 2, 4))
+    assert settle(service)["lanes_started"] == 2
 
 
 def test_submit_cohort_splits_by_key_without_waiting(make_service, prompts):
@@ -269,7 +275,7 @@ def test_submit_cohort_splits_by_key_without_waiting(make_service, prompts):
     results = [f.result(TIMEOUT) for f in futures]
     assert time.perf_counter() - t0 < 5.0
     assert [r["stats"]["mtp_batch_real_width"] for r in results] == [3, 2, 3, 2, 3]
-    assert service.snapshot()["batch_histogram"] == {"3": 1, "2": 1}
+    assert settle(service)["lanes_started"] == 2
 
 
 def test_one_job_runs_the_solo_mtp_path(model, service, prompts):
@@ -308,7 +314,7 @@ def test_b1_exact_runs_every_job_serially_through_solo(model, prompts):
             assert b.decode_started_s > a.completed_s
         snap = service.snapshot()
         assert snap["installed_widths"] == [] and snap["solo_runs"] == 4
-        assert snap["batch_histogram"] == {"4": 1} and snap["shut_down"] is False
+        assert snap["lanes_started"] == 0 and snap["shut_down"] is False
     finally:
         service.shutdown()
 
@@ -398,29 +404,32 @@ def test_callback_error_stays_row_local(service, prompts):
 # ------------------------------------------------------------------------------ faults
 
 
-def test_driver_error_fails_only_its_cohort(make_service, prompts):
-    calls = []
+def test_lane_error_fails_only_its_lane(make_service, prompts):
+    from mtplx.a3b_mtp_batch import RunningLane
 
-    def flaky_driver(lane, requests):
-        calls.append(len(requests))
-        if len(calls) == 1:
-            raise RuntimeError("device lost")
-        return generate_a3b_mtp_batch(lane, requests)
+    broken = []
 
-    service = make_service(driver=flaky_driver)
-    first = [job(prompts[i], sampler=GREEDY, seed=i) for i in range(3)]
-    second = [job(prompts[i], sampler=HOT, seed=i) for i in range(3, 5)]
+    class FlakyLane(RunningLane):
+        def step(self):
+            if not broken and self.cycles == 2:
+                broken.append(self.live_rows)
+                raise RuntimeError("device lost")
+            super().step()
+
+    service = make_service(running_lane_cls=FlakyLane)
+    first = [job(prompts[i], max_tokens=20, sampler=GREEDY, seed=i) for i in range(3)]
     with held_owner(service):
-        futures = [service.submit(j) for j in first + second]
-    for f in futures[:3]:
+        futures = [service.submit(j) for j in first]
+    for f in futures:
         with pytest.raises(RuntimeError, match="device lost"):
             f.result(TIMEOUT)
-    for f in futures[3:]:
+    second = [job(prompts[i], sampler=HOT, seed=i) for i in range(3, 5)]
+    for f in service.submit_cohort(second):
         assert f.result(TIMEOUT)["finish_reason"] == "length"
-    snap = service.snapshot()
-    assert calls == [3, 2]
+    snap = settle(service)
+    assert broken == [3]
     assert snap["last_error"] == "RuntimeError: device lost" and snap["driver_errors"] == 1
-    assert snap["shut_down"] is False
+    assert snap["shut_down"] is False and snap["active"] == 0 and snap["lanes"] == []
     assert service.submit(job(prompts[0])).result(TIMEOUT)["finish_reason"] == "length"
 
 
@@ -433,9 +442,9 @@ def test_owner_finalize_failure_poisons_the_service(make_service, prompts, final
 
     service = make_service(owner_finalize=finalize)
     cohort = [job(prompts[i], seed=i) for i in range(2)]
-    queued = job(prompts[2], sampler=HOT, seed=2)          # another key: waits for the next seal
+    other_key = job(prompts[2], max_tokens=400, sampler=HOT, seed=2)   # still running at the poisoning
     with held_owner(service):
-        futures = [service.submit(j) for j in cohort + [queued]]
+        futures = [service.submit(j) for j in cohort + [other_key]]
     for f in futures[:2]:   # rows already published at their terminal keep their results
         assert f.result(TIMEOUT)["finish_reason"] == "length"
     with pytest.raises(MTPBatchOwnerFinalizeError, match="owner finalize failed"):

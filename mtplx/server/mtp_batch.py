@@ -138,7 +138,7 @@ class MTPBatchJob:
                  request_observability: Optional[dict] = None,
                  omit_speculative_bonus: bool = False, session_id: Optional[str] = None,
                  session_restore: Optional[Callable[[], Any]] = None,
-                 session_commit: Optional[Callable[..., Any]] = None):
+                 session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -160,6 +160,7 @@ class MTPBatchJob:
         self.session_id = session_id
         self.session_restore = session_restore
         self.session_commit = session_commit
+        self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
 
         # runtime
         self.future: Future = Future()
@@ -173,7 +174,7 @@ class MTPBatchJob:
         self._lock = threading.Lock()
         self._resolved = False
         self._service: Optional["MTPBatchGenerationService"] = None
-        self._group: Optional[object] = None      # identity of an upstream-sealed cohort
+        self._ready = False                       # submitted as a cohort: no gather wait
 
     def __repr__(self) -> str:
         return (f"MTPBatchJob(request_id={self.request_id!r}, prompt={len(self.prompt_ids)} tokens, "
@@ -396,28 +397,57 @@ def _shutdown_live_services() -> None:
             pass
 
 
+class _KeyLane:
+    """One compatibility key's running lane in the service, and the jobs that joined it."""
+
+    __slots__ = ("key", "running", "jobs", "seen")
+
+    def __init__(self, key, running):
+        self.key, self.running, self.jobs = key, running, []
+        self.seen = {"cycles": 0, "accepted": 0, "rejected": 0}   # counters already in the stats
+
+
+def lane_label(key) -> str:
+    """A short, bounded name for a compatibility key (snapshots, logs, metric labels)."""
+    parts = []
+    for item in key if isinstance(key, tuple) else (key,):
+        if isinstance(item, SamplerConfig):
+            parts.append("greedy" if item.is_greedy else f"t{item.temperature:g}")
+        elif isinstance(item, bool):
+            parts.append("omit_bonus" if item else "")
+        elif isinstance(item, str) and item in ("ar", "mtp"):
+            parts.append(item)
+    label = "/".join(p for p in parts if p)
+    return label[:64] or "default"
+
+
 class MTPBatchGenerationService:
-    """Seals compatible jobs into cohorts and runs them on one model-owner thread.
+    """Keeps one running lane per compatibility key on one model-owner thread (continuous
+    admission): a submitted job joins its key's lane at the next cycle boundary, lanes of different
+    keys take turns cycle by cycle, and each row resolves at its own end.
 
     ``lanes``: installed lanes (a mapping width -> lane, or an iterable of lanes); may be empty for
-    ``numerics="b1-exact"``. ``driver``: the cohort driver, ``generate_a3b_mtp_batch`` by default
-    (tests pass fakes). ``owner_finalize(jobs) -> receipt``: runs on the owner thread once per
-    sealed cohort after it ran; raising, or a receipt with ``cleared: False``, poisons the service.
-    Use ``for_model`` to build one with its own lanes.
+    ``numerics="b1-exact"``. A key's running lane runs at the narrowest installed width that holds
+    its rows (width 1, the solo lane, for a lone row, unless a width is forced), widening when more
+    rows want in and narrowing when few remain. ``owner_finalize(jobs) -> receipt``: runs on the
+    owner thread each time a key's lane drains; raising, or a receipt with ``cleared: False``,
+    poisons the service. ``running_lane_cls``: the running lane class (tests pass a subclass to
+    force a fault). Use ``for_model`` to build one with its own lanes.
     """
 
-    def __init__(self, model=None, lanes=None, *, driver: Optional[Callable] = None,
-                 batch_wait_s: float = DEFAULT_BATCH_WAIT_S, numerics: Optional[str] = None,
-                 owner_finalize: Optional[Callable[[list], Any]] = None,
-                 max_cohort_rows: int = MAX_COHORT_ROWS, start: bool = True, session_bank=None):
+    def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+                 numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
+                 max_cohort_rows: int = MAX_COHORT_ROWS, start: bool = True, session_bank=None,
+                 running_lane_cls=None, prefill_budget: Optional[int] = None):
         self.model = model
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
         # is unchanged by reuse; see mtplx.prefix_cache).
         self.session_bank = session_bank
         self.batch_wait_s = max(0.0, float(batch_wait_s))
-        self._driver = driver
         self._owner_finalize = owner_finalize
         self._max_rows_cap = int(max_cohort_rows)
+        self._running_lane_cls = running_lane_cls
+        self.prefill_budget = prefill_budget
         raw = os.environ.get(FORCE_WIDTH_ENV, "").strip()
         try:
             self.forced_width: Optional[int] = int(raw) if raw else None
@@ -434,6 +464,8 @@ class MTPBatchGenerationService:
         self._cond = threading.Condition()
         self._pending: deque[MTPBatchJob] = deque()
         self._active: set = set()
+        self._running: dict = {}              # compatibility key -> _KeyLane (owner thread writes)
+        self._turn = 0
         self._calls: deque = deque()
         self._closed_error: Optional[BaseException] = None
         self._stopping = False
@@ -443,9 +475,10 @@ class MTPBatchGenerationService:
         self._stats = {
             "last_real_width": None, "last_fixed_width": None, "last_route_id": None,
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
-            "batch_histogram": {}, "fixed_width_histogram": {},
+            "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
-            "solo_runs": 0, "cohorts_run": 0, "driver_errors": 0,
+            "lane_row_cycles": 0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
+            "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
         }
@@ -536,6 +569,18 @@ class MTPBatchGenerationService:
         raise ValueError(f"no installed lane fits a cohort of {real_width} rows "
                          f"(installed widths {self.installed_widths})")
 
+    def _ladder(self) -> list:
+        """The widths a key's running lane may run at: from the forced width (or the one-row solo
+        lane) up to the widest installed lane within ``max_cohort_rows``."""
+        from ..a3b_mtp_batch import solo_lane
+
+        lanes = [self._lanes[w] for w in sorted(self._lanes) if w <= self.max_cohort_rows]
+        if self.forced_width is not None:
+            return [ln for ln in lanes if ln.width >= self.forced_width]
+        if lanes and lanes[0].width > 1:
+            lanes.insert(0, solo_lane(lanes[0].model))
+        return lanes
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -580,39 +625,30 @@ class MTPBatchGenerationService:
     # -- submission --------------------------------------------------------------------------
 
     def submit(self, job: MTPBatchJob) -> Future:
-        """Queue a job for FIFO sealing; returns ``job.future``."""
-        self._enqueue([job], group=None)
+        """Queue a job; it joins its key's running lane at the next cycle boundary. A key with no
+        running lane first waits up to ``batch_wait_s`` for company. Returns ``job.future``."""
+        self._enqueue([job], ready=False)
         return job.future
 
     def submit_cohort(self, jobs: Iterable[MTPBatchJob]) -> list:
-        """Queue a cohort sealed upstream (e.g. by ``@serve.batch``): it is split by
-        ``compatibility_key`` (first-seen order, at most ``max_cohort_rows`` per part) and each part
-        runs as one cohort without a gather wait. Returns the futures in the given order."""
+        """Queue jobs gathered upstream (e.g. by ``@serve.batch``): no gather wait; each joins the
+        running lane of its ``compatibility_key``. Returns the futures in the given order."""
         jobs = list(jobs)
-        order: list = []
-        for job in jobs:
-            for key, members in order:
-                if key == job.compatibility_key and len(members) < self.max_cohort_rows:
-                    members.append(job)
-                    break
-            else:
-                order.append((job.compatibility_key, [job]))
-        for _, members in order:
-            self._enqueue(members, group=object())
+        self._enqueue(jobs, ready=True)
         return [job.future for job in jobs]
 
-    def _enqueue(self, jobs: list, group) -> None:
+    def _enqueue(self, jobs: list, ready: bool) -> None:
         for job in jobs:
             if not isinstance(job, MTPBatchJob):
                 raise TypeError(f"submit expects MTPBatchJob, got {type(job).__name__}")
-            if self.session_bank is not None and job.session_restore is None and job.session_commit is None:
-                job.session_restore, job.session_commit = self.session_bank.hooks(job.prompt_ids)
             if job._service is not None:
                 raise ValueError(f"job {job.request_id!r} was already submitted")
         accepted = []
         for job in jobs:
+            if self.session_bank is not None and job.session_restore is None and job.session_commit is None:
+                job.session_restore, job.session_commit = self.session_bank.hooks(job.prompt_ids)
             job._service = self
-            job._group = group
+            job._ready = ready
             job.future.add_done_callback(lambda f, j=job: self._count_outcome(j, f))
             error = self._admission_error(job)
             if error is not None:
@@ -652,9 +688,11 @@ class MTPBatchGenerationService:
                 self._pending.remove(job)
             except ValueError:
                 pass
+            self._cond.notify_all()    # an idle owner notices the cancel at once
 
     def _count_outcome(self, job: MTPBatchJob, fut: Future) -> None:
         with self._cond:
+            self._active.discard(job)
             if fut.cancelled() or fut.exception() is not None:
                 key = "requests_cancelled" if job.cancel_requested() else "requests_failed"
             else:
@@ -663,8 +701,8 @@ class MTPBatchGenerationService:
             self._stats[key] += 1
 
     def call_on_owner(self, fn: Callable, *args, **kwargs) -> Future:
-        """Run ``fn(*args, **kwargs)`` on the model-owner thread between cohorts (MLX work that is
-        not a request: lane installation, warm-up, a health probe). Returns a Future."""
+        """Run ``fn(*args, **kwargs)`` on the model-owner thread at the next cycle boundary (MLX
+        work that is not a request: lane installation, warm-up, a health probe). Returns a Future."""
         fut: Future = Future()
         with self._cond:
             if self._closed_error is not None:
@@ -682,6 +720,7 @@ class MTPBatchGenerationService:
         try:
             self._owner_loop()
         finally:
+            self._abandon_lanes()
             mx.clear_streams()   # MLX needs its per-thread streams torn down by the thread itself
 
     def _owner_loop(self) -> None:
@@ -689,9 +728,14 @@ class MTPBatchGenerationService:
         _LIVE_SERVICES.add(self)
         while True:
             with self._cond:
-                self._busy = False
-                while not self._calls and not self._pending and not self._stopping:
-                    self._cond.wait()
+                self._busy = bool(self._running)
+                while not self._stopping and not self._calls and not self._running:
+                    taken, wait_s = self._take_ready_locked()
+                    if taken:
+                        break
+                    self._cond.wait(wait_s)
+                else:
+                    taken, _ = self._take_ready_locked()
                 if self._stopping:
                     return
                 self._busy = True
@@ -703,87 +747,153 @@ class MTPBatchGenerationService:
                     fut.set_result(fn(*args, **kwargs))
                 except BaseException as exc:
                     fut.set_exception(exc)
-            jobs = self._seal(wait=True)
-            if jobs:
-                self._run_sealed(jobs)
+            self._admit(taken)
+            self._step_next_lane()
 
-    def _drain_cancelled_locked(self) -> list:
+    def _take_ready_locked(self, head_key_only: bool = False) -> tuple:
+        """Pending jobs that may join a lane now, and how long until more may (None: no limit).
+        A job is ready when it came as a cohort, its key already runs, its key has a full lane's
+        worth waiting, or its key's oldest job has waited ``batch_wait_s``."""
         dropped = [j for j in self._pending if j.cancel_requested() or j.future.done()]
         for job in dropped:
             self._pending.remove(job)
-        return dropped
-
-    def _seal(self, wait: bool = True) -> list:
-        """Take the next cohort off the queue (FIFO by the head job's key); may wait for more."""
-        with self._cond:
-            dropped = self._drain_cancelled_locked()
-            selected = []
-            if self._pending and not self._stopping:
-                head = self._pending[0]
-                limit = self.max_cohort_rows
-                if head._group is not None:
-                    selected = [j for j in self._pending if j._group is head._group]
-                else:
-                    key = head.compatibility_key
-                    deadline = time.monotonic() + self.batch_wait_s
-                    while True:
-                        selected = [j for j in self._pending
-                                    if j._group is None and j.compatibility_key == key][:limit]
-                        remaining = deadline - time.monotonic()
-                        if not wait or len(selected) >= limit or remaining <= 0 or self._stopping:
-                            break
-                        self._cond.wait(remaining)
-                        dropped += self._drain_cancelled_locked()
-                now = time.perf_counter()
-                for job in selected:
-                    self._pending.remove(job)
-                    job.admitted_s = now
-                    self._active.add(job)
-                if selected:
-                    n = len(selected)
-                    self._stats["last_real_width"] = n
-                    hist = self._stats["batch_histogram"]
-                    hist[str(n)] = hist.get(str(n), 0) + 1
-        for job in dropped:
             job._fail(job._cancel_exception())
-        return selected
+        if not self._pending or self._stopping:
+            return [], None
+        now = time.perf_counter()
+        by_key: dict = {}
+        for job in self._pending:
+            by_key.setdefault(job.compatibility_key, []).append(job)
+        if head_key_only:
+            by_key = {self._pending[0].compatibility_key: by_key[self._pending[0].compatibility_key]}
+        taken, wait_s = [], None
+        for key, jobs in by_key.items():
+            due = jobs[0].created_s + self.batch_wait_s
+            if (self.numerics == "b1-exact" or key in self._running or head_key_only
+                    or any(j._ready for j in jobs) or len(jobs) >= self.max_cohort_rows or now >= due):
+                taken.extend(jobs)
+            else:
+                wait_s = due - now if wait_s is None else min(wait_s, due - now)
+        for job in taken:
+            self._pending.remove(job)
+        return taken, wait_s
+
+    def _admit(self, jobs: list) -> None:
+        """Jobs leave the queue: b1-exact jobs and lone jobs with a solo runner run alone now;
+        every other job joins its key's running lane (created on first use)."""
+        for job in jobs:
+            if self.numerics == "b1-exact":
+                self._run_alone(job, b1_exact=True)
+                continue
+            key = job.compatibility_key
+            if job.solo_runner is not None and key not in self._running \
+                    and sum(1 for j in jobs if j.compatibility_key == key) == 1:
+                self._run_alone(job, b1_exact=False)
+                continue
+            lane = self._running.get(key)
+            if lane is None:
+                from ..a3b_mtp_batch import RunningLane
+
+                cls = self._running_lane_cls or RunningLane
+                kwargs = {} if self.prefill_budget is None else {"prefill_budget": self.prefill_budget}
+                lane = _KeyLane(key, cls(self._ladder(), **kwargs))
+                with self._cond:
+                    self._running[key] = lane
+                    self._stats["lanes_started"] += 1
+            try:
+                lane.running.add(self._lane_request(job))
+            except Exception as exc:      # a request the lane refuses fails alone
+                job._fail(exc)
+                continue
+            lane.jobs.append(job)
+            with self._cond:
+                self._active.add(job)
+            job.emit_prefill({"phase": "queued", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
+
+    def _step_next_lane(self) -> None:
+        """One cycle of the next key's lane, round robin: no key runs to completion while another
+        key's rows wait, and each lane admits its own rows at its own cycle boundaries."""
+        lanes = list(self._running.values())
+        if not lanes:
+            return
+        lane = lanes[self._turn % len(lanes)]
+        self._turn += 1
+        running = lane.running
+        try:
+            running.step()
+        except Exception as exc:   # fails this lane's rows only; other keys keep running
+            with self._cond:
+                self._stats["driver_errors"] += 1
+            self._record_error(exc)
+            for job in lane.jobs:
+                job._fail(exc)
+            running.cancel_all()
+            self._drain(lane)
+            return
+        self._account(lane)
+        if not running.has_work:
+            self._drain(lane)
+
+    def _account(self, lane: _KeyLane) -> None:
+        """Fold the lane's counters since the last step into the service's stats."""
+        r, seen = lane.running, lane.seen
+        cycles = r.cycles - seen["cycles"]
+        with self._cond:
+            s = self._stats
+            s["target_verify_cycles"] += cycles
+            s["accepted_draft_tokens"] += r.accepted - seen["accepted"]
+            s["rejected_draft_tokens"] += r.rejected - seen["rejected"]
+            if cycles:
+                hist = s["fixed_width_histogram"]
+                hist[str(r.width)] = hist.get(str(r.width), 0) + cycles
+                s["lane_row_cycles"] += r.row_cycles - seen.get("row_cycles", 0)
+                s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = r.width, r.route_id, r.live_rows
+            s["admissions"] += r.admitted - seen.get("admitted", 0)
+            s["widenings"] += r.widenings - seen.get("widenings", 0)
+            s["narrowings"] += r.narrowings - seen.get("narrowings", 0)
+        seen.update(cycles=r.cycles, accepted=r.accepted, rejected=r.rejected, row_cycles=r.row_cycles,
+                    admitted=r.admitted, widenings=r.widenings, narrowings=r.narrowings)
+
+    def _drain(self, lane: _KeyLane) -> None:
+        """The key's lane has no rows left: drop it (its buffers go with it) and finalize."""
+        with self._cond:
+            if self._running.get(lane.key) is lane:
+                del self._running[lane.key]
+        for job in lane.jobs:   # nothing admitted may hang, whatever happened
+            if not job.future.done():
+                job._fail(job._cancel_exception() if job.cancel_requested() else
+                          RuntimeError(f"request {job.request_id}: the lane ended without a result"))
+        self._finalize(lane.jobs)
+
+    def _abandon_lanes(self) -> None:
+        """The owner is stopping: rows still in lanes end with the service's closed error."""
+        closed = self._closed_error or MTPBatchServiceClosed("MTP batch service is shut down")
+        for lane in list(self._running.values()):
+            for job in lane.jobs:
+                job._fail(type(closed)(str(closed)))
+            lane.running.cancel_all()
+        with self._cond:
+            self._running.clear()
 
     def pump_once(self) -> bool:
-        """Seal and run one cohort without the gather wait, on the calling thread. For tests and
-        for services built with ``start=False``; never call it while the owner thread runs."""
+        """Admit the head job's key (no gather wait) and run that lane until it drains, on the
+        calling thread. For tests and for services built with ``start=False``; never call it
+        while the owner thread runs."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("pump_once is for a service without a running owner thread")
-        jobs = self._seal(wait=False)
-        if jobs:
-            self._run_sealed(jobs)
-        return bool(jobs)
-
-    def _run_sealed(self, jobs: list) -> None:
-        try:
-            if self.numerics == "b1-exact":
-                for job in jobs:
-                    self._run_solo(job, b1_exact=True)
-            elif len(jobs) == 1:
-                self._run_solo(jobs[0], b1_exact=False)
-            else:
-                self._run_cohort(jobs)
-        except BaseException as exc:  # a bug of ours: fail this cohort, keep the service alive
-            self._record_error(exc)
-            for job in jobs:
-                job._fail(exc)
-        finally:
-            for job in jobs:   # nothing admitted may hang, whatever happened above
-                if not job.future.done():
-                    job._fail(job._cancel_exception() if job.cancel_requested() else
-                              RuntimeError(f"request {job.request_id}: the cohort ended without a result"))
-            self._finalize(jobs)
+        with self._cond:
+            taken, _ = self._take_ready_locked(head_key_only=True)
+        self._admit(taken)
+        while self._running:
+            self._step_next_lane()
+        return bool(taken)
 
     def _record_error(self, exc: BaseException) -> None:
         with self._cond:
             self._stats["last_error"] = f"{type(exc).__name__}: {exc}"
 
     def _finalize(self, jobs: list) -> None:
-        """Owner finalize, once per sealed cohort; a failure poisons the service."""
+        """Owner finalize, once per drained lane; a failure poisons the service."""
         receipt, failure = None, None
         if self._owner_finalize is not None:
             try:
@@ -815,7 +925,72 @@ class MTPBatchGenerationService:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(MTPBatchOwnerFinalizeError(message))
 
-    # -- solo --------------------------------------------------------------------------------
+    # -- lane rows ---------------------------------------------------------------------------
+
+    def _lane_request(self, job: MTPBatchJob):
+        from ..a3b_mtp_batch import A3BMTPBatchRequest
+
+        def on_admit():
+            job.admitted_s = time.perf_counter()
+            job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
+
+        def on_decode_start():
+            job.mark_decode_started()
+            job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
+                              "tokens_done": len(job.prompt_ids)})
+
+        def on_terminal(reason, cycles):
+            if reason == "cancelled":   # a cancelled row's future fails at once
+                job._fail(job._cancel_exception())
+
+        return A3BMTPBatchRequest(
+            request_id=job.request_id, prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
+            draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
+            stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
+            on_token=job.emit_token, on_admit=on_admit, on_decode_start=on_decode_start,
+            on_terminal=on_terminal, on_result=lambda stream: self._complete_lane_job(job, stream),
+            cancelled=job.cancel_requested, speculative=job.speculative,
+            repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
+            session_restore=_failsafe(job.session_restore), session_commit=_failsafe(job.session_commit))
+
+    def _complete_lane_job(self, job: MTPBatchJob, stream) -> None:
+        """Resolve one lane row at its own terminal, from its final stream."""
+        if stream.finish_reason == "cancelled" or job.cancel_requested():
+            job._fail(job._cancel_exception())
+            return
+        w = stream.fixed_width
+        if w <= 1:
+            placement = _Cohort([job], 1, 1, SOLO_ROUTE_ID, "solo_mtp", "mtp_batch", self.numerics)
+            with self._cond:
+                self._stats["solo_runs"] += 1
+        else:
+            placement = _Cohort([job], stream.real_width, w, stream.route_id, f"fixed_mtp_batch_width_{w}",
+                                "mtp_batch", self.numerics)
+        placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s
+        result = _build_result(
+            job, placement, finish_reason=stream.finish_reason, cycles=stream.cycles,
+            accepted=stream.accepted_drafts, rejected=stream.rejected_drafts,
+            terminal_perf_s=stream.terminal_perf_s, cached_tokens=stream.cached_tokens, solo=w <= 1,
+            extra_stats={"admitted_at_cycle": stream.admitted_at_cycle,
+                         "lane_mean_occupancy": round(stream.mean_occupancy, 3)})
+        job._succeed(result)
+
+    # -- alone (b1-exact, or a lone job with its own solo runner) -------------------------------
+
+    def _run_alone(self, job: MTPBatchJob, b1_exact: bool) -> None:
+        job.admitted_s = time.perf_counter()
+        with self._cond:
+            self._active.add(job)
+        try:
+            self._run_solo(job, b1_exact)
+        except BaseException as exc:  # a bug of ours: fail this job, keep the service alive
+            self._record_error(exc)
+            job._fail(exc)
+        finally:
+            if not job.future.done():
+                job._fail(job._cancel_exception() if job.cancel_requested() else
+                          RuntimeError(f"request {job.request_id}: the solo run ended without a result"))
+            self._finalize([job])
 
     def _run_solo(self, job: MTPBatchJob, b1_exact: bool) -> None:
         if job.cancel_requested() or job.future.done():
@@ -894,106 +1069,22 @@ class MTPBatchGenerationService:
                              session_restore=_failsafe(job.session_restore),
                              session_commit=_failsafe(job.session_commit))
 
-    # -- cohorts -----------------------------------------------------------------------------
-
-    def _run_cohort(self, jobs: list) -> None:
-        from ..a3b_mtp_batch import A3BMTPBatchRequest
-
-        driver = self._driver
-        if driver is None:
-            from ..a3b_mtp_batch import generate_a3b_mtp_batch as driver
-        n = len(jobs)
-        fixed_width, lane = self._lane_for_real_width(n)
-        cohort = _Cohort(jobs, n, fixed_width, lane.route_id, f"fixed_mtp_batch_width_{fixed_width}",
-                         "mtp_batch", self.numerics)
-        with self._cond:
-            self._stats["last_fixed_width"] = fixed_width
-            self._stats["last_route_id"] = lane.route_id
-            self._stats["cohorts_run"] += 1
-        for job in jobs:
-            job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0,
-                              "mtp_batch_real_width": n, "mtp_batch_fixed_width": fixed_width})
-        requests = []
-        for i, job in enumerate(jobs):
-            requests.append(A3BMTPBatchRequest(
-                request_id=str(i), prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
-                draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
-                stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
-                on_token=job.emit_token, on_decode_start=self._decode_start_hook(job),
-                on_terminal=self._terminal_hook(job), on_result=self._result_hook(job, cohort),
-                cancelled=job.cancel_requested,
-                repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
-                session_restore=_failsafe(job.session_restore),
-                session_commit=_failsafe(job.session_commit)))
-        try:
-            result = driver(lane, requests)
-        except Exception as exc:  # fails this cohort only; the next one runs normally
-            with self._cond:
-                self._stats["driver_errors"] += 1
-            self._record_error(exc)
-            for job in jobs:
-                job._fail(exc)
-            return
-        with self._cond:
-            s = self._stats
-            s["target_verify_cycles"] += int(result.cycles)
-            s["accepted_draft_tokens"] += int(result.accepted_drafts)
-            s["rejected_draft_tokens"] += int(result.rejected_drafts)
-            s["last_route_id"] = result.route_id
-            hist = s["fixed_width_histogram"]
-            for w, c in (result.width_histogram or {}).items():
-                hist[str(w)] = hist.get(str(w), 0) + int(c)
-        for job, stream in zip(jobs, result.streams):
-            if not job.future.done():   # rows whose terminal the driver did not report
-                self._complete_cohort_job(job, stream, cohort)
-
-    def _decode_start_hook(self, job: MTPBatchJob) -> Callable[[], None]:
-        def on_decode_start():
-            job.mark_decode_started()
-            job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
-                              "tokens_done": len(job.prompt_ids)})
-        return on_decode_start
-
-    def _terminal_hook(self, job: MTPBatchJob) -> Callable:
-        def on_terminal(reason, cycles):
-            if reason == "cancelled":   # a cancelled row's future fails at once
-                job._fail(job._cancel_exception())
-        return on_terminal
-
-    def _result_hook(self, job: MTPBatchJob, cohort: _Cohort) -> Callable:
-        def on_result(stream):
-            """Publish the row at its own terminal, with its final per-row stream (a driver
-            without on_result gets rows published when it returns)."""
-            if stream.finish_reason != "cancelled":
-                self._complete_cohort_job(job, stream, cohort)
-        return on_result
-
-    def _complete_cohort_job(self, job: MTPBatchJob, stream, cohort: _Cohort) -> None:
-        """Resolve one cohort row from its driver stream (``A3BMTPBatchStreamResult``)."""
-        reason = getattr(stream, "finish_reason", None)
-        if reason == "cancelled" or job.cancel_requested():
-            job._fail(job._cancel_exception())
-            return
-        if reason is None:
-            job._fail(RuntimeError(f"request {job.request_id}: the driver returned no finish reason"))
-            return
-        result = _build_result(
-            job, cohort, finish_reason=reason, cycles=int(getattr(stream, "cycles", 0) or 0),
-            accepted=int(getattr(stream, "accepted_drafts", 0) or 0),
-            rejected=int(getattr(stream, "rejected_drafts", 0) or 0),
-            terminal_perf_s=getattr(stream, "terminal_perf_s", None),
-            cached_tokens=int(getattr(stream, "cached_tokens", 0) or 0), solo=False)
-        job._succeed(result)
-
     # -- introspection -----------------------------------------------------------------------
 
     def snapshot(self) -> dict:
         with self._cond:
             s = self._stats
+            lanes = [{"key": lane_label(k), "width": ln.running.width, "route_id": ln.running.route_id,
+                      "live_rows": ln.running.live_rows, "prefilling_rows": len(ln.running.admitting),
+                      "waiting_rows": len(ln.running.waiting), "cycles": ln.running.cycles,
+                      "mean_occupancy": round(ln.running.row_cycles / max(ln.running.cycles, 1), 3)}
+                     for k, ln in self._running.items()]
             return {
                 "pending": len(self._pending),
                 "active": len(self._active),
-                "pump_scheduled": bool(self._busy or self._pending or self._calls),
+                "waiting_rows": len(self._pending) + sum(ln["waiting_rows"] + ln["prefilling_rows"] for ln in lanes),
+                "lanes": lanes,
+                "pump_scheduled": bool(self._busy or self._pending or self._calls or self._running),
                 "installed_widths": self.installed_widths,
                 "forced_width": self.forced_width,
                 "numerics": self.numerics,
@@ -1007,13 +1098,18 @@ class MTPBatchGenerationService:
                 "last_fixed_width": s["last_fixed_width"],
                 "last_route_id": s["last_route_id"],
                 "last_error": s["last_error"],
-                "batch_histogram": dict(s["batch_histogram"]),
                 "fixed_width_histogram": dict(s["fixed_width_histogram"]),
+                "lane_cycles": s["target_verify_cycles"],
+                "lane_row_cycles": s["lane_row_cycles"],
+                "mean_lane_occupancy": round(s["lane_row_cycles"] / max(s["target_verify_cycles"], 1), 3),
+                "admissions": s["admissions"],
+                "lanes_started": s["lanes_started"],
+                "widenings": s["widenings"],
+                "narrowings": s["narrowings"],
                 "target_verify_cycles": s["target_verify_cycles"],
                 "accepted_draft_tokens": s["accepted_draft_tokens"],
                 "rejected_draft_tokens": s["rejected_draft_tokens"],
                 "solo_runs": s["solo_runs"],
-                "cohorts_run": s["cohorts_run"],
                 "driver_errors": s["driver_errors"],
                 "requests_submitted": s["requests_submitted"],
                 "requests_completed": s["requests_completed"],

@@ -1,0 +1,844 @@
+"""`bench load`: our Serve app against `mlx_lm.server`, on the same weights, as a user meets them.
+
+Each server runs as its own process tree, never both at once:
+  * ours: `serve run` of a copy of `serve_configs/config.yaml` (free HTTP port, optional
+    `model_path`), on a fresh local Ray (`--address local`, private `RAY_TMPDIR`);
+  * the peer: `mlx_lm.server` on a copy of the checkpoint without its `mtp.*` tensors (mlx-lm's
+    qwen3 class refuses them) and without `mtp_num_hidden_layers`, with the same OpenBLAS
+    preloaded and `--decode-concurrency` / `--prompt-concurrency` set to the largest client count
+    of the run. Those flags only cap the peer's running batch; a closed loop of N clients never
+    has more than N requests in flight, so one start with the largest N serves every closed-loop
+    arm exactly as a start with N would, and the server stays up for its whole turn.
+
+Workload (deterministic per request index, identical for both servers): Python-code prompts,
+every 5th about 6x longer than the others; `max_tokens` spread over 16-256; streaming
+`POST /v1/completions` with `stream_options.include_usage`. Arms, per temperature (greedy, and
+0.6 with top_p 0.95 / top_k 20 sent explicitly to both): closed loops at each client count, then
+an open loop of Poisson arrivals at 70% of the peer's closed-loop request rate at 8 clients in the
+same run. Sampled requests carry a per-request `seed` to ours only: `mlx_lm.server` serves any
+request that has a `seed` on its sequential path, not in its batch, which would bench its
+fallback instead of its batching.
+
+Runs alternate peer, ours, peer, ours, ...: each run starts with the peer so that the open-loop
+rate of that run is known before either server needs it. Every figure is the median over runs;
+the tok/s ratio is the median of the per-run ratios ours/peer.
+
+Per server and arm: completion tok/s (usage completion tokens / arm wall time), TTFT p50/p95
+(first non-empty text chunk), ITL p50/p95 (per request, (last chunk - first chunk) /
+(completion tokens - 1), so a chunk holding several tokens counts per token; raw chunk-gap
+p50/p95 are in the JSON too), end-to-end p95, errors, and for ours the mean live rows per decode
+cycle (delta `lane_row_cycles` / delta `lane_cycles`, summed over replicas, from
+`/v1/mtplx/snapshot` around the arm; null when the counters are absent). Greedy arms also count
+identical completion texts between the servers per request index.
+
+    python -m deployments.bench_load --quick          # or: mtplx bench load --quick
+
+Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:load` section of
+`BENCHMARKS.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional
+
+from ._proc import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_MODEL = ROOT / "mtplx" / "assets" / "mtplx-tiny-py"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+# Short prompts: the opening lines of a Python function or class, for the model to continue.
+SNIPPETS = (
+    "import os\nimport sys\n\n\ndef walk_files(root, suffix='.py'):\n"
+    "    \"\"\"Yield the paths under root whose names end with suffix.\"\"\"\n    for dirpath, dirnames, filenames in",
+    "class LRUCache:\n    \"\"\"A mapping that forgets the least recently used key.\"\"\"\n\n"
+    "    def __init__(self, maxsize=128):\n        self.maxsize = maxsize\n        self.data =",
+    "def parse_header(line):\n    \"\"\"Split a 'Key: value' header line into a (key, value) pair.\"\"\"\n"
+    "    if ':' not in line:\n        raise ValueError('not a header: %r' % (line,))\n    key, value =",
+    "import re\n\n_word = re.compile(r'\\w+')\n\n\ndef count_words(text):\n"
+    "    \"\"\"Return a dict mapping each word in text to its count.\"\"\"\n    counts = {}\n    for",
+    "class Stack:\n    \"\"\"A last-in first-out container.\"\"\"\n\n    def __init__(self):\n"
+    "        self._items = []\n\n    def push(self, item):\n        self._items.append(item)\n\n    def pop(self):",
+    "def read_config(path, defaults=None):\n    \"\"\"Read an INI file and return a dict of its sections.\"\"\"\n"
+    "    import configparser\n    parser = configparser.ConfigParser()\n    parser.read(path)\n    result =",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively.\"\"\"\n"
+    "    if n < 0:\n        raise ValueError('n must be non-negative')\n    a, b = 0, 1\n    for",
+    "    def __repr__(self):\n        \"\"\"Return a string that shows the class name and fields.\"\"\"\n"
+    "        args = ', '.join('%s=%r' % (k, v) for k, v in sorted(self.__dict__.items()))\n        return",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n\n\ndef dump_state(obj, path):\n"
+    "    \"\"\"Write obj to path as JSON, atomically.\"\"\"\n    tmp = path + '.tmp'\n    with open(tmp, 'w') as f:",
+    "if __name__ == '__main__':\n    import argparse\n    parser = argparse.ArgumentParser(description=__doc__)\n"
+    "    parser.add_argument('paths', nargs='*')\n    args = parser.parse_args()\n    for path in",
+)
+LONG_EVERY = 5          # every 5th request (index % 5 == 4) carries a long prompt
+LONG_FACTOR = 6         # ... made of 6 snippets
+MIN_TOKENS, MAX_TOKENS = 16, 256
+SAMPLED = {"top_p": 0.95, "top_k": 20}   # sent explicitly to both servers at temperature > 0
+OPEN_LOOP_LOAD = 0.7    # open-loop arrival rate as a fraction of the peer's capacity ...
+CAPACITY_CLIENTS = 8    # ... measured as its closed-loop request rate at this client count
+
+
+# ----------------------------------------------------------------------------------------------
+# Workload
+
+
+def prompt_for(index: int) -> str:
+    """The prompt of request `index`: one snippet, or LONG_FACTOR consecutive snippets joined
+    (rotated by index, so long prompts differ from each other) for every LONG_EVERY-th request."""
+    n = len(SNIPPETS)
+    if index % LONG_EVERY == LONG_EVERY - 1:
+        return "\n\n\n".join(SNIPPETS[(index + k) % n] for k in range(LONG_FACTOR))
+    return SNIPPETS[index % n]
+
+
+def budget_for(index: int) -> int:
+    """`max_tokens` of request `index`: 16..256, a fixed permutation (97 is coprime to 241), so
+    any run of consecutive indices spreads over the whole range."""
+    span = MAX_TOKENS - MIN_TOKENS + 1
+    return MIN_TOKENS + (index * 97) % span
+
+
+def request_body(index: int, temperature: float, model: str, send_seed: bool, seed_base: int = 1000) -> dict:
+    """The streaming /v1/completions body of request `index`."""
+    body = {"model": model, "prompt": prompt_for(index), "max_tokens": budget_for(index),
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if temperature > 0:
+        body.update(SAMPLED)
+        if send_seed:
+            body["seed"] = seed_base + index
+    return body
+
+
+def poisson_arrivals(n: int, rate_rps: float, seed: int) -> List[float]:
+    """Send times (s from the arm's start) of n Poisson arrivals at rate_rps, from a seeded RNG
+    so both servers meet the same schedule."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate_rps)
+        out.append(t)
+    return out
+
+
+def closed_loop_requests(clients: int, per_client: int, minimum: int) -> int:
+    """Requests in a closed-loop arm: per_client per client, at least `minimum`."""
+    return max(minimum, per_client * clients)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: Iterable[Optional[float]], q: float) -> Optional[float]:
+    """q-th percentile (0..100) with linear interpolation (numpy's default); None when empty."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize_arm(rows: List[dict], wall_s: float) -> dict:
+    """The figures of one arm from its per-request rows (see `_one_request`)."""
+    ok = [r for r in rows if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok)
+    gaps = [g for r in ok for g in r["gaps"]]
+    errors = [r["error"] for r in rows if r["error"] is not None]
+    return {
+        "requests": len(rows), "errors": len(errors), "error_samples": sorted(set(errors))[:3],
+        "completion_tokens": tokens, "wall_s": wall_s,
+        "tok_s": tokens / wall_s if wall_s > 0 else None,
+        "req_s": len(ok) / wall_s if wall_s > 0 else None,
+        "ttft_p50_s": percentile((r["ttft"] for r in ok), 50), "ttft_p95_s": percentile((r["ttft"] for r in ok), 95),
+        "itl_p50_s": percentile((r["itl"] for r in ok), 50), "itl_p95_s": percentile((r["itl"] for r in ok), 95),
+        "chunk_gap_p50_s": percentile(gaps, 50), "chunk_gap_p95_s": percentile(gaps, 95),
+        "e2e_p50_s": percentile((r["e2e"] for r in ok), 50), "e2e_p95_s": percentile((r["e2e"] for r in ok), 95),
+    }
+
+
+def lane_counters(snapshot: Optional[dict]) -> Optional[tuple]:
+    """(sum lane_row_cycles, sum lane_cycles) over the snapshot's replicas; None when any replica
+    lacks them (older servers) or the snapshot failed."""
+    replicas = (snapshot or {}).get("replicas") or {}
+    if not replicas:
+        return None
+    rows = cycles = 0
+    for rep in replicas.values():
+        if not isinstance(rep, dict) or "lane_row_cycles" not in rep or "lane_cycles" not in rep:
+            return None
+        rows += rep["lane_row_cycles"]
+        cycles += rep["lane_cycles"]
+    return rows, cycles
+
+
+def lane_occupancy(before: Optional[dict], after: Optional[dict]) -> Optional[float]:
+    """Mean live rows per decode cycle between two snapshots; None without counters or cycles."""
+    a, b = lane_counters(before), lane_counters(after)
+    if a is None or b is None or b[1] - a[1] <= 0:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1])
+
+
+def comparable_text(text: str) -> str:
+    """The text without one leading space: mlx-lm's streaming detokenizer drops the first
+    token's leading space (`trim_space`), ours keeps it; every other character counts."""
+    return text[1:] if text.startswith(" ") else text
+
+
+def identical_texts(ours: List[dict], peer: List[dict]) -> dict:
+    """How many requests (same index, both succeeded) produced the same completion text (see
+    `comparable_text`), and the first indices that differ."""
+    peer_by_index = {r["index"]: r for r in peer if r["error"] is None}
+    pairs = [(r, peer_by_index[r["index"]]) for r in ours if r["error"] is None and r["index"] in peer_by_index]
+    differ = [a["index"] for a, b in pairs if comparable_text(a["text"]) != comparable_text(b["text"])]
+    same = len(pairs) - len(differ)
+    return {"identical": same, "compared": len(pairs), "fraction": same / len(pairs) if pairs else None,
+            "differing_indices": differ[:10]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The peer's checkpoint
+
+
+def strip_safetensors(src: Path, dst: Path, drop: Callable[[str], bool]) -> List[str]:
+    """Copy a safetensors file without the tensors whose name `drop` accepts; returns the
+    dropped names. Kept tensors are copied as raw bytes (any dtype, bf16 and quantized
+    included), and the header's `__metadata__` is kept."""
+    with open(src, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        meta = header.pop("__metadata__", None)
+        kept = sorted((n for n in header if not drop(n)), key=lambda n: header[n]["data_offsets"][0])
+        new_header, offset = {}, 0
+        for name in kept:
+            begin, end = header[name]["data_offsets"]
+            new_header[name] = {**header[name], "data_offsets": [offset, offset + end - begin]}
+            offset += end - begin
+        if meta is not None:
+            new_header["__metadata__"] = meta
+        blob = json.dumps(new_header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)      # the format pads the header to 8 bytes
+        with open(dst, "wb") as out:
+            out.write(struct.pack("<Q", len(blob)))
+            out.write(blob)
+            for name in kept:
+                begin, end = header[name]["data_offsets"]
+                f.seek(data_start + begin)
+                out.write(f.read(end - begin))
+    return sorted(n for n in header if drop(n))
+
+
+def is_mtp_tensor(name: str) -> bool:
+    return name.startswith("mtp.")
+
+
+def make_peer_checkpoint(model_dir: Path, out_dir: Path) -> dict:
+    """A copy of `model_dir` that `mlx_lm.server` loads: every `mtp.*` tensor removed from every
+    safetensors file (and from a shard index), `mtp_num_hidden_layers` dropped from config.json.
+    Every other file is copied as is."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dropped: List[str] = []
+    for path in sorted(model_dir.iterdir()):
+        if path.is_dir():
+            continue
+        dst = out_dir / path.name
+        if path.suffix == ".safetensors":
+            dropped += strip_safetensors(path, dst, is_mtp_tensor)
+        elif path.name == "config.json":
+            cfg = json.loads(path.read_text())
+            for c in (cfg, cfg.get("text_config") or {}):
+                c.pop("mtp_num_hidden_layers", None)
+            dst.write_text(json.dumps(cfg, indent=2))
+        elif path.name.endswith(".safetensors.index.json"):
+            index = json.loads(path.read_text())
+            index["weight_map"] = {k: v for k, v in index.get("weight_map", {}).items() if not is_mtp_tensor(k)}
+            dst.write_text(json.dumps(index, indent=2))
+        else:
+            shutil.copy2(path, dst)
+    return {"path": str(out_dir), "dropped_tensors": len(dropped)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Server processes
+
+
+def _venv_bin(name: str) -> str:
+    """A console script of the interpreter running the bench (the project's venv)."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def _kill_tagged(tag: str) -> List[int]:
+    """SIGKILL every process whose environment carries MTPLX_BENCH_TAG=tag: only processes this
+    bench started (and their descendants) have it, so another user's Ray is never touched (what
+    `ray stop --force` would do). Linux only (/proc); returns the pids killed."""
+    marker = f"MTPLX_BENCH_TAG={tag}".encode()
+    killed = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        except (OSError, ValueError):
+            continue
+    return killed
+
+
+class ServerProcess:
+    """A server started in its own process group, with a tag in its environment for cleanup."""
+
+    def __init__(self, kind: str, cmd: List[str], env: dict, log_path: Path, url: str, model: str,
+                 stop_signal: int, cleanup_dir: Optional[Path] = None):
+        self.kind, self.cmd, self.url, self.model, self.log_path = kind, cmd, url, model, log_path
+        self.stop_signal, self.cleanup_dir = stop_signal, cleanup_dir
+        self.info: dict = {}
+        self.tag = uuid.uuid4().hex
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, "MTPLX_BENCH_TAG": self.tag},
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, path: str, timeout_s: float) -> dict:
+        """Poll GET `path` until it answers 200; returns its JSON body. Fails early, with the log's
+        tail, if the process exits."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = httpx.get(self.url + path, timeout=10)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.kind} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, grace_s: float = 60.0) -> dict:
+        """Send the stop signal to the main process only (SIGINT makes `serve run` shut Serve and
+        its local Ray down in order), SIGKILL the group after grace_s, then kill any tagged
+        leftover (Ray daemons can outlive a killed driver)."""
+        try:
+            self.proc.send_signal(self.stop_signal)
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        leftovers = _kill_tagged(self.tag)
+        self._log.close()
+        if self.cleanup_dir is not None:
+            shutil.rmtree(self.cleanup_dir, ignore_errors=True)
+        return {"returncode": self.proc.returncode, "leftovers_killed": len(leftovers)}
+
+
+def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float) -> ServerProcess:
+    """`serve run` of the shipped config with a free port (and `model_path` when given), on a
+    fresh local Ray whose temp dir is private to this start."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "serve_configs" / "config.yaml").read_text())
+    port = free_port()
+    cfg["http_options"]["port"] = port
+    if model_dir is not None:
+        for app in cfg["applications"]:
+            app["args"]["model_path"] = str(model_dir)
+    cfg_path = work_dir / f"serve_config_{port}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mtplx-bl-", dir="/tmp"))   # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"})
+    server = ServerProcess("ours", [_venv_bin("serve"), "run", "--address", "local", str(cfg_path)], env,
+                           log_path, f"http://127.0.0.1:{port}", model="", stop_signal=signal.SIGINT,
+                           cleanup_dir=ray_tmp)
+    try:
+        health = server.wait_ready("/health", ready_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    server.model = health.get("model") or ""
+    server.info = {"config": cfg["applications"][0]["args"], "command": server.cmd,
+                   "replicas": {rid: {k: rep.get(k) for k in ("blas_threads", "niceness", "installed_widths")}
+                                for rid, rep in (health.get("replicas") or {}).items() if isinstance(rep, dict)}}
+    return server
+
+
+def peer_command(peer_model: Path, port: int, concurrency: int) -> List[str]:
+    return [_venv_bin("mlx_lm.server"), "--model", str(peer_model), "--host", "127.0.0.1", "--port", str(port),
+            "--decode-concurrency", str(concurrency), "--prompt-concurrency", str(concurrency),
+            "--log-level", "WARNING"]
+
+
+def start_peer(peer_model: Path, concurrency: int, log_path: Path, ready_timeout_s: float) -> ServerProcess:
+    """`mlx_lm.server` as DESIGN.md's peer paragraph says: OpenBLAS preloaded (Linux), batch
+    caps set, the HF hub cache directory present (its /v1/models fails without it)."""
+    from huggingface_hub import constants
+
+    os.makedirs(constants.HF_HUB_CACHE, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if sys.platform.startswith("linux") and os.path.exists(OPENBLAS):
+        env["LD_PRELOAD"] = OPENBLAS
+    port = free_port()
+    server = ServerProcess("peer", peer_command(peer_model, port, concurrency), env, log_path,
+                           f"http://127.0.0.1:{port}", model=str(peer_model), stop_signal=signal.SIGTERM)
+    try:
+        server.wait_ready("/health", ready_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    server.info = {"command": server.cmd, "ld_preload": env.get("LD_PRELOAD"), "concurrency": concurrency,
+                   "seed_sent": False}
+    return server
+
+
+# ----------------------------------------------------------------------------------------------
+# Load generation
+
+
+async def _one_request(client, index: int, body: dict) -> dict:
+    """Stream one completion; times are from just before the request is sent."""
+    t0 = time.perf_counter()
+    row = {"index": index, "error": None, "ttft": None, "itl": None, "e2e": None, "tokens": 0, "text": "",
+           "gaps": []}
+    times, pieces, usage_tokens = [], [], None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                detail = (await r.aread()).decode(errors="replace")[:160]
+                row["error"] = f"HTTP {r.status_code}: {detail}"
+                return row
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if obj.get("error"):
+                    row["error"] = f"stream error: {str(obj['error'])[:160]}"
+                    return row
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                text = (obj.get("choices") or [{}])[0].get("text")
+                if text:
+                    times.append(time.perf_counter())
+                    pieces.append(text)
+    except Exception as exc:   # a failed request is a data point, not the end of the arm
+        row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        return row
+    end = time.perf_counter()
+    tokens = usage_tokens if usage_tokens is not None else len(pieces)
+    row.update(e2e=end - t0, tokens=tokens, text="".join(pieces),
+               gaps=[b - a for a, b in zip(times, times[1:])])
+    if times:
+        row["ttft"] = times[0] - t0
+        if tokens > 1:
+            row["itl"] = (times[-1] - times[0]) / (tokens - 1)
+    return row
+
+
+def _client(base_url: str, connections: int):
+    import httpx
+
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(900, connect=30), limits=limits)
+
+
+async def closed_loop(base_url: str, bodies: List[dict], clients: int) -> tuple:
+    """`clients` workers; each sends the next request index as soon as its previous one ends.
+    Returns (rows in index order, wall seconds)."""
+    pending = iter(range(len(bodies)))
+    rows: List[dict] = []
+
+    async def worker(client):
+        for i in pending:
+            rows.append(await _one_request(client, i, bodies[i]))
+
+    async with _client(base_url, clients) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return sorted(rows, key=lambda r: r["index"]), wall
+
+
+async def open_loop(base_url: str, bodies: List[dict], arrivals: List[float]) -> tuple:
+    """Request i is sent at arrivals[i] seconds after the start, whatever is still in flight."""
+    async with _client(base_url, len(bodies)) as client:
+        t0 = time.perf_counter()
+
+        async def send(i):
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            return await _one_request(client, i, bodies[i])
+
+        rows = await asyncio.gather(*(send(i) for i in range(len(bodies))))
+        wall = time.perf_counter() - t0
+    return list(rows), wall
+
+
+def _snapshot(base_url: str) -> Optional[dict]:
+    import httpx
+
+    try:
+        r = httpx.get(base_url + "/v1/mtplx/snapshot", timeout=30)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _temp_label(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"t{temperature:g}"
+
+
+def _warm_up(server: ServerProcess, temperatures: List[float], clients: int, send_seed: bool) -> None:
+    """Short requests, alone and as a wave of `clients`, at each temperature, short and long
+    prompts: lanes, compiled graphs and connections are ready before anything is timed."""
+    for t in temperatures:
+        bodies = [{**request_body(i, t, server.model, send_seed), "max_tokens": 16}
+                  for i in range(max(clients, LONG_EVERY))]
+        asyncio.run(closed_loop(server.url, bodies[:LONG_EVERY], 1))
+        asyncio.run(closed_loop(server.url, bodies, clients))
+
+
+def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[float, Optional[float]],
+             send_seed: bool, log: Callable[[str], None]) -> dict:
+    """Every arm of the plan against one running server. `open_rate[t]` is the open-loop rate at
+    temperature t; when None (the peer's turn) it is taken from this turn's closed loop at
+    CAPACITY_CLIENTS clients. Returns {"arms": {key: summary}, "rows": {key: rows}, "rates": ...}."""
+    arms, rows_by_arm, rates = {}, {}, {}
+    _warm_up(server, plan["temperatures"], max(plan["clients"]), send_seed)
+    for t in plan["temperatures"]:
+        label = _temp_label(t)
+        for n in plan["clients"]:
+            key = f"{label}/closed-{n}"
+            count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
+            bodies = [request_body(i, t, server.model, send_seed) for i in range(count)]
+            arms[key], rows_by_arm[key] = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
+            log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])}")
+        rate = open_rate.get(t)
+        if rate is None:
+            capacity_arm = f"{label}/closed-{plan['capacity_clients']}"
+            rate = OPEN_LOOP_LOAD * arms[capacity_arm]["req_s"]
+        rates[t] = rate
+        key = f"{label}/open"
+        arrivals = poisson_arrivals(plan["open_requests"], rate, plan["seed"] + run)
+        bodies = [request_body(i, t, server.model, send_seed) for i in range(plan["open_requests"])]
+        arms[key], rows_by_arm[key] = _timed_arm(server, lambda: open_loop(server.url, bodies, arrivals))
+        arms[key]["offered_req_s"] = rate
+        log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])} (offered {rate:.2f} req/s)")
+    return {"arms": arms, "rows": rows_by_arm, "rates": rates}
+
+
+def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
+    """One arm, with lane snapshots around it for our server."""
+    before = _snapshot(server.url) if server.kind == "ours" else None
+    rows, wall = asyncio.run(run())
+    summary = summarize_arm(rows, wall)
+    if server.kind == "ours":
+        summary["lane_occupancy"] = lane_occupancy(before, _snapshot(server.url))
+    return summary, rows
+
+
+def _brief(s: dict) -> str:
+    def ms(v):
+        return "-" if v is None else f"{1000 * v:.0f}"
+
+    return (f"{s['tok_s'] or 0:7.1f} tok/s  TTFT p95 {ms(s['ttft_p95_s'])} ms  ITL p50 {ms(s['itl_p50_s'])} ms"
+            f"  errors {s['errors']}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = (1, 8, 16, 32),
+               temperatures: Iterable[float] = (0.0, 0.6), per_client: int = 6, min_requests: int = 12,
+               open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
+               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    """Run the comparison (see the module docstring); returns the JSON-able record."""
+    import mtplx
+
+    started = time.time()
+    clients = sorted(set(int(c) for c in clients))
+    temperatures = list(temperatures)
+    capacity_clients = min(clients, key=lambda c: (abs(c - CAPACITY_CLIENTS), c))
+    model_path = Path(model_dir).resolve() if model_dir else None
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = ROOT / "build" / "bench"
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    plan = {"clients": clients, "temperatures": temperatures, "per_client": per_client,
+            "min_requests": min_requests, "open_requests": open_requests, "seed": seed,
+            "capacity_clients": capacity_clients}
+    record = {"bench": "load", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "model": str(model_path) if model_path else "shipped", "runs": runs, "plan": plan,
+              "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
+                                      for n in clients}, "open": open_requests},
+              "open_loop": {"load_fraction": OPEN_LOOP_LOAD, "capacity_clients": capacity_clients},
+              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                          "runtime": mtplx.runtime_info()},
+              "per_run": []}
+    with tempfile.TemporaryDirectory(prefix="mtplx-bench-load-") as tmp:
+        work = Path(tmp)
+        peer_model = work / "peer-model"
+        record["peer_checkpoint"] = make_peer_checkpoint(model_path or SHIPPED_MODEL, peer_model)
+        for run in range(runs):
+            result = {"run": run}
+            log(f"run {run + 1}/{runs}: peer (mlx_lm.server)")
+            peer = start_peer(peer_model, max(clients), out_dir / "logs" / f"load-{stamp}-peer-{run}.log",
+                              ready_timeout_s)
+            try:
+                p = run_turn(peer, plan, run, {}, send_seed=False, log=log)
+            finally:
+                result["peer_stop"] = peer.stop()
+            record["peer"] = peer.info
+            log(f"run {run + 1}/{runs}: ours (serve run)")
+            ours = start_ours(model_path, out_dir / "logs" / f"load-{stamp}-ours-{run}.log", work, ready_timeout_s)
+            try:
+                o = run_turn(ours, plan, run, p["rates"], send_seed=True, log=log)
+            finally:
+                result["ours_stop"] = ours.stop()
+            record["ours"] = ours.info
+            result.update(peer=p["arms"], ours=o["arms"], open_rate_req_s={_temp_label(t): r for t, r in p["rates"].items()},
+                          identical={k: identical_texts(o["rows"][k], p["rows"][k])
+                                     for k in o["rows"] if k.startswith("greedy/")},
+                          loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
+            record["per_run"].append(result)
+    record["summary"] = summarize_runs(record["per_run"])
+    record["elapsed_s"] = time.time() - started
+    record["artifacts"] = {"json": str(out_dir / f"load-{stamp}.json"),
+                           "logs": str(out_dir / "logs" / f"load-{stamp}-*.log")}
+    return record
+
+
+def summarize_runs(per_run: List[dict]) -> dict:
+    """Per arm: the median over runs of each figure of each server (requests and errors are
+    summed, so one bad run shows), the median of the per-run tok/s ratios ours/peer, and (greedy
+    arms) identical texts summed over runs."""
+    out = {}
+    for key in per_run[0]["ours"]:
+        entry = {}
+        for side in ("ours", "peer"):
+            figures = [r[side][key] for r in per_run]
+            entry[side] = {f: median_or_none(s.get(f) for s in figures)
+                           for f, v in figures[0].items() if isinstance(v, (int, float)) or v is None}
+            entry[side].update(requests=sum(s["requests"] for s in figures), errors=sum(s["errors"] for s in figures))
+            entry[side]["error_samples"] = sorted({e for s in figures for e in s["error_samples"]})[:3]
+        ratios = [r["ours"][key]["tok_s"] / r["peer"][key]["tok_s"] for r in per_run
+                  if r["ours"][key]["tok_s"] and r["peer"][key]["tok_s"]]
+        entry["tok_s_ratio"] = statistics.median(ratios) if ratios else None
+        if all(key in r["identical"] for r in per_run):
+            same = sum(r["identical"][key]["identical"] for r in per_run)
+            compared = sum(r["identical"][key]["compared"] for r in per_run)
+            entry["greedy_identical"] = {"identical": same, "compared": compared,
+                                         "fraction": same / compared if compared else None}
+        out[key] = entry
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(v, scale: float = 1.0, digits: int = 0) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def format_table(record: dict) -> str:
+    """The markdown table of the summary: one row per arm and server."""
+    lines = ["| arm | server | tok/s | ours/peer | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms "
+             "| E2E p95 s | errors | lane rows/cycle | greedy identical |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, entry in record["summary"].items():
+        for side in ("ours", "peer"):
+            s = entry[side]
+            ratio = _fmt(entry["tok_s_ratio"], digits=2) if side == "ours" else ""
+            same = entry.get("greedy_identical")
+            same_txt = f"{same['identical']}/{same['compared']}" if same and side == "ours" else ""
+            occ = _fmt(s.get("lane_occupancy"), digits=2) if side == "ours" else ""
+            lines.append(f"| {key} | {side} | {_fmt(s['tok_s'], digits=1)} | {ratio} | {_fmt(s['ttft_p50_s'], 1000)} "
+                         f"| {_fmt(s['ttft_p95_s'], 1000)} | {_fmt(s['itl_p50_s'], 1000, 1)} "
+                         f"| {_fmt(s['itl_p95_s'], 1000, 1)} | {_fmt(s['e2e_p95_s'], digits=2)} "
+                         f"| {_fmt(s['errors'])} | {occ} | {same_txt} |")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    """Throughput and TTFT p95 against closed-loop clients, both servers, each temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clients = record["plan"]["clients"]
+    fig, (ax_tput, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for t in record["plan"]["temperatures"]:
+        label = _temp_label(t)
+        for side, color in (("ours", "tab:blue"), ("peer", "tab:orange")):
+            name = "mtplx (ours)" if side == "ours" else "mlx_lm.server"
+            style = "-o" if t == 0 else "--s"
+            figs = [record["summary"][f"{label}/closed-{n}"][side] for n in clients]
+            ax_tput.plot(clients, [f["tok_s"] for f in figs], style, color=color, label=f"{name}, {label}")
+            ax_ttft.plot(clients, [None if f["ttft_p95_s"] is None else 1000 * f["ttft_p95_s"] for f in figs],
+                         style, color=color, label=f"{name}, {label}")
+    for ax, title, ylabel in ((ax_tput, "completion throughput", "tok/s"),
+                              (ax_ttft, "time to first token, p95", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients)
+        ax.set_xticklabels([str(c) for c in clients])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrent clients (closed loop)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"bench load: median of {record['runs']} run(s), {record['machine']['cpu_count']} CPUs, "
+                 f"{record['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def replace_section(text: str, name: str, body: str) -> str:
+    """`text` with the block between `<!-- bench:name -->` and `<!-- /bench:name -->` replaced by
+    `body` (appended when absent); everything outside the markers is kept."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    i = text.find(start)
+    j = text.find(end, i + len(start)) if i >= 0 else -1
+    if i >= 0 and j >= 0:
+        return text[:i] + block + text[j + len(end):]
+    if not text.strip():
+        text = "# Benchmarks\n"
+    return text.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def render_section(record: dict, table: str, image: str, command: str) -> str:
+    """The `bench:load` section of BENCHMARKS.md."""
+    m, rt, peer = record["machine"], record["machine"]["runtime"], record.get("peer", {})
+    n = peer.get("concurrency")
+    rates = ", ".join(f"{k} {v:.2f}" for k, v in (record["per_run"][-1].get("open_rate_req_s") or {}).items())
+    counts = ", ".join(f"{k}: {v}" for k, v in record["requests_per_arm"].items())
+    quick = " (quick smoke run: few requests, not representative)" if record.get("quick") else ""
+    lines = [
+        f"## bench load: mtplx vs mlx_lm.server{quick}",
+        "",
+        f"`{command}`, {record['date']}, {record['runs']} run(s), {record['elapsed_s'] / 60:.1f} min.",
+        f"Machine: `{m['platform']}`, {m['cpu_count']} CPUs, BLAS {rt.get('blas')} (`{rt.get('blas_path')}`),",
+        f"mlx {rt.get('mlx_version')} on `{rt.get('mlx_device')}`, mlx-lm {rt.get('mlx_lm_version')}, "
+        f"Python {rt.get('python')}. Model: {record['model']}.",
+        "",
+        "Ours: `serve run serve_configs/config.yaml` on a free port. Peer: `mlx_lm.server "
+        f"--decode-concurrency {n} --prompt-concurrency {n}` on the same checkpoint without its `mtp.*`",
+        f"tensors, with `LD_PRELOAD={peer.get('ld_preload')}`. One server at a time; runs alternate peer, ours.",
+        "",
+        "Streaming `/v1/completions`; Python-code prompts, every 5th about 6x longer; `max_tokens` 16-256,",
+        f"fixed per request index. Closed loops at {', '.join(map(str, record['plan']['clients']))} clients; "
+        f"requests per arm: {counts}.",
+        f"Open loop: Poisson arrivals at {record['open_loop']['load_fraction']:.0%} of the peer's closed-loop "
+        f"request rate at {record['open_loop']['capacity_clients']} clients (last run: {rates} req/s).",
+        "Sampled arms send `top_p` 0.95 and `top_k` 20 to both servers and a per-request `seed` to ours only",
+        "(mlx_lm.server serves a seeded request outside its batch).",
+        "",
+        "Figures are medians over runs (errors summed); ours/peer is the median of the per-run tok/s ratios.",
+        "ITL: per request, (last chunk - first chunk) / (completion tokens - 1). Lane rows/cycle: mean live",
+        "rows per decode cycle of our lanes during the arm (- when the server does not report it). Greedy",
+        "identical: same completion text on both servers for the same request index, summed over runs",
+        "(one leading space ignored: mlx-lm's streaming detokenizer drops it).",
+        "",
+        table,
+        "",
+        f"![bench load]({image})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(record: dict, command: str) -> dict:
+    """JSON under build/bench/, the chart under docs/, the `bench:load` section of BENCHMARKS.md."""
+    png = ROOT / "docs" / "bench_load.png"
+    plot(record, png)
+    table = format_table(record)
+    md = ROOT / "BENCHMARKS.md"
+    md.write_text(replace_section(md.read_text() if md.exists() else "", "load",
+                                  render_section(record, table, png.relative_to(ROOT).as_posix(), command)))
+    record["artifacts"].update(png=str(png), markdown=str(md))
+    Path(record["artifacts"]["json"]).write_text(json.dumps(record, indent=2, default=str))
+    return {"table": table, **record["artifacts"]}
+
+
+def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
+            json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None) -> dict:
+    """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
+    if quick:
+        opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
+    else:
+        opts = dict(runs=runs, clients=(1, 8, 16, 32), temperatures=(0.0, 0.6), per_client=6, min_requests=12,
+                    open_requests=48)
+    if clients:
+        opts["clients"] = [int(c) for c in clients.split(",")]
+    if per_client:
+        opts["per_client"] = per_client
+    if open_requests:
+        opts["open_requests"] = open_requests
+    record = bench_load(model_dir=model, **opts)
+    record["quick"] = quick
+    command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
+        (f" --clients {clients}" if clients else "") + (f" --model {model}" if model else "")
+    out = write_outputs(record, command)
+    if json_out:
+        print(json.dumps(record, default=str), flush=True)
+    else:
+        print(out["table"])
+        print(f"\nJSON: {out['json']}\nchart: {out['png']}\nsection: {out['markdown']}", flush=True)
+    return record
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 run, clients 1,8, greedy only, few requests")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--clients", default=None, help="comma-separated closed-loop client counts (default 1,8,16,32)")
+    p.add_argument("--model", default=None, help="checkpoint dir for both servers (default: the shipped model)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
+    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
+    p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
+    a = p.parse_args(argv)
+    run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
+            per_client=a.requests_per_client, open_requests=a.open_requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""`bench load` helpers: no servers are started here."""
+
+import json
+import struct
+
+import pytest
+
+from deployments import bench_load as bl
+
+
+def _read_safetensors(path):
+    """{name: (dtype, shape, raw bytes)} and the metadata of a safetensors file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", None)
+    return {k: (v["dtype"], v["shape"], data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items()}, meta
+
+
+def test_peer_checkpoint_drops_mtp_and_keeps_the_rest_byte_identical(tmp_path):
+    out = tmp_path / "peer"
+    info = bl.make_peer_checkpoint(bl.SHIPPED_MODEL, out)
+    src, src_meta = _read_safetensors(bl.SHIPPED_MODEL / "model.safetensors")
+    dst, dst_meta = _read_safetensors(out / "model.safetensors")
+    mtp = {k for k in src if k.startswith("mtp.")}
+    assert mtp and info["dropped_tensors"] == len(mtp)
+    assert set(dst) == set(src) - mtp
+    assert all(dst[k] == src[k] for k in dst)
+    assert dst_meta == src_meta
+    cfg = json.loads((out / "config.json").read_text())
+    assert "mtp_num_hidden_layers" not in cfg
+    src_cfg = json.loads((bl.SHIPPED_MODEL / "config.json").read_text())
+    src_cfg.pop("mtp_num_hidden_layers")
+    assert cfg == src_cfg
+    assert (out / "tokenizer.json").read_bytes() == (bl.SHIPPED_MODEL / "tokenizer.json").read_bytes()
+
+
+def test_strip_safetensors_handles_any_dtype_and_offsets(tmp_path):
+    tensors = {"b": ("BF16", [2], b"\x01\x02\x03\x04"), "mtp.x": ("F32", [1], b"\x00\x00\x80\x3f"),
+               "a": ("U8", [3], b"xyz")}
+    header, offset, blob = {"__metadata__": {"format": "mlx"}}, 0, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blob += raw
+    h = json.dumps(header).encode()
+    src = tmp_path / "src.safetensors"
+    src.write_bytes(struct.pack("<Q", len(h)) + h + blob)
+    dropped = bl.strip_safetensors(src, tmp_path / "dst.safetensors", bl.is_mtp_tensor)
+    out, meta = _read_safetensors(tmp_path / "dst.safetensors")
+    assert dropped == ["mtp.x"]
+    assert out == {k: v for k, v in tensors.items() if k != "mtp.x"}
+    assert meta == {"format": "mlx"}
+    (n,) = struct.unpack("<Q", (tmp_path / "dst.safetensors").read_bytes()[:8])
+    assert n % 8 == 0
+
+
+def test_percentile_matches_linear_interpolation():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert bl.percentile(xs, 50) == 3.0
+    assert bl.percentile(xs, 95) == pytest.approx(4.8)
+    assert bl.percentile(xs, 0) == 1.0 and bl.percentile(xs, 100) == 5.0
+    assert bl.percentile([None, 7.0], 95) == 7.0
+    assert bl.percentile([], 50) is None
+    assert bl.median_or_none([None, 1.0, 3.0]) == 2.0 and bl.median_or_none([None]) is None
+
+
+def _row(index, ttft, itl, e2e, tokens, text="x", error=None, gaps=()):
+    return {"index": index, "error": error, "ttft": ttft, "itl": itl, "e2e": e2e, "tokens": tokens,
+            "text": text, "gaps": list(gaps)}
+
+
+def test_summarize_arm_counts_only_successful_requests():
+    rows = [_row(0, 0.1, 0.01, 1.0, 100, gaps=[0.01, 0.02]), _row(1, 0.3, 0.03, 2.0, 50, gaps=[0.03]),
+            _row(2, None, None, None, 0, error="HTTP 503: busy")]
+    s = bl.summarize_arm(rows, wall_s=3.0)
+    assert s["requests"] == 3 and s["errors"] == 1 and s["error_samples"] == ["HTTP 503: busy"]
+    assert s["completion_tokens"] == 150 and s["tok_s"] == pytest.approx(50.0)
+    assert s["req_s"] == pytest.approx(2 / 3)
+    assert s["ttft_p50_s"] == pytest.approx(0.2) and s["ttft_p95_s"] == pytest.approx(0.29)
+    assert s["chunk_gap_p50_s"] == pytest.approx(0.02)
+    assert s["e2e_p95_s"] == pytest.approx(1.95)
+
+
+def test_lane_occupancy_sums_replicas_and_tolerates_missing_counters():
+    def snap(*reps):
+        return {"model": "m", "ingress": {}, "replicas": {f"r{i}": r for i, r in enumerate(reps)}}
+
+    before = snap({"lane_row_cycles": 10, "lane_cycles": 5}, {"lane_row_cycles": 0, "lane_cycles": 0})
+    after = snap({"lane_row_cycles": 50, "lane_cycles": 15}, {"lane_row_cycles": 30, "lane_cycles": 10})
+    assert bl.lane_occupancy(before, after) == pytest.approx(70 / 20)
+    assert bl.lane_occupancy(snap({"cohort_calls": 1}), snap({"cohort_calls": 2})) is None
+    assert bl.lane_occupancy(None, after) is None
+    assert bl.lane_occupancy(after, after) is None
+
+
+def test_identical_texts_pairs_by_index_and_skips_errors():
+    ours = [_row(0, 0, 0, 0, 1, " a b"), _row(1, 0, 0, 0, 1, "b"), _row(2, 0, 0, 0, 1, "c", error="boom"),
+            _row(3, 0, 0, 0, 1, "  d")]
+    peer = [_row(1, 0, 0, 0, 1, "B"), _row(0, 0, 0, 0, 1, "a b"), _row(2, 0, 0, 0, 1, "c"),
+            _row(3, 0, 0, 0, 1, "d")]
+    # one leading space is ignored (mlx-lm trims it), a second one is a difference
+    assert bl.identical_texts(ours, peer) == {"identical": 1, "compared": 3, "fraction": 1 / 3,
+                                              "differing_indices": [1, 3]}
+
+
+def test_summarize_runs_medians_ratio_and_summed_errors():
+    def arm(tok_s, errors):
+        return {"requests": 4, "errors": errors, "error_samples": ["e"] if errors else [], "tok_s": tok_s,
+                "ttft_p95_s": tok_s / 1000, "lane_occupancy": None}
+
+    per_run = [{"ours": {"greedy/closed-8": arm(t_o, 0)}, "peer": {"greedy/closed-8": arm(t_p, e)},
+                "identical": {"greedy/closed-8": {"identical": 3, "compared": 4, "fraction": 0.75}}}
+               for t_o, t_p, e in ((200, 100, 0), (300, 100, 1), (100, 200, 0))]
+    s = bl.summarize_runs(per_run)["greedy/closed-8"]
+    assert s["ours"]["tok_s"] == 200 and s["peer"]["tok_s"] == 100
+    assert s["tok_s_ratio"] == 2.0            # median of 2.0, 3.0, 0.5
+    assert s["peer"]["errors"] == 1 and s["peer"]["requests"] == 12
+    assert s["ours"]["lane_occupancy"] is None
+    assert s["greedy_identical"] == {"identical": 9, "compared": 12, "fraction": 0.75}
+
+
+def test_replace_section_keeps_other_sections():
+    text = "# Benchmarks\n\nintro\n\n<!-- bench:solo -->\nsolo v1\n<!-- /bench:solo -->\n\ntail\n"
+    once = bl.replace_section(text, "load", "load v1")
+    assert "<!-- bench:load -->\nload v1\n<!-- /bench:load -->" in once
+    twice = bl.replace_section(once, "load", "load v2")
+    assert "load v1" not in twice and twice.count("<!-- bench:load -->") == 1
+    assert twice.replace("<!-- bench:load -->\nload v2\n<!-- /bench:load -->", "X") == \
+        once.replace("<!-- bench:load -->\nload v1\n<!-- /bench:load -->", "X")
+    assert "solo v1" in twice and "intro" in twice and "tail" in twice
+    assert bl.replace_section("", "load", "body").startswith("# Benchmarks\n\n<!-- bench:load -->")
+
+
+def test_workload_is_deterministic_and_mixed():
+    a = [bl.request_body(i, 0.6, "m", send_seed=True) for i in range(40)]
+    b = [bl.request_body(i, 0.6, "m", send_seed=True) for i in range(40)]
+    assert a == b
+    assert [x["seed"] for x in a] == [1000 + i for i in range(40)]
+    assert "seed" not in bl.request_body(3, 0.6, "m", send_seed=False)
+    greedy = bl.request_body(3, 0.0, "m", send_seed=True)
+    assert "seed" not in greedy and "top_p" not in greedy and greedy["stream_options"] == {"include_usage": True}
+    budgets = [bl.budget_for(i) for i in range(241)]
+    assert sorted(budgets) == list(range(16, 257))        # every budget once per 241 requests
+    short = [len(bl.prompt_for(i)) for i in range(40) if i % 5 != 4]
+    long = [len(bl.prompt_for(i)) for i in range(40) if i % 5 == 4]
+    ratio = (sum(long) / len(long)) / (sum(short) / len(short))
+    assert 5.0 < ratio < 7.0
+    assert bl.poisson_arrivals(20, 2.0, seed=1) == bl.poisson_arrivals(20, 2.0, seed=1)
+    arrivals = bl.poisson_arrivals(2000, 2.0, seed=1)
+    assert arrivals == sorted(arrivals) and 900 < arrivals[-1] < 1100
+    assert bl.closed_loop_requests(1, 6, 12) == 12 and bl.closed_loop_requests(8, 6, 12) == 48
