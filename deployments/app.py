@@ -32,8 +32,10 @@ class AppArgs(BaseModel):
     widths: List[int] = Field(default_factory=lambda: [3, 8], description="Cohort lane widths to install")
     numerics: Literal["throughput", "b1-exact"] = "throughput"
     max_batch_size: int = Field(8, ge=1, le=8, description="@serve.batch max_batch_size (rows per window)")
-    batch_wait_timeout_s: float = Field(0.02, ge=0.0, le=5.0, description="@serve.batch window")
-    max_concurrent_batches: int = Field(4, ge=1, le=64, description="@serve.batch max_concurrent_batches")
+    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=5.0, description="@serve.batch window")
+    max_concurrent_batches: int = Field(
+        64, ge=1, le=1024, description="@serve.batch windows in flight; each stays open until its "
+                                       "longest row ends, so this bounds the rows in flight per ingress")
     service_batch_wait_s: float = Field(0.02, ge=0.0, description="Service gather wait (single submits)")
     stream_interval_ms: float = Field(0.0, ge=0.0, le=1000.0,
                                       description="Replica: extra wait to group token updates per message")
@@ -47,7 +49,8 @@ class AppArgs(BaseModel):
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0.0)
     ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)
-    replica_max_ongoing_requests: int = Field(64, ge=1)
+    replica_max_ongoing_requests: int = Field(
+        256, ge=1, description="Cohort calls (batch windows) in flight per replica, plus cancel/snapshot calls")
     warmup: bool = True
     niceness: Optional[int] = Field(
         0, ge=-20, le=19, description="Niceness of replica and ingress processes (Ray starts workers at 15; "
@@ -85,7 +88,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
         warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches.
-    ingress_ongoing = a.ingress_max_ongoing_requests or max(256, 4 * a.max_batch_size * a.max_concurrent_batches)
+    ingress_ongoing = a.ingress_max_ongoing_requests or max(256, a.max_batch_size * a.max_concurrent_batches)
     ingress_cfg = {
         "model_path": a.model_path, "served_model_name": a.served_model_name,
         "max_batch_size": a.max_batch_size, "batch_wait_timeout_s": a.batch_wait_timeout_s,

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx.server import openai as oa
+from mtplx.server.mtp_batch import mtp_batch_compatibility_key
 
 from .metrics import record
 from .router import PIN_KWARG, known_replicas
@@ -289,10 +290,7 @@ class OpenAIIngress:
             raise oa.context_length_exceeded(len(prompt_ids), max_tokens, max_context, param=req.max_tokens_param)
         sampler = oa.sampler_from_request(req, self.meta["sampler_defaults"])
         mode = req.generation_mode or self.default_mode
-        if mode == "ar":
-            key = ("ar", rid)   # AR rows never batch: each runs alone on the replica's owner thread
-        else:
-            key = oa.compatibility_key(self.served_model, req.omit_speculative_bonus, sampler, None, mode)
+        key = mtp_batch_compatibility_key(self.served_model, req.omit_speculative_bonus, sampler, None, mode)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return {
             "request_id": rid, "prompt_ids": list(prompt_ids), "max_tokens": int(max_tokens),
@@ -327,14 +325,9 @@ class OpenAIIngress:
         hist = self._stats["batch_size_histogram"]
         hist[str(n)] = hist.get(str(n), 0) + 1
         queue: asyncio.Queue = asyncio.Queue()
-        cohorts: Dict[Any, List[int]] = {}
-        for slot, row in enumerate(rows):
-            cohorts.setdefault(row["compatibility_key"], []).append(slot)
-        tasks = []
-        for slots in cohorts.values():
-            for start in range(0, len(slots), self.max_batch_size):
-                part = slots[start:start + self.max_batch_size]
-                tasks.append(_detached(self._drive_cohort([rows[s] for s in part], part, queue)))
+        # The whole window goes to one replica as one call; there each row joins the running lane
+        # of its compatibility key (the one place rows are grouped by key).
+        tasks = [_detached(self._drive_cohort(rows, list(range(n)), queue))]
         finished: set = set()
         try:
             while len(finished) < n:

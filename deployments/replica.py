@@ -121,13 +121,9 @@ class _CohortBuffer:
         return tokens, finals
 
 
-def _public_result(result: dict, generation_mode: str) -> dict:
+def _public_result(result: dict) -> dict:
     """The part of a service result dict the ingress needs (no token list: it was streamed)."""
     stats = dict(result.get("stats") or {})
-    if generation_mode == "ar":
-        stats.update({"mode": "ar", "generation_mode": "ar", "scheduler_policy": "solo_ar",
-                      "scheduler_lane": "ar", "mtp_batch_route_id": "ar_b1_solo", "mtp_depth": 0,
-                      "requested_mtp_depth": 0, "requested_speculative_depth": 0})
     return {
         "finish_reason": result.get("finish_reason"),
         "prompt_tokens": int(result.get("prompt_tokens", 0)),
@@ -177,13 +173,10 @@ class MTPReplica:
         self.blas_threads = threads
 
         import mtplx
-        from mtplx.generation import generate_ar
         from mtplx.server import mtp_batch
 
         self._mtplx = mtplx
-        self._generate_ar = generate_ar
         self._mtp_batch = mtp_batch
-        self._solo_cancelled = mtp_batch.SoloCancelled
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
@@ -205,21 +198,20 @@ class MTPReplica:
     # -- setup -----------------------------------------------------------------------------------
 
     def _warmup(self) -> None:
-        """One tiny solo and one tiny cohort so the first request does not pay first-call costs."""
+        """One tiny cohort at every width a running lane may take, so the first requests do not
+        pay first-call costs (graph compilation)."""
         from mtplx.sampling import SamplerConfig
 
         greedy = SamplerConfig(temperature=0.0)
         prompt = list(self.model.tokenizer.encode("def f(x):\n", add_special_tokens=False)) or [1]
-        key = ("warmup",)
-        jobs = [self._mtp_batch.MTPBatchJob(request_id=f"warmup-{i}", prompt_ids=prompt, max_tokens=4,
-                                            sampler=greedy, seed=i, compatibility_key=key)
-                for i in range(2)]
         try:
-            for f in self.service.submit_cohort(jobs):
-                f.result(timeout=120)
-            solo = self._mtp_batch.MTPBatchJob(request_id="warmup-solo", prompt_ids=prompt, max_tokens=4,
-                                               sampler=greedy, seed=0, compatibility_key=("warmup-solo",))
-            self.service.submit(solo).result(timeout=120)
+            for width in [1] + self.service.installed_widths:
+                jobs = [self._mtp_batch.MTPBatchJob(request_id=f"warmup-{width}-{i}", prompt_ids=prompt,
+                                                    max_tokens=4, sampler=greedy, seed=i,
+                                                    compatibility_key=("warmup", width))
+                        for i in range(width)]
+                for f in self.service.submit_cohort(jobs):
+                    f.result(timeout=120)
         except Exception as exc:  # warm-up is best effort
             log.warning("mtplx replica warm-up failed: %s", exc)
 
@@ -248,19 +240,6 @@ class MTPReplica:
 
     def _observe(self, name: str, value: float, tags: Optional[dict] = None) -> None:
         record(self._metrics, name, value, tags)
-
-    # -- the solo AR runner ----------------------------------------------------------------------
-
-    def _ar_runner(self, job):
-        def on_token(token):
-            if job.cancel_requested():
-                raise self._solo_cancelled()
-            job.emit_token(token)
-            if job.cancel_requested():
-                raise self._solo_cancelled()
-
-        return self._generate_ar(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
-                                 seed=job.seed, stop_token_ids=job.stop_token_ids, on_token=on_token)
 
     # -- calls from the ingress -----------------------------------------------------------------
 
@@ -302,7 +281,7 @@ class MTPReplica:
                 stop_token_ids=self.model.eos_token_ids,
                 token_callback=(lambda toks, i=i: buf.push_tokens(i, toks)),
                 compatibility_key=row["compatibility_key"],
-                solo_runner=self._ar_runner if mode == "ar" else None,
+                speculative=mode != "ar",
                 cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
                 omit_speculative_bonus=bool(row.get("omit_speculative_bonus", False)),
                 session_id=row.get("session_id"),
@@ -369,7 +348,7 @@ class MTPReplica:
     def _final(self, job, mode: str, fut) -> dict:
         exc = fut.exception()
         if exc is None:
-            out = _public_result(fut.result(), mode)
+            out = _public_result(fut.result())
             st = out["stats"]
             self._observe("generated", out["completion_tokens"])
             self._observe("accepted", int(st.get("accepted_drafts", 0) or 0))

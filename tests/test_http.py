@@ -199,7 +199,7 @@ def test_chat_stream_and_completions_match(client, ref_model):
 
 
 @RAY_MARK
-def test_eight_concurrent_requests_form_one_cohort(client, http, ref_model):
+def test_eight_concurrent_requests_share_one_running_lane(client, http, ref_model):
     refs = [_reference(ref_model, _chat_ids(ref_model, p), 40) for p in PROMPTS]
     before = _snapshot(http)
 
@@ -216,19 +216,15 @@ def test_eight_concurrent_requests_form_one_cohort(client, http, ref_model):
         assert r.choices[0].message.content == text      # every cohort row is exact vs solo AR
         assert r.usage.completion_tokens == n and r.choices[0].finish_reason == reason
         real, fixed = stats["mtp_batch_real_width"], stats["mtp_batch_fixed_width"]
-        assert fixed == (1 if real == 1 else 3 if real <= 3 else 8)
+        assert fixed in (1, 3, 8) and real <= fixed
+        assert 1 <= stats["lane_mean_occupancy"] <= real and stats["admitted_at_cycle"] >= 0
         widths.append(real)
-    assert max(widths) >= 2, widths
-    after = _snapshot(http)
-    rep = next(iter(after["replicas"].values()))
-    assert rep["last_real_width"] is not None
-    grown = {w: c - next(iter(before["replicas"].values()))["batch_histogram"].get(w, 0)
-             for w, c in rep["batch_histogram"].items()}
-    assert any(int(w) >= 2 and c > 0 for w, c in grown.items()), grown
-    # The usual case on an idle machine: all eight in one window, one B8 cohort.
-    if max(widths) == 8:
-        assert all(r.model_extra["mtplx_stats"]["mtp_batch_fixed_width"] == 8 for r in results)
-        assert rep["fixed_width_histogram"].get("8", 0) > 0
+    # however the windows fell, the rows met in one running lane (no cohort queued behind another)
+    assert max(widths) >= 6, widths
+    rep, rep0 = next(iter(_snapshot(http)["replicas"].values())), next(iter(before["replicas"].values()))
+    assert rep["admissions"] - rep0["admissions"] == 8 and rep["lanes"] == []
+    assert rep["lane_row_cycles"] - rep0["lane_row_cycles"] > rep["lane_cycles"] - rep0["lane_cycles"]
+    assert rep["fixed_width_histogram"].get("8", 0) > 0
 
 
 @RAY_MARK

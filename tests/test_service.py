@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from mtplx.a3b_mtp_batch import generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.a3b_mtp_batch import install_a3b_mtp_batch_lane
 from mtplx.generation import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchCancelled,

@@ -83,14 +83,18 @@ class MTPBatchOwnerFinalizeError(MTPBatchServiceClosed):
 
 
 def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus: bool,
-                                sampler: SamplerConfig, draft_sampler: Optional[SamplerConfig]) -> tuple:
-    """The default compatibility key: (model id, omit-bonus flag, target sampler, draft sampler).
+                                sampler: SamplerConfig, draft_sampler: Optional[SamplerConfig],
+                                generation_mode: str = "mtp") -> tuple:
+    """The compatibility key, the one rule for which rows share a running lane: (model id,
+    omit-bonus flag, target sampler, draft sampler), led by the mode when it is not "mtp" (plain
+    AR rows share lanes of their own). Seeds stay out: each row owns its RNG.
 
     Samplers are frozen dataclasses, so temperature/top_p/top_k (and penalties) are all part of it:
-    greedy and sampled requests never share a cohort, nor do different draft samplers.
+    greedy and sampled requests never share a lane, nor do different draft samplers.
     """
-    return (model_id, bool(omit_speculative_bonus), sampler,
-            draft_sampler if draft_sampler is not None else sampler)
+    key = (model_id, bool(omit_speculative_bonus), sampler,
+           draft_sampler if draft_sampler is not None else sampler)
+    return key if generation_mode == "mtp" else (str(generation_mode),) + key
 
 
 def _default_cancel_error(job: "MTPBatchJob") -> BaseException:
@@ -306,6 +310,7 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
     admitted_s = job.admitted_s if job.admitted_s is not None else cohort.started_s
     n = len(job.tokens)
     prompt_tokens = len(job.prompt_ids)
+    mode, depth = ("mtp", MTP_DEPTH) if job.speculative else ("ar", 0)
     stats = dict(extra_stats or {})
     stats.update({
         "request_id": job.request_id,
@@ -322,12 +327,12 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
         "end_to_end_tok_s": n / request_elapsed_s,
         "queue_wait_s": admitted_s - job.created_s,
         "request_started_s": job.created_s,
-        "mode": "mtp",
-        "generation_mode": "mtp",
-        "mtp_depth": MTP_DEPTH,
-        "requested_mtp_depth": MTP_DEPTH,
-        "speculative_depth": MTP_DEPTH,
-        "requested_speculative_depth": MTP_DEPTH,
+        "mode": mode,
+        "generation_mode": mode,
+        "mtp_depth": depth,
+        "requested_mtp_depth": depth,
+        "speculative_depth": depth,
+        "requested_speculative_depth": depth,
         "verify_calls": int(cycles),
         "target_verify_cycles": int(cycles),
         "accepted_drafts": int(accepted),

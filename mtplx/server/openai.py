@@ -299,14 +299,6 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
         raise invalid_request(str(exc)) from None
 
 
-def compatibility_key(model_id: str, omit_speculative_bonus: bool, sampler: SamplerConfig,
-                      draft_sampler: Optional[SamplerConfig] = None, generation_mode: str = "mtp") -> tuple:
-    """Which requests may share a cohort: same model, generation mode, omit-bonus flag, target
-    sampler and draft sampler. Seeds stay out (each row owns its RNG)."""
-    return (str(generation_mode), str(model_id), bool(omit_speculative_bonus), sampler,
-            draft_sampler if draft_sampler is not None else sampler)
-
-
 # ----------------------------------------------------------------------------------------------
 # Prompts
 
