@@ -393,6 +393,28 @@ def test_row_isolation_with_recurrent_state(models, lanes, kind):
         assert _row_view(res.streams[i]) == _row_view(base.streams[i]), f"{kind} row {i} was disturbed"
 
 
+@pytest.mark.parametrize("kind", ARCHS)
+def test_running_lane_admits_widens_and_narrows_with_recurrent_state(models, lanes, kind):
+    """GDN rows joining a running lane mid-flight (their state put into a free row), the lane
+    widening B3 -> B8 and narrowing back (states carried over by row): every row stays exact."""
+    from mtplx.a3b_mtp_batch import RunningLane
+
+    m = models[kind]
+    running = RunningLane([lanes[(kind, 3)], lanes[(kind, 8)]], narrow_after=3)
+    prompts = _prompts(6, seed=41)
+    budgets = [60, 20, 24, 30, 26, 22]
+    streams = [running.add(_req(i, prompts[i], budgets[i])) for i in range(2)]
+    for _ in range(4):
+        running.step()
+    streams += [running.add(_req(i, prompts[i], budgets[i])) for i in range(2, 6)]
+    while running.has_work:
+        running.step()
+    assert running.widenings == 1 and running.narrowings >= 1 and set(running.width_cycles) >= {3, 8}
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert streams[i].tokens == generate_ar(m, p, n, GREEDY).tokens, f"{kind} row {i}"
+        assert (streams[i].admitted_at_cycle == 0) if i < 2 else (streams[i].admitted_at_cycle >= 4)
+
+
 def test_sampled_cohort_row_independent(models, lanes):
     """Sampled rows (each its own RNG) on a hybrid: reproducible, and row 0 does not move when
     every neighbour changes."""

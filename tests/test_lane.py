@@ -164,3 +164,112 @@ def test_compiled_and_eager_lanes_agree(model):
         reqs = [_req(i, p, 40, cfg, seed=i) for i, p in enumerate(prompts)]
         a, b = (generate_a3b_mtp_batch(lane, reqs) for lane in lanes)
         assert [s.tokens for s in a.streams] == [s.tokens for s in b.streams]
+
+
+# ------------------------------------------------------------------------------ running lanes
+#
+# Continuous admission: rows join a lane that is already decoding, at cycle boundaries.
+
+def _drain(running, max_steps=5000):
+    for _ in range(max_steps):
+        if not running.has_work:
+            return
+        running.step()
+    raise AssertionError("the running lane did not drain")
+
+
+def _steps(running, n):
+    for _ in range(n):
+        running.step()
+
+
+def test_rows_admitted_mid_flight_equal_solo_ar_including_a_long_prompt(model, lanes):
+    """Two rows decode; a third joins whose prompt is longer than the lane's KV buffer (it must
+    grow) and than every running row's (prefilled in chunks between cycles); all stay exact."""
+    prompts = _prompts(model, 3)
+    prompts[2] = prompts[2] * 80                      # ~700 tokens: three prefill chunks
+    budgets = [90, 120, 40]
+    running = lane_mod.RunningLane(lanes[3])
+    streams = [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[:2], budgets[:2]))]
+    _steps(running, 6)
+    assert running.width == 3 and running.live_rows == 2 and running.cycles == 6
+    capacity = running.caches[0].keys.shape[2]
+    streams.append(running.add(_req(2, prompts[2], budgets[2])))
+    running.step()
+    assert running.live_rows == 2 and len(running.admitting) == 1   # still prefilling, others decoded
+    assert running.cycles == 7
+    _drain(running)
+    assert streams[2].admitted_at_cycle > 7 and running.caches[0].keys.shape[2] > capacity
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+    assert streams[2].cycles < streams[1].cycles and streams[2].real_width == 3
+
+
+def test_admission_into_a_slot_freed_by_a_cancel(model, lanes):
+    prompts = _prompts(model, 4)
+    flag = threading.Event()
+    running = lane_mod.RunningLane(lanes[3])
+    streams = [running.add(_req(i, p, 60, cancelled=(flag.is_set if i == 1 else lane_mod._never)))
+               for i, p in enumerate(prompts[:3])]
+    _steps(running, 5)
+    flag.set()
+    streams.append(running.add(_req(3, prompts[3], 50)))
+    _drain(running)
+    assert streams[1].finish_reason == "cancelled" and len(streams[1].tokens) < 60
+    assert running.width == 3 and streams[3].admitted_at_cycle == 5 and running.widenings == 0
+    for i in (0, 2, 3):
+        n = 50 if i == 3 else 60
+        assert streams[i].tokens == generate_ar(model, prompts[i], n, GREEDY).tokens, f"row {i}"
+
+
+def test_widen_b3_to_b8_mid_flight_then_narrow(model, lanes):
+    prompts = _prompts(model, 6)
+    running = lane_mod.RunningLane([lanes[3], lanes[8]], narrow_after=4)
+    budgets = [200, 30, 30, 40, 40, 40]
+    streams = [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[:3], budgets[:3]))]
+    _steps(running, 4)
+    assert running.width == 3
+    streams += [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[3:], budgets[3:]), 3)]
+    running.step()
+    assert running.width == 8 and running.widenings == 1 and running.live_rows == 6
+    _drain(running)
+    assert running.narrowings >= 1 and set(running.width_cycles) == {3, 8}
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+    assert streams[0].fixed_width == 8 and streams[0].mean_occupancy < streams[0].real_width
+
+
+def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes):
+    from mtplx.a3b_mtp_batch import solo_lane
+    from mtplx.generation import generate_mtpk
+
+    hot = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)
+    prompts = _prompts(model, 6)
+    alone = lane_mod.RunningLane(solo_lane(model))
+    ref = alone.add(_req("x", prompts[5], 40, sampler=hot, seed=77))
+    _drain(alone)
+    assert ref.tokens == generate_mtpk(model, prompts[5], 40, hot, seed=77).tokens
+    running = lane_mod.RunningLane([lanes[3], lanes[8]])
+    for i, p in enumerate(prompts[:5]):
+        running.add(_req(i, p, 80, sampler=hot, seed=i))
+    _steps(running, 9)
+    late = running.add(_req("x", prompts[5], 40, sampler=hot, seed=77))
+    _drain(running)
+    assert late.admitted_at_cycle >= 9 and late.real_width == 6
+    assert late.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, SamplerConfig(temperature=0.8, top_p=0.9, top_k=0)])
+def test_non_speculative_rows_decode_plain_ar_beside_drafting_rows(model, lanes, sampler):
+    prompts = _prompts(model, 4)
+    running = lane_mod.RunningLane(lanes[8])
+    streams = [running.add(_req(i, p, 40, sampler=sampler, seed=i, speculative=i % 2 == 0))
+               for i, p in enumerate(prompts)]
+    _drain(running)
+    for i, p in enumerate(prompts):
+        s = streams[i]
+        if i % 2:      # AR rows: generate_ar's tokens and RNG draws, one token per cycle
+            assert s.tokens == generate_ar(model, p, 40, sampler, seed=i).tokens
+            assert s.accepted_drafts == s.rejected_drafts == 0 and s.cycles == 39   # x0 + 1 per cycle
+        else:
+            assert s.accepted_drafts + s.rejected_drafts > 0
