@@ -155,13 +155,24 @@ def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optio
     return InstalledA3BMTPBatchLane(
         model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
-        compiled=_env_compile() if compiled is None else bool(compiled))
+        compiled=_default_compile(model) if compiled is None else bool(compiled))
 
 
-def _env_compile() -> bool:
+def _default_compile(model) -> bool:
+    """Compiled cycle graphs for models with recurrent (GDN) layers, whose capture forward is many
+    small operations; eager for attention-only models. A compiled graph has fixed shapes, so its
+    attention reads the whole KV buffer, while an eager forward reads each cohort's live span:
+    measured on the shipped model (2-core CPU, B8, closed-loop mixed prompt lengths) eager served
+    429 tok/s against 364 compiled, and within 2% at short contexts. MTPLX_MTP_BATCH_COMPILE=0/1
+    overrides."""
     import os
 
-    return os.environ.get("MTPLX_MTP_BATCH_COMPILE", "1").strip().lower() not in ("0", "off", "false", "no")
+    env = os.environ.get("MTPLX_MTP_BATCH_COMPILE")
+    if env is not None and env.strip():
+        return env.strip().lower() not in ("0", "off", "false", "no")
+    from .models.recurrent_cache import RecurrentCache
+
+    return any(isinstance(c, RecurrentCache) for c in model.make_cache())
 
 
 def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
@@ -481,6 +492,7 @@ class RunningLane:
         self.row_cycles = 0                             # sum over cycles of live rows
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
+        self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
 
@@ -527,9 +539,13 @@ class RunningLane:
         """Admit what fits, then run one cycle for the live rows."""
         self._drop_cancelled()
         self._resize()
+        t0 = time.perf_counter()
         self._admit()
+        t1 = time.perf_counter()
+        self.prefill_s += t1 - t0
         if self.live_rows:
             self._cycle()
+            self.cycle_s += time.perf_counter() - t1
 
     def admit_all(self) -> None:
         """Prefill and merge every waiting row that fits, before any cycle (a sealed cohort)."""

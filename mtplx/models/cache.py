@@ -78,8 +78,10 @@ class RaggedKVCache:
             W = len(self.lengths)
             self.ensure_capacity(n + 2, like=(mx.broadcast_to(k[:, :, :1], (W,) + k.shape[1:2] + (1,) + k.shape[3:]),
                                               mx.broadcast_to(v[:, :, :1], (W,) + v.shape[1:2] + (1,) + v.shape[3:])))
-            self.keys = _with_row(self.keys, b, k)
-            self.values = _with_row(self.values, b, v)
+            # A slice update (in place when MLX can donate the buffer, not a copy of every row);
+            # arrays taken from the buffer before keep their old contents.
+            self.keys[b:b + 1, :, :n, :] = k
+            self.values[b:b + 1, :, :n, :] = v
         self.lengths = self.lengths.copy()
         self.lengths[b] = n
         self.offset = mx.array(self.lengths, dtype=mx.int32)

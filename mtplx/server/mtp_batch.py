@@ -482,7 +482,7 @@ class MTPBatchGenerationService:
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
             "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
-            "lane_row_cycles": 0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
+            "lane_row_cycles": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
             "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
@@ -854,10 +854,13 @@ class MTPBatchGenerationService:
                 s["lane_row_cycles"] += r.row_cycles - seen.get("row_cycles", 0)
                 s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = r.width, r.route_id, r.live_rows
             s["admissions"] += r.admitted - seen.get("admitted", 0)
+            s["cycle_s"] += r.cycle_s - seen.get("cycle_s", 0.0)
+            s["prefill_s"] += r.prefill_s - seen.get("prefill_s", 0.0)
             s["widenings"] += r.widenings - seen.get("widenings", 0)
             s["narrowings"] += r.narrowings - seen.get("narrowings", 0)
         seen.update(cycles=r.cycles, accepted=r.accepted, rejected=r.rejected, row_cycles=r.row_cycles,
-                    admitted=r.admitted, widenings=r.widenings, narrowings=r.narrowings)
+                    admitted=r.admitted, widenings=r.widenings, narrowings=r.narrowings,
+                    cycle_s=r.cycle_s, prefill_s=r.prefill_s)
 
     def _drain(self, lane: _KeyLane) -> None:
         """The key's lane has no rows left: drop it (its buffers go with it) and finalize."""
@@ -1108,6 +1111,8 @@ class MTPBatchGenerationService:
                 "lane_row_cycles": s["lane_row_cycles"],
                 "mean_lane_occupancy": round(s["lane_row_cycles"] / max(s["target_verify_cycles"], 1), 3),
                 "admissions": s["admissions"],
+                "cycle_seconds_total": round(s["cycle_s"], 6),
+                "prefill_seconds_total": round(s["prefill_s"], 6),
                 "lanes_started": s["lanes_started"],
                 "widenings": s["widenings"],
                 "narrowings": s["narrowings"],
