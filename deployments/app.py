@@ -29,9 +29,10 @@ class AppArgs(BaseModel):
 
     model_path: Optional[str] = Field(None, description="HF-layout model dir; None = the shipped model")
     served_model_name: Optional[str] = Field(None, description="Name in /v1/models; default: the dir name")
-    widths: List[int] = Field(default_factory=lambda: [3, 8], description="Cohort lane widths to install")
+    widths: List[int] = Field(default_factory=lambda: [3, 8, 16, 32],
+                              description="Lane widths to install; a key's running lane moves between them")
     numerics: Literal["throughput", "b1-exact"] = "throughput"
-    max_batch_size: int = Field(8, ge=1, le=8, description="@serve.batch max_batch_size (rows per window)")
+    max_batch_size: int = Field(8, ge=1, le=64, description="@serve.batch max_batch_size (rows per window)")
     batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=5.0, description="@serve.batch window")
     max_concurrent_batches: int = Field(
         64, ge=1, le=1024, description="@serve.batch windows in flight; each stays open until its "
@@ -62,8 +63,8 @@ class AppArgs(BaseModel):
     @field_validator("widths")
     @classmethod
     def _widths(cls, v):
-        if not v or any(w < 2 for w in v):
-            raise ValueError("widths must be a non-empty list of lane widths >= 2")
+        if not v or any(not 2 <= w <= 32 for w in v):
+            raise ValueError("widths must be a non-empty list of lane widths in [2, 32]")
         return sorted(set(v))
 
 

@@ -26,7 +26,7 @@ from .sampling import SamplerConfig, distribution, sample, verify_one_token
 
 DEPTH = 1
 VERIFY_T = 2
-MIN_WIDTH, MAX_WIDTH = 2, 16
+MIN_WIDTH, MAX_WIDTH = 2, 32
 NUMERICS_PROFILES = ("throughput", "b1-exact")
 
 

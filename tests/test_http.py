@@ -123,7 +123,9 @@ def test_ingress_path_never_imports_mlx():
 def test_app_args_are_validated():
     from deployments.app import AppArgs
 
-    assert AppArgs().widths == [3, 8]
+    assert AppArgs().widths == [3, 8, 16, 32]
+    with pytest.raises(Exception):
+        AppArgs(widths=[3, 64])
     with pytest.raises(Exception):
         AppArgs(max_batch_size=0)
     with pytest.raises(Exception):
@@ -143,7 +145,7 @@ def test_models_and_health(http):
     body = health.json()
     assert body["status"] == "ok" and body["ingress"]["mlx_imported"] is False
     (rep,) = body["replicas"].values()
-    assert rep["ok"] and rep["runtime"]["blas"] and rep["installed_widths"] == [3, 8]
+    assert rep["ok"] and rep["runtime"]["blas"] and rep["installed_widths"] == [3, 8, 16, 32]
 
 
 @RAY_MARK

@@ -61,7 +61,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 from ..sampling import SamplerConfig
 
 FORCE_WIDTH_ENV = "MTPLX_MTP_BATCH_FORCE_WIDTH"
-MAX_COHORT_ROWS = 8                    # MTPLX's seal cap (hard-coded there too)
+MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the default when no lane is installed
 DEFAULT_WIDTHS = (3, 8)
 DEFAULT_BATCH_WAIT_S = 0.02
 NUMERICS = ("throughput", "b1-exact")
@@ -442,7 +442,7 @@ class MTPBatchGenerationService:
 
     def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
-                 max_cohort_rows: int = MAX_COHORT_ROWS, start: bool = True, session_bank=None,
+                 max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
                  running_lane_cls=None, prefill_budget: Optional[int] = None):
         self.model = model
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
@@ -450,7 +450,7 @@ class MTPBatchGenerationService:
         self.session_bank = session_bank
         self.batch_wait_s = max(0.0, float(batch_wait_s))
         self._owner_finalize = owner_finalize
-        self._max_rows_cap = int(max_cohort_rows)
+        self._max_rows_cap = int(max_cohort_rows) if max_cohort_rows is not None else None
         self._running_lane_cls = running_lane_cls
         self.prefill_budget = prefill_budget
         raw = os.environ.get(FORCE_WIDTH_ENV, "").strip()
@@ -559,9 +559,11 @@ class MTPBatchGenerationService:
 
     @property
     def max_cohort_rows(self) -> int:
+        """Most rows of one key that decode together: the widest installed lane (capped by
+        ``max_cohort_rows`` when given)."""
         if self.numerics == "b1-exact" or not self._lanes:
-            return self._max_rows_cap
-        return min(self._max_rows_cap, max(self._lanes))
+            return self._max_rows_cap or MAX_COHORT_ROWS
+        return min(self._max_rows_cap or max(self._lanes), max(self._lanes))
 
     def _lane_for_real_width(self, real_width: int):
         """(fixed_width, lane): the forced width if it fits, else the narrowest lane that fits."""
