@@ -76,21 +76,48 @@ def token_counts(tokens: Iterable[int], vocab_size: int) -> np.ndarray:
     return np.bincount(np.asarray(list(tokens), dtype=np.int64), minlength=vocab_size)[:vocab_size]
 
 
-def _keep_mask_sorted(probs: np.ndarray, cfg: SamplerConfig) -> np.ndarray:
-    """Boolean keep-mask for top-p / min-p / top-k, with ties broken by token id."""
-    order = np.lexsort((np.arange(probs.size), -probs))  # by prob desc, then id asc
-    sorted_p = probs[order]
-    keep_sorted = np.ones(probs.size, dtype=bool)
-    if cfg.top_p < 1.0:
-        cum = np.cumsum(sorted_p)
-        cutoff = int(np.searchsorted(cum, cfg.top_p * cum[-1] * (1 - 1e-12))) + 1
-        keep_sorted[cutoff:] = False
-    if cfg.min_p > 0.0:
-        keep_sorted &= sorted_p >= cfg.min_p * sorted_p[0]
-    if cfg.top_k > 0:
-        keep_sorted[cfg.top_k:] = False
-    keep = np.empty(probs.size, dtype=bool)
-    keep[order] = keep_sorted
+CANDIDATES = 64     # top-p / min-p look at the most probable tokens first (see `_keep_mask`)
+
+
+def _ranked(probs: np.ndarray, m: int) -> np.ndarray:
+    """Ids of the m most probable tokens and every id tied with the m-th, by prob desc then id."""
+    n = probs.size
+    if m >= n:
+        idx = np.arange(n)
+    else:
+        kth = np.partition(probs, n - m)[n - m]
+        idx = np.flatnonzero(probs >= kth)
+    return idx[np.lexsort((idx, -probs[idx]))]
+
+
+def _keep_mask(probs: np.ndarray, cfg: SamplerConfig) -> np.ndarray:
+    """Boolean keep-mask for top-p / min-p / top-k, with ties broken by token id.
+
+    The rules run over the tokens ranked by probability. Ranking the whole vocabulary is a full
+    sort per row and per distribution (several per cycle); so they first run over the most probable
+    tokens only (top_k of them, or CANDIDATES), and that answer is final when top-k already bounds
+    the kept set or when it drops one of those candidates: every token outside them ranks lower and
+    is dropped too. Otherwise (the kept set may reach past them) the whole vocabulary is ranked."""
+    n = probs.size
+    m = cfg.top_k if 0 < cfg.top_k < n else min(CANDIDATES, n)
+    total = probs.sum()
+    while True:
+        order = _ranked(probs, m)
+        sorted_p = probs[order]
+        keep_sorted = np.ones(order.size, dtype=bool)
+        if cfg.top_p < 1.0:
+            cum = np.cumsum(sorted_p)
+            cutoff = int(np.searchsorted(cum, cfg.top_p * total * (1 - 1e-12))) + 1
+            keep_sorted[cutoff:] = False
+        if cfg.min_p > 0.0:
+            keep_sorted &= sorted_p >= cfg.min_p * sorted_p[0]
+        if cfg.top_k > 0:
+            keep_sorted[cfg.top_k:] = False
+        if order.size == n or not keep_sorted[-1] or 0 < cfg.top_k <= m:
+            break
+        m = n
+    keep = np.zeros(n, dtype=bool)
+    keep[order[keep_sorted]] = True
     return keep
 
 
@@ -107,7 +134,7 @@ def distribution(logits: np.ndarray, cfg: SamplerConfig, counts: Optional[np.nda
     z = np.exp(z - z.max())
     p = z / z.sum()
     if cfg.top_p < 1.0 or cfg.min_p > 0.0 or (0 < cfg.top_k < p.size):
-        p = np.where(_keep_mask_sorted(p, cfg), p, 0.0)
+        p = np.where(_keep_mask(p, cfg), p, 0.0)
         p /= p.sum()
     return p
 

@@ -110,3 +110,39 @@ def test_sampler_config_is_hashable_with_mtplx_defaults():
     assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.presence_penalty) == (0.6, 0.95, 20, 0.0)
     assert hash(cfg) == hash(SamplerConfig()) and cfg == SamplerConfig()
     assert SamplerConfig(temperature=0).is_greedy
+
+
+def _full_sort_keep(probs, cfg):
+    """The keep rule over the whole vocabulary ranked (prob desc, id asc): the reference."""
+    order = np.lexsort((np.arange(probs.size), -probs))
+    sorted_p = probs[order]
+    keep_sorted = np.ones(probs.size, dtype=bool)
+    if cfg.top_p < 1.0:
+        cum = np.cumsum(sorted_p)
+        keep_sorted[int(np.searchsorted(cum, cfg.top_p * probs.sum() * (1 - 1e-12))) + 1:] = False
+    if cfg.min_p > 0.0:
+        keep_sorted &= sorted_p >= cfg.min_p * sorted_p[0]
+    if cfg.top_k > 0:
+        keep_sorted[cfg.top_k:] = False
+    keep = np.zeros(probs.size, dtype=bool)
+    keep[order[keep_sorted]] = True
+    return keep
+
+
+@pytest.mark.parametrize("cfg", [
+    SamplerConfig(temperature=1.0, top_p=0.95, top_k=20), SamplerConfig(temperature=1.0, top_p=0.9, top_k=0),
+    SamplerConfig(temperature=1.0, top_p=1.0, top_k=0, min_p=0.05), SamplerConfig(temperature=1.0, top_p=0.99, top_k=0),
+    SamplerConfig(temperature=1.0, top_p=1.0, top_k=7), SamplerConfig(temperature=1.0, top_p=0.5, top_k=300, min_p=0.01)])
+def test_candidate_keep_mask_equals_the_full_sort(cfg):
+    """The keep mask ranks only the most probable tokens when that is enough: it must keep exactly
+    what ranking the whole vocabulary keeps, ties (broken by id) and flat distributions included."""
+    from mtplx.sampling import _keep_mask
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        logits = rng.normal(scale=[0.1, 1.0, 4.0][trial % 3], size=4096)
+        if trial % 4 == 0:
+            logits = np.round(logits, 1)            # many exact ties
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        assert np.array_equal(_keep_mask(p, cfg), _full_sort_keep(p, cfg)), trial
