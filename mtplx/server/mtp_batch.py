@@ -1,46 +1,47 @@
 """The cohort service of the ``mtp_batch`` lane: ``MTPBatchJob`` and ``MTPBatchGenerationService``.
 
-Three stages (see the user docs of this module):
+Three stages (as in MTPLX's lane, with cohorts that never seal):
 
 1. **Job creation.** One ``MTPBatchJob`` per request: prompt ids, budget, samplers, seed, stop ids,
    a ``token_callback`` that receives ``[token]`` per committed non-stop token, and the
-   ``compatibility_key`` that decides which jobs may share a cohort.
-2. **Cohort formation.** ``submit(job)`` queues the job for the one model-owner thread, which seals
-   cohorts FIFO: the head job's ``compatibility_key`` defines the cohort, up to 8 jobs with that key
-   are taken (waiting up to ``batch_wait_s`` for more), jobs with other keys stay queued.
-   ``submit_cohort(jobs)`` takes a cohort sealed upstream (the Ray ingress seals with
-   ``@serve.batch``) and only splits it by key. A cohort of one runs the solo MTP path; 2..8 jobs run
-   through ``generate_a3b_mtp_batch`` on the narrowest installed lane that fits
-   (``_lane_for_real_width``; ``MTPLX_MTP_BATCH_FORCE_WIDTH`` pins a width). Numerics profile
-   ``b1-exact`` runs every sealed job serially through the solo runner.
-3. **Decode window and statistics.** The driver calls ``job.mark_decode_started`` when decoding
-   begins (after every row's prefill) and stamps each row's ``terminal_perf_s``;
-   ``_complete_cohort_job`` turns those into ``decode_elapsed_s``, ``decode_tok_s`` and the rest of
-   the stats contract and merges the sealed-width truth into ``job.request_observability``.
+   ``compatibility_key`` that decides which jobs may decode together.
+2. **Admission into running lanes.** ``submit(job)`` queues the job for the one model-owner
+   thread, which keeps one ``RunningLane`` per compatibility key: the job joins its key's lane at
+   the next cycle boundary (a key with no lane first waits up to ``batch_wait_s`` for company).
+   ``submit_cohort(jobs)`` takes jobs gathered upstream (the Ray ingress's ``@serve.batch``
+   window) with no wait. A lane runs at the narrowest installed width that holds its rows (the
+   one-row solo lane for a lone row; ``MTPLX_MTP_BATCH_FORCE_WIDTH`` pins the narrowest), widens
+   when more rows want in and narrows when few remain; lanes of different keys take turns cycle
+   by cycle. Numerics profile ``b1-exact`` runs every job serially through the solo runner, and a
+   lone job with its own ``solo_runner`` runs through it.
+3. **Decode window and statistics.** The lane calls ``job.mark_decode_started`` when the row takes
+   its slot (after its own prefill) and stamps its ``terminal_perf_s``; ``_complete_lane_job``
+   turns those into ``decode_elapsed_s``, ``decode_tok_s`` and the rest of the stats contract and
+   merges the lane's truth (widest width, peak and mean occupancy, route) into
+   ``job.request_observability``.
 
 All MLX work (lane installation, prefill, decode) runs on the service's single model-owner thread:
 MLX state is thread-affine. ``submit`` and ``cancel`` are safe from any thread; token callbacks and
 result publication run on the owner thread, so a consumer on another thread must hand tokens over
 itself (``AsyncTokenStream`` does that for an asyncio loop, e.g. in the Ray replica).
 
-Deliberate difference from MTPLX: a cohort row's future resolves **at that row's own terminal**
-(the driver's ``on_result``), not after the whole cohort has drained and been finalized. MTPLX
-publishes successful rows only after the longest row ends, so a 3-token answer waits for a
-500-token neighbour; here it does not. The owner finalize still runs once per cohort after the
-driver returns, and its failure still poisons the service (the queue fails, later submits fail),
-but it can no longer take back results that were already published. Cancelled and errored rows
-fail at once in both designs. Publishing needs the row's final stream (draft counts, cached
-tokens), which the driver hands to ``on_result(stream)`` right after ``on_terminal(reason, cycles)``;
-with a driver that does not, rows are published when the driver returns.
+Deliberate differences from MTPLX: cohorts are not sealed (a row joins a running lane whenever a
+slot is free, instead of waiting for the whole running cohort to drain), and a row's future
+resolves **at that row's own terminal**, not after its cohort has drained, so a 3-token answer
+never waits for a 500-token neighbour. The owner finalize runs each time a key's lane drains, and
+its failure still poisons the service (the queue fails, later submits fail), but it cannot take
+back results that were already published. Cancelled and errored rows fail at once.
 
 Other choices worth knowing:
 
 * ``completion_tokens = len(job.tokens)`` and ``result["tokens"]`` include a terminal stop token,
   as in MTPLX; ``result["_mtp_batch_stop_token_ids"]`` lets the caller strip it before detokenizing.
 * A request that can never run (empty prompt, token id out of range, prompt + max_tokens over the
-  context window) fails alone at ``submit`` instead of failing the cohort it would have joined.
+  context window) fails alone at ``submit`` instead of failing the lane it would have joined.
 * ``job.cancel()`` fails the job's future at once wherever it is; a queued job never reaches MLX,
-  an admitted row drops out of its cohort at the driver's next cycle while its peers continue.
+  an admitted row leaves its lane at the next cycle boundary (its slot takes the next waiting
+  row) while its neighbours continue.
+* An error inside a lane's step fails that lane's rows only; other keys' lanes keep running.
 """
 
 from __future__ import annotations
