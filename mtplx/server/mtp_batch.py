@@ -404,7 +404,7 @@ def _shutdown_live_services() -> None:
 
 
 class _KeyLane:
-    """One compatibility key's running lane in the service, and the jobs that joined it."""
+    """One compatibility key's running lane in the service, and its unfinished jobs."""
 
     __slots__ = ("key", "running", "jobs", "seen")
 
@@ -436,7 +436,7 @@ class MTPBatchGenerationService:
     ``numerics="b1-exact"``. A key's running lane runs at the narrowest installed width that holds
     its rows (width 1, the solo lane, for a lone row, unless a width is forced), widening when more
     rows want in and narrowing when few remain. ``owner_finalize(jobs) -> receipt``: runs on the
-    owner thread each time a key's lane drains; raising, or a receipt with ``cleared: False``,
+    owner thread each time a key's lane drains (with the jobs still in it); raising, or a receipt with ``cleared: False``,
     poisons the service. ``running_lane_cls``: the running lane class (tests pass a subclass to
     force a fault). Use ``for_model`` to build one with its own lanes.
     """
@@ -839,6 +839,8 @@ class MTPBatchGenerationService:
             self._drain(lane)
             return
         self._account(lane)
+        if any(job.future.done() for job in lane.jobs):   # a lane under steady load never drains
+            lane.jobs = [job for job in lane.jobs if not job.future.done()]
         if not running.has_work:
             self._drain(lane)
 
