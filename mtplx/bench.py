@@ -134,15 +134,19 @@ def _child_bench(args, env_extra) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _cohort_caches(model, B: int, ctx: int, headroom: int = 0) -> list:
-    """Target caches of a B-row cohort, each row prefilled alone with `ctx` tokens, then merged
-    (any layer type)."""
-    from .models.cache import merge_layer
+def _cohort_caches(model, B: int, ctx: int) -> list:
+    """Target caches of a B-row lane, each row prefilled alone with `ctx` tokens, then put into
+    its row as a running lane does (any layer type)."""
+    from .models.cache import empty_batch_layer
 
     per = [model.make_cache() for _ in range(B)]
     for pc in per:
         model.hidden(mx.array([[1] * ctx]), pc)
-    return [merge_layer([p[layer] for p in per], headroom) for layer in range(len(per[0]))]
+    lanes = [empty_batch_layer(c, B) for c in per[0]]
+    for b, pc in enumerate(per):
+        for layer, c in zip(lanes, pc):
+            layer.put_row(b, c)
+    return lanes
 
 
 def forward_costs(model, shapes, ctx=64, n=20) -> dict:
@@ -175,7 +179,7 @@ def capture_commit_costs(model, B, ctx=64, n=20):
 
     if not any(isinstance(c, RecurrentCache) for c in model.make_cache()):
         return None
-    caches = _cohort_caches(model, B, ctx, headroom=2)
+    caches = _cohort_caches(model, B, ctx)
     kv = [c for c in caches if isinstance(c, RaggedKVCache)]
     gdn = [c for c in caches if isinstance(c, RecurrentCache)]
     saved = [c.graph_inputs() for c in caches], [(c.lengths, c.offset) for c in kv]

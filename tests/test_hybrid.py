@@ -302,8 +302,10 @@ def test_rollback_without_capture_is_an_error(models):
     with pytest.raises(RuntimeError, match="cannot be rolled back"):
         c.trim(1)
     c.trim(0)                                          # keeping everything needs no capture
-    merged = RecurrentCache.merge_rows([c, c])
-    assert merged[1].shape[0] == 2 and merged.make_mask(2) is None
+    lane = RecurrentCache.empty_rows(2)
+    for b in range(2):
+        lane.put_row(b, c)
+    assert lane[1].shape[0] == 2 and lane.make_mask(2) is None
 
 
 # ------------------------------------------------------------------ solo

@@ -12,10 +12,9 @@ position), `update_and_fetch(keys, values)`, `make_mask(N, ...)`.
 Cache protocol the decode paths rely on, for any layer type (attention here; recurrent caches
 implement the same four in their own module):
   solo:    `trim(n)` drops the last n positions written by the latest forward;
-  cohort:  `merge_rows(per_row_caches)` builds the batched cache, `advance(delta)` moves each row
-           by `keep - written` after a verify (`commit_rows`);
-  lane:    `empty_rows(width)`, `put_row(b, per_row)` (a newly prefilled row joins a running lane)
-           and `take_rows(index)` (the lane widens or narrows, rows keep their state);
+  lane:    `empty_rows(width)`, `put_row(b, per_row)` (a newly prefilled row joins a running lane),
+           `take_rows(index)` (the lane widens or narrows, rows keep their state), and
+           `advance(delta)`: each row moves by `keep - written` after a verify (`commit_rows`);
   prefix:  `snapshot_layer` / `restore_layer` below.
 """
 
@@ -47,18 +46,6 @@ class RaggedKVCache:
 
     def _span(self, T: int) -> int:
         return self.keys.shape[2] if self.full_span else int(self.lengths.max()) + T
-
-    @classmethod
-    def merge(cls, caches: Sequence, headroom: int = 0) -> "RaggedKVCache":
-        """Merge per-row mlx-lm KVCaches (each [1, H, L_i, D]) into one ragged batch."""
-        lengths = [c.offset for c in caches]
-        cap = -(-(max(lengths) + headroom + 1) // STEP) * STEP
-        rows_k, rows_v = [], []
-        for c, n in zip(caches, lengths):
-            pad = [(0, 0), (0, 0), (0, cap - n), (0, 0)]
-            rows_k.append(mx.pad(c.keys[..., :n, :], pad))
-            rows_v.append(mx.pad(c.values[..., :n, :], pad))
-        return cls(mx.concatenate(rows_k), mx.concatenate(rows_v), lengths)
 
     @property
     def batch_size(self) -> int:
@@ -184,25 +171,6 @@ def empty_batch_layer(per_row, width: int):
     if hasattr(type(per_row), "empty_rows"):
         return type(per_row).empty_rows(width)
     return RaggedKVCache.empty_rows(width)
-
-
-def merge_layer(per_row: Sequence, headroom: int = 2):
-    """Batch one layer's per-row caches: mlx-lm KVCaches become a RaggedKVCache (an empty one,
-    e.g. the MTP history of a 1-token prompt, joins as a zero-length row); other cache types
-    provide `merge_rows`."""
-    first = per_row[0]
-    if hasattr(first, "merge_rows"):
-        return type(first).merge_rows(per_row)
-    ref = next((c for c in per_row if c.keys is not None), None)
-    if ref is None:  # e.g. the MTP history of 1-token prompts: buffers come with the first write
-        return RaggedKVCache(None, None, [0] * len(per_row))
-    for c in per_row:
-        if c.keys is None:
-            shape_k, shape_v = list(ref.keys.shape), list(ref.values.shape)
-            shape_k[0] = shape_v[0] = 1
-            shape_k[2] = shape_v[2] = 0
-            c.keys, c.values, c.offset = mx.zeros(shape_k, ref.keys.dtype), mx.zeros(shape_v, ref.values.dtype), 0
-    return RaggedKVCache.merge(per_row, headroom=headroom)
 
 
 def snapshot_layer(cache, m: int):

@@ -17,8 +17,8 @@ forwards of at most `CAPTURE_MAX_T` positions on a `RecurrentCache`; longer forw
 chunks) keep mlx-lm's fast path and leave nothing to roll back. `install_capture(layers)` swaps the
 GDN modules' class for a capturing subclass at load time; the weights are untouched.
 
-Batching needs no mask: cohort rows are prefilled alone (never padded), then `merge_rows`
-concatenates their states along the batch axis.
+Batching needs no mask: lane rows are prefilled alone (never padded), then `put_row` places each
+row's state in its row of the batched state.
 """
 
 from __future__ import annotations
@@ -122,18 +122,6 @@ class RecurrentCache(ArraysCache):
 
     def make_mask(self, N: int, **_kwargs):
         return None          # rows are never padded, and `lengths`/`left_padding` stay None
-
-    @classmethod
-    def merge_rows(cls, per_row: Sequence["RecurrentCache"]) -> "RecurrentCache":
-        """One batched cache from per-row caches (each batch 1), concatenated along the batch."""
-        out = cls()
-        for e in range(2):
-            ref = next((c[e] for c in per_row if c[e] is not None), None)
-            if ref is None:
-                continue
-            out[e] = mx.concatenate(
-                [c[e] if c[e] is not None else mx.zeros((1,) + ref.shape[1:], ref.dtype) for c in per_row])
-        return out
 
     # ---- the running lane's row protocol (see `RaggedKVCache.put_row`)
     @classmethod
