@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from .generation import PREFILL_CHUNK, CapacityError, start_prefill
-from .models.cache import RaggedKVCache, _with_row, commit_rows, empty_batch_layer
+from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from .sampling import SamplerConfig, distribution, sample, verify_one_token
 
 DEPTH = 1
@@ -486,6 +486,7 @@ class RunningLane:
         self.admitting: deque = deque()                # _Admission, FIFO
         self.caches = self.mtp_caches = None
         self.logits_last = self.h_last = self.hist_h = None
+        self.logits_host: Optional[np.ndarray] = None   # logits_last on the host, kept by sampled cycles
         self.hist_tok: Optional[np.ndarray] = None
         self.forwards: Optional[_CycleForwards] = None
         self.cycles = self.accepted = self.rejected = 0
@@ -605,7 +606,7 @@ class RunningLane:
         else:            # nothing live to carry: start from empty layers at the new width
             self.caches = self.mtp_caches = None
         self.lane, self.rows = lane, rows
-        self.forwards = None
+        self.forwards = self.logits_host = None
 
     def _ensure_state(self, adm: _Admission) -> None:
         """Empty lane state at the current width, shaped like this first row's."""
@@ -617,7 +618,7 @@ class RunningLane:
         logits, hidden = adm.out
         self.logits_last = mx.zeros((W,) + logits.shape, logits.dtype)
         self.h_last = mx.zeros((W,) + hidden.shape[1:], hidden.dtype)
-        self.hist_h = self.h_last
+        self.hist_h = mx.zeros_like(self.h_last)       # its own array: rows are written in place
         self.hist_tok = np.zeros(W, dtype=np.int64)
 
     def _admit(self) -> None:
@@ -643,8 +644,9 @@ class RunningLane:
         for layer, per_row in zip(self.mtp_caches, adm.mtp_cache):
             layer.put_row(b, per_row)
         logits, hidden = adm.out
-        self.logits_last = _with_row(self.logits_last, b, logits[None])
-        self.h_last = _with_row(self.h_last, b, hidden)
+        self.logits_last[b] = logits
+        self.h_last[b] = hidden[0]
+        self.logits_host = None
         self.hist_tok[b] = 0
         row = adm.row
         row.result.admitted_at_cycle = self.cycles
@@ -679,7 +681,8 @@ class RunningLane:
                            dtype=np.int64)
         owes = np.array([r is not None and r.owes_history for r in rows])
         greedy = all(r.greedy for r in rows if r is not None)
-        logits_host = None if greedy else _host(self.logits_last)
+        logits_host = None if greedy else (self.logits_host if self.logits_host is not None
+                                           else _host(self.logits_last))
         h_last, hist_h, logits_last = self.h_last, self.hist_h, self.logits_last
 
         # 1. primary token per row
@@ -770,6 +773,7 @@ class RunningLane:
         self.hist_h = H[:, 0:1]
         self.h_last = mx.take_along_axis(H, sel, axis=1)
         self.logits_last = mx.take_along_axis(L, sel, axis=1)[:, 0]
+        self.logits_host = None if greedy else L_host[np.arange(W), np.maximum(keep - 1, 0)]
 
 
 def _host(x: mx.array) -> np.ndarray:

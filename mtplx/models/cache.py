@@ -157,15 +157,6 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def _with_row(buf: mx.array, b: int, row: mx.array) -> mx.array:
-    """`buf` with batch row b replaced by `row` ([1, ...]; shorter axes, e.g. a KV row's positions,
-    are zero-padded). A new array: buffers are never written in place (snapshots may hold
-    references)."""
-    if row.shape[1:] != buf.shape[1:]:
-        row = mx.pad(row, [(0, 0)] + [(0, n - m) for m, n in zip(row.shape[1:], buf.shape[1:])])
-    return mx.concatenate([buf[:b], row.astype(buf.dtype), buf[b + 1:]], axis=0)
-
-
 def empty_batch_layer(per_row, width: int):
     """A lane layer of `width` empty rows, of the batched type that matches this per-row cache."""
     if hasattr(type(per_row), "empty_rows"):

@@ -136,7 +136,7 @@ class RecurrentCache(ArraysCache):
                 continue
             if self[e] is None:
                 self[e] = mx.zeros((self._width,) + row[e].shape[1:], row[e].dtype)
-            self[e] = mx.concatenate([self[e][:b], row[e].astype(self[e].dtype), self[e][b + 1:]], axis=0)
+            self[e][b:b + 1] = row[e]      # a slice update, as `RaggedKVCache.put_row`
 
     def take_rows(self, index: Sequence[Optional[int]]) -> "RecurrentCache":
         out = type(self).empty_rows(len(index))
