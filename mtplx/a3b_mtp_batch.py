@@ -490,7 +490,7 @@ class RunningLane:
         self.hist_tok: Optional[np.ndarray] = None
         self.forwards: Optional[_CycleForwards] = None
         self.cycles = self.accepted = self.rejected = 0
-        self.row_cycles = 0                             # sum over cycles of live rows
+        self.row_cycles = self.peak_rows = 0            # live rows: summed over cycles, most in one
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
@@ -666,6 +666,7 @@ class RunningLane:
         self.cycles += 1
         n_live = self.live_rows
         self.row_cycles += n_live
+        self.peak_rows = max(self.peak_rows, n_live)
         self.width_cycles[W] = self.width_cycles.get(W, 0) + 1
         active = np.array([r is not None for r in rows])
         for row in rows:

@@ -406,11 +406,26 @@ def _shutdown_live_services() -> None:
 class _KeyLane:
     """One compatibility key's running lane in the service, and its unfinished jobs."""
 
-    __slots__ = ("key", "running", "jobs", "seen")
+    __slots__ = ("key", "running", "jobs")
 
     def __init__(self, key, running):
         self.key, self.running, self.jobs = key, running, []
-        self.seen = {"cycles": 0, "accepted": 0, "rejected": 0}   # counters already in the stats
+
+
+# A running lane's counters, by the service stat they add up to (drained lanes are folded into the
+# stats once; a snapshot adds the live lanes' current values).
+_LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
+                  "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
+                  "admitted": "admissions", "widenings": "widenings", "narrowings": "narrowings",
+                  "cycle_s": "cycle_s", "prefill_s": "prefill_s"}
+
+
+def _add_lane_counters(stats: dict, running) -> None:
+    for attr, key in _LANE_COUNTERS.items():
+        stats[key] += getattr(running, attr)
+    hist = stats["fixed_width_histogram"]
+    for w, c in dict(running.width_cycles).items():
+        hist[str(w)] = hist.get(str(w), 0) + c
 
 
 def lane_label(key) -> str:
@@ -444,7 +459,7 @@ class MTPBatchGenerationService:
     def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
-                 running_lane_cls=None, prefill_budget: Optional[int] = None):
+                 running_lane_cls=None):
         self.model = model
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
         # is unchanged by reuse; see mtplx.prefix_cache).
@@ -453,7 +468,6 @@ class MTPBatchGenerationService:
         self._owner_finalize = owner_finalize
         self._max_rows_cap = int(max_cohort_rows) if max_cohort_rows is not None else None
         self._running_lane_cls = running_lane_cls
-        self.prefill_budget = prefill_budget
         raw = os.environ.get(FORCE_WIDTH_ENV, "").strip()
         try:
             self.forced_width: Optional[int] = int(raw) if raw else None
@@ -802,9 +816,7 @@ class MTPBatchGenerationService:
             if lane is None:
                 from ..a3b_mtp_batch import RunningLane
 
-                cls = self._running_lane_cls or RunningLane
-                kwargs = {} if self.prefill_budget is None else {"prefill_budget": self.prefill_budget}
-                lane = _KeyLane(key, cls(self._ladder(), **kwargs))
+                lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(self._ladder()))
                 with self._cond:
                     self._running[key] = lane
                     self._stats["lanes_started"] += 1
@@ -838,40 +850,21 @@ class MTPBatchGenerationService:
             running.cancel_all()
             self._drain(lane)
             return
-        self._account(lane)
         if any(job.future.done() for job in lane.jobs):   # a lane under steady load never drains
             lane.jobs = [job for job in lane.jobs if not job.future.done()]
         if not running.has_work:
             self._drain(lane)
 
-    def _account(self, lane: _KeyLane) -> None:
-        """Fold the lane's counters since the last step into the service's stats."""
-        r, seen = lane.running, lane.seen
-        cycles = r.cycles - seen["cycles"]
-        with self._cond:
-            s = self._stats
-            s["target_verify_cycles"] += cycles
-            s["accepted_draft_tokens"] += r.accepted - seen["accepted"]
-            s["rejected_draft_tokens"] += r.rejected - seen["rejected"]
-            if cycles:
-                hist = s["fixed_width_histogram"]
-                hist[str(r.width)] = hist.get(str(r.width), 0) + cycles
-                s["lane_row_cycles"] += r.row_cycles - seen.get("row_cycles", 0)
-                s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = r.width, r.route_id, r.live_rows
-            s["admissions"] += r.admitted - seen.get("admitted", 0)
-            s["cycle_s"] += r.cycle_s - seen.get("cycle_s", 0.0)
-            s["prefill_s"] += r.prefill_s - seen.get("prefill_s", 0.0)
-            s["widenings"] += r.widenings - seen.get("widenings", 0)
-            s["narrowings"] += r.narrowings - seen.get("narrowings", 0)
-        seen.update(cycles=r.cycles, accepted=r.accepted, rejected=r.rejected, row_cycles=r.row_cycles,
-                    admitted=r.admitted, widenings=r.widenings, narrowings=r.narrowings,
-                    cycle_s=r.cycle_s, prefill_s=r.prefill_s)
-
     def _drain(self, lane: _KeyLane) -> None:
         """The key's lane has no rows left: drop it (its buffers go with it) and finalize."""
+        r = lane.running
         with self._cond:
             if self._running.get(lane.key) is lane:
                 del self._running[lane.key]
+            _add_lane_counters(self._stats, r)
+            if r.cycles:    # the last lane (or solo run) that ended
+                s = self._stats
+                s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = r.width, r.route_id, r.peak_rows
         for job in lane.jobs:   # nothing admitted may hang, whatever happened
             if not job.future.done():
                 job._fail(job._cancel_exception() if job.cancel_requested() else
@@ -1086,7 +1079,9 @@ class MTPBatchGenerationService:
 
     def snapshot(self) -> dict:
         with self._cond:
-            s = self._stats
+            s = dict(self._stats, fixed_width_histogram=dict(self._stats["fixed_width_histogram"]))
+            for lane in self._running.values():
+                _add_lane_counters(s, lane.running)
             lanes = [{"key": lane_label(k), "width": ln.running.width, "route_id": ln.running.route_id,
                       "live_rows": ln.running.live_rows, "prefilling_rows": len(ln.running.admitting),
                       "waiting_rows": len(ln.running.waiting), "cycles": ln.running.cycles,
@@ -1111,7 +1106,7 @@ class MTPBatchGenerationService:
                 "last_fixed_width": s["last_fixed_width"],
                 "last_route_id": s["last_route_id"],
                 "last_error": s["last_error"],
-                "fixed_width_histogram": dict(s["fixed_width_histogram"]),
+                "fixed_width_histogram": s["fixed_width_histogram"],
                 "lane_cycles": s["target_verify_cycles"],
                 "lane_row_cycles": s["lane_row_cycles"],
                 "mean_lane_occupancy": round(s["lane_row_cycles"] / max(s["target_verify_cycles"], 1), 3),
