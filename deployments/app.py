@@ -41,6 +41,28 @@ class AppArgs(BaseModel):
     stream_interval_ms: float = Field(0.0, ge=0.0, le=1000.0,
                                       description="Replica: extra wait to group token updates per message")
     default_max_tokens: int = Field(512, ge=1)
+    max_tokens_limit: Optional[int] = Field(
+        None, ge=1, description="Most completion tokens one request may ask for (400 above it); "
+                                "None: only the context window limits it")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Request bodies above this get 413")
+    # Access
+    api_keys_env: Optional[str] = Field(
+        "MTPLX_API_KEYS", description="Environment variable (of the ingress process) holding API keys, "
+                                      "comma separated; unset or empty: no key from it")
+    api_keys_file: Optional[str] = Field(None, description="File with one API key per line")
+    # Backpressure
+    max_waiting_rows: int = Field(
+        256, ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
+    max_waiting_rows_per_key: int = Field(
+        64, ge=0, description="Replica: rows of one sampling route waiting beyond its widest lane; beyond: 429/503")
+    max_queued_requests: int = Field(
+        1024, ge=1, description="Serve's max_queued_requests of the ingress (requests the HTTP proxy holds "
+                                "when every ingress replica is at max_ongoing_requests): Serve answers "
+                                "503 beyond it")
+    retry_after_s: float = Field(1.0, gt=0.0, description="Retry-After of 429/503 overload answers")
+    overload_status: Literal[429, 503] = Field(429, description="Status of an overload answer")
+    watchdog_s: float = Field(120.0, gt=0.0, description="Replica check_health fails (and Serve replaces the "
+                                                         "replica) when one model step runs longer")
     default_generation_mode: Literal["mtp", "ar"] = "mtp"
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0.0)
@@ -68,6 +90,12 @@ class AppArgs(BaseModel):
         return sorted(set(v))
 
 
+def ingress_max_ongoing(a: AppArgs) -> int:
+    """The least max_ongoing_requests an ingress replica needs: its open batches' rows, its waiting
+    rows, and room to refuse the excess itself."""
+    return a.max_batch_size * a.max_concurrent_batches + a.max_waiting_rows + 64
+
+
 def build_app(args: Optional[Dict[str, Any]] = None):
     """The application builder named by `import_path: deployments:build_app`."""
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
@@ -87,22 +115,31 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     )(MTPReplica).bind(
         model_path=a.model_path, widths=tuple(a.widths), batch_wait_s=a.service_batch_wait_s,
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
-        warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness)
-    # Batches must be able to fill: a replica of the ingress holds every row of its open batches.
-    ingress_ongoing = a.ingress_max_ongoing_requests or max(256, a.max_batch_size * a.max_concurrent_batches)
+        warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness,
+        max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
+        watchdog_s=a.watchdog_s)
+    # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
+    # the rows waiting for a window, and requests it is answering 429 (so that overload gets our
+    # OpenAI-shaped 429 rather than the proxy's plain 503 queue).
+    ingress_ongoing = a.ingress_max_ongoing_requests or ingress_max_ongoing(a)
     ingress_cfg = {
         "model_path": a.model_path, "served_model_name": a.served_model_name,
         "max_batch_size": a.max_batch_size, "batch_wait_timeout_s": a.batch_wait_timeout_s,
         "max_concurrent_batches": a.max_concurrent_batches, "default_max_tokens": a.default_max_tokens,
         "default_generation_mode": a.default_generation_mode, "tokenizer_source": a.tokenizer_source, "niceness": a.niceness,
+        "max_tokens_limit": a.max_tokens_limit, "max_body_bytes": a.max_body_bytes,
+        "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file,
+        "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
+        "overload_status": a.overload_status,
     }
     ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=a.ingress_num_replicas,
         max_ongoing_requests=ingress_ongoing,
+        max_queued_requests=a.max_queued_requests,
         ray_actor_options={"num_cpus": a.ingress_num_cpus, "num_gpus": 0},
     )(OpenAIIngress).bind(replica, ingress_cfg)
     return ingress
 
 
-__all__ = ["AppArgs", "build_app", "INGRESS_NAME", "REPLICA_NAME"]
+__all__ = ["AppArgs", "build_app", "ingress_max_ongoing", "INGRESS_NAME", "REPLICA_NAME"]

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hmac
 import json
+import os
 import logging
 import re
 import secrets
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -37,6 +40,10 @@ log = logging.getLogger("ray.serve")
 
 SHIPPED_MODEL_DIR = Path(__file__).resolve().parents[1] / "mtplx" / "assets" / "mtplx-tiny-py"
 _CANCEL_ROUTE = re.compile(r"^/v1/mtplx/cancel/(?P<rid>[^/]+)$")
+CLIENT_REQUEST_ID_HEADER = "x-mtplx-request-id"          # a client's own id: metadata, echoed back
+CLIENT_REQUEST_ID_ECHO = "x-mtplx-client-request-id"
+_CLIENT_ID_OK = re.compile(r"^[\x21-\x7e]{1,128}$")     # printable ASCII, no spaces
+OPEN_PATHS = ("/health",)                                # the only routes an API key does not guard
 TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
@@ -65,6 +72,29 @@ def load_model_metadata(model_dir: Path) -> dict:
             defaults["temperature"] = 0.0
     return {"max_context": int(max_context), "vocab_size": int(vocab) if vocab else None,
             "sampler_defaults": defaults}
+
+
+def load_api_keys(env_var: Optional[str], key_file: Optional[str]) -> List[bytes]:
+    """API keys from an environment variable (comma or whitespace separated) and/or a file (one
+    key per line, # comments). No keys: no authentication (the loopback bind is the guard)."""
+    raw: List[str] = []
+    if env_var and os.environ.get(env_var):
+        raw += re.split(r"[,\s]+", os.environ[env_var])
+    if key_file:
+        path = Path(key_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"api_keys_file {str(path)!r} does not exist; create it (one key per line) "
+                                    f"or remove api_keys_file from the config")
+        raw += [line.split("#", 1)[0] for line in path.read_text().splitlines()]
+    return [k.strip().encode() for k in raw if k.strip()]
+
+
+def key_matches(presented: bytes, keys: List[bytes]) -> bool:
+    """Constant-time comparison against every key (no early exit that would time which matched)."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(presented, key)
+    return found
 
 
 def load_tokenizer(model_dir: Path):
@@ -115,6 +145,14 @@ class OpenAIIngress:
         self.default_mode = cfg.get("default_generation_mode", "mtp")
         self.stop_wait_s = float(cfg.get("stop_wait_s", 2.0))
         self.max_body_bytes = int(cfg.get("max_body_bytes", 8 * 1024 * 1024))
+        self.max_tokens_limit = cfg.get("max_tokens_limit")
+        self._api_keys = load_api_keys(cfg.get("api_keys_env", "MTPLX_API_KEYS"), cfg.get("api_keys_file"))
+        # Backpressure: rows admitted here but not yet sent to a replica are bounded; beyond that
+        # a request is answered at once (429 or 503, Retry-After), never queued without bound.
+        self.max_waiting_rows = int(cfg.get("max_waiting_rows", 256))
+        self.retry_after_s = float(cfg.get("retry_after_s", 1.0))
+        self.overload_status = int(cfg.get("overload_status", 429))
+        self._waiting_rows = 0
         self.created = oa.now()
         self.max_batch_size = int(cfg.get("max_batch_size", 8))
         self.batch_wait_timeout_s = float(cfg.get("batch_wait_timeout_s", 0.02))
@@ -122,12 +160,12 @@ class OpenAIIngress:
         self._rows = serve.batch(max_batch_size=self.max_batch_size,
                                  batch_wait_timeout_s=self.batch_wait_timeout_s,
                                  max_concurrent_batches=self.max_concurrent_batches)(self._cohort_batch)
-        # row request id -> replica id running its cohort; rows cancelled before that is known
+        # row request id -> replica id running its cohort (only while the cohort call runs)
         self._row_replica: Dict[str, str] = {}
-        self._pending_cancel: set = set()
         self._bg: set = set()
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
-                       "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0}
+                       "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0, "rejected_overload": 0,
+                       "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0}
         self._init_metrics()
 
     def _load_model_files(self, model_dir: Path) -> None:
@@ -144,9 +182,10 @@ class OpenAIIngress:
 
             try:
                 files = await _call(self._replica.model_files, timeout_s=120)
-            except Exception as exc:
-                raise oa.unavailable(f"the tokenizer is not on this node and no model replica answered: "
-                                     f"{type(exc).__name__}: {exc}") from None
+            except Exception:
+                log.exception("mtplx ingress: fetching the tokenizer from a replica failed")
+                raise oa.unavailable("no model replica is ready yet; retry shortly",
+                                     retry_after_s=self.retry_after_s) from None
             local = Path(tempfile.mkdtemp(prefix="mtplx-tokenizer-"))
             for name, data in files.items():
                 (local / Path(name).name).write_bytes(data)
@@ -185,15 +224,27 @@ class OpenAIIngress:
             path = path[len(root):]
         path = path.rstrip("/") or "/"
         route = path
+        # The server names every request; a client's own id is only metadata, echoed back.
+        rid = oa.new_id({"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}.get(path, "req"))
+        headers = {"x-mtplx-request-id": rid}
+        client_id = request.headers.get(CLIENT_REQUEST_ID_HEADER)
         try:
+            if client_id is not None:
+                if not _CLIENT_ID_OK.match(client_id):
+                    client_id = None
+                    raise oa.invalid_request(f"The {CLIENT_REQUEST_ID_HEADER} header must be 1-128 printable "
+                                             f"ASCII characters without spaces", param=CLIENT_REQUEST_ID_HEADER)
+                headers[CLIENT_REQUEST_ID_ECHO] = client_id
+            if path not in OPEN_PATHS:
+                self._authorize(request)
             if path.startswith("/v1/") and self.tokenizer is None:
                 await self._ensure_model()
             if path == "/v1/chat/completions":
                 self._require(method, "POST", path)
-                resp = await self._chat(request)
+                resp = await self._chat(request, rid, client_id)
             elif path == "/v1/completions":
                 self._require(method, "POST", path)
-                resp = await self._completions(request)
+                resp = await self._completions(request, rid, client_id)
             elif path == "/v1/models":
                 self._require(method, "GET", path)
                 resp = JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"]))
@@ -218,14 +269,32 @@ class OpenAIIngress:
                 route = "other"
                 raise oa.route_not_found(method, path)
         except oa.OpenAIError as exc:
-            resp = JSONResponse(exc.body(), status_code=exc.status)
-        except Exception as exc:  # a bug of ours: answer 500 in OpenAI's shape, keep serving
-            log.exception("mtplx ingress: unhandled error on %s %s", method, path)
+            resp = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            if exc.status == 401:
+                self._stats["rejected_unauthorized"] += 1
+            elif exc.status in (429, 503) and exc.code == "server_overloaded":
+                self._stats["rejected_overload"] += 1
+        except Exception:  # a bug of ours: 500 in OpenAI's shape, details only in the log; keep serving
+            log.exception("mtplx ingress: unhandled error on %s %s (request id %s)", method, path, rid)
             self._stats["errors"] += 1
-            err = oa.internal_error(f"internal error: {type(exc).__name__}: {exc}")
+            err = oa.internal_error(rid)
             resp = JSONResponse(err.body(), status_code=err.status)
+        for name, value in headers.items():
+            resp.headers.setdefault(name, value)
         self._metric("requests", 1, {"route": route, "status": str(resp.status_code)})
         return resp
+
+    def _authorize(self, request: Request) -> None:
+        if not self._api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if not auth:
+            raise oa.unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise oa.unauthorized("The Authorization header must be 'Bearer <key>'.")
+        if not key_matches(token.strip().encode(), self._api_keys):
+            raise oa.unauthorized("Incorrect API key provided.")
 
     @staticmethod
     def _require(method: str, expected: str, path: str) -> None:
@@ -234,15 +303,22 @@ class OpenAIIngress:
                                  code="method_not_allowed")
 
     async def _body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes the limit: a declared Content-Length
+        before reading, a chunked (or lying) body while it is read."""
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
-            raise oa.OpenAIError(f"Request body of {length} bytes exceeds the {self.max_body_bytes}-byte limit",
-                                 status=413, code="request_too_large")
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise oa.OpenAIError(f"Request body exceeds the {self.max_body_bytes}-byte limit", status=413,
-                                 code="request_too_large")
-        return body
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> oa.OpenAIError:
+        return oa.OpenAIError(f"The request body exceeds the {self.max_body_bytes}-byte limit; send a smaller "
+                              f"prompt", status=413, code="request_too_large")
 
     def _check_model(self, model: Optional[str]) -> None:
         if model and model not in self.model_aliases:
@@ -251,16 +327,24 @@ class OpenAIIngress:
     # ------------------------------------------------------------------------------------------
     # Generation endpoints
 
-    async def _chat(self, request: Request) -> Response:
+    def _check_overload(self) -> None:
+        """Refuse at once while the rows waiting here for a replica fill their bound."""
+        if self._waiting_rows >= self.max_waiting_rows:
+            raise oa.overloaded(f"The server is overloaded ({self._waiting_rows} requests waiting); retry after "
+                                f"{self.retry_after_s:g} s", self.retry_after_s, status=self.overload_status)
+
+    async def _chat(self, request: Request, rid: str, client_id: Optional[str]) -> Response:
         t0 = time.perf_counter()
+        self._check_overload()
         req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
         size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
         prompt_ids = await self._off_loop(size, oa.encode_chat, self.tokenizer, req.messages)
-        return await self._generate("chat", req, prompt_ids, t0, request)
+        return await self._generate("chat", req, prompt_ids, t0, rid, client_id)
 
-    async def _completions(self, request: Request) -> Response:
+    async def _completions(self, request: Request, rid: str, client_id: Optional[str]) -> Response:
         t0 = time.perf_counter()
+        self._check_overload()
         req = oa.parse_request(oa.CompletionRequest, await self._body(request))
         self._check_model(req.model)
         prompt = req.single_prompt()
@@ -268,7 +352,7 @@ class OpenAIIngress:
                                           self.meta["vocab_size"] or 2 ** 31)
         if not prompt_ids:
             raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
-        return await self._generate("completion", req, prompt_ids, t0, request)
+        return await self._generate("completion", req, prompt_ids, t0, rid, client_id)
 
     @staticmethod
     async def _off_loop(size: int, fn, *args):
@@ -284,8 +368,13 @@ class OpenAIIngress:
             raise oa.context_length_exceeded(len(prompt_ids), 1, max_context, param="messages"
                                              if isinstance(req, oa.ChatCompletionRequest) else "prompt")
         max_tokens = req.requested_max_tokens
+        limit = self.max_tokens_limit
         if max_tokens is None:
-            max_tokens = min(self.default_max_tokens, max_context - len(prompt_ids))
+            max_tokens = min(self.default_max_tokens, max_context - len(prompt_ids), limit or max_context)
+        elif limit is not None and max_tokens > limit:
+            raise oa.invalid_request(f"{req.max_tokens_param}={max_tokens} is above this server's limit of "
+                                     f"{limit} tokens per completion; ask for at most {limit}",
+                                     param=req.max_tokens_param, code="invalid_value")
         elif len(prompt_ids) + max_tokens > max_context:
             raise oa.context_length_exceeded(len(prompt_ids), max_tokens, max_context, param=req.max_tokens_param)
         sampler = oa.sampler_from_request(req, self.meta["sampler_defaults"])
@@ -299,19 +388,30 @@ class OpenAIIngress:
             "session_id": req.session_id, "compatibility_key": key,
         }
 
-    async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, request: Request) -> Response:
-        rid = request.headers.get("x-mtplx-request-id") or oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, rid: str,
+                        client_id: Optional[str]) -> Response:
         row = self._make_row(req, prompt_ids, rid)
         row["http_received_at"] = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
-        run = _RowRun(self, row, req, kind, t0)
-        headers = {"x-mtplx-request-id": rid}
+        self._check_overload()      # tokenizing a long prompt may have taken a while
+        run = _RowRun(self, row, req, kind, t0, client_id)
         if req.stream:
             first = await run.start()   # errors before the first token still get a status code
             return StreamingResponse(run.sse(first), media_type="text/event-stream",
-                                     headers={**headers, "cache-control": "no-cache"})
+                                     headers={"cache-control": "no-cache"})
         body = await run.complete()
-        return JSONResponse(body, headers=headers)
+        return JSONResponse(body)
+
+    # Rows waiting here for a replica (the backpressure bound): counted from admission until their
+    # batch starts or they end, whichever comes first; each row is counted once.
+
+    def _row_waits(self, row: dict) -> None:
+        row["waiting_here"] = True
+        self._waiting_rows += 1
+
+    def _row_leaves_wait(self, row: dict) -> None:
+        if row.pop("waiting_here", False):
+            self._waiting_rows -= 1
 
     # ------------------------------------------------------------------------------------------
     # The batch window: one call per batch, split into cohorts, demultiplexed per row
@@ -319,15 +419,22 @@ class OpenAIIngress:
     async def _cohort_batch(self, rows: List[dict]):
         n = len(rows)
         now = time.time()
-        for row in rows:
+        live = []
+        queue: asyncio.Queue = asyncio.Queue()
+        for slot, row in enumerate(rows):
             row["batch_started_at"] = now
+            self._row_leaves_wait(row)
+            if row.get("departed"):   # its client left (or it was cancelled) before dispatch: drop it
+                self._stats["rows_dropped_before_dispatch"] += 1
+                queue.put_nowait((slot, ("error", {"kind": "cancelled"})))
+            else:
+                live.append(slot)
         self._stats["batches"] += 1
         hist = self._stats["batch_size_histogram"]
         hist[str(n)] = hist.get(str(n), 0) + 1
-        queue: asyncio.Queue = asyncio.Queue()
         # The whole window goes to one replica as one call; there each row joins the running lane
         # of its compatibility key (the one place rows are grouped by key).
-        tasks = [_detached(self._drive_cohort(rows, list(range(n)), queue))]
+        tasks = [_detached(self._drive_cohort([rows[i] for i in live], live, queue))] if live else []
         finished: set = set()
         try:
             while len(finished) < n:
@@ -368,8 +475,7 @@ class OpenAIIngress:
                     for row in rows:
                         rid = row["request_id"]
                         self._row_replica[rid] = msg["replica"]
-                        if rid in self._pending_cancel:
-                            self._pending_cancel.discard(rid)
+                        if row.get("departed"):   # cancelled while its call was on the way
                             self._send_cancel(rid, msg["replica"])
                     continue
                 for i, toks in (msg.get("t") or {}).items():
@@ -384,16 +490,20 @@ class OpenAIIngress:
                     else:
                         queue.put_nowait((slots[i], ("final", fin)))
         except asyncio.CancelledError:
-            error = {"kind": "unavailable", "message": "the cohort was cancelled (server shutting down)"}
+            error = {"kind": "unavailable", "message": "the server is shutting down; retry"}
             raise
-        except Exception as exc:
-            log.exception("mtplx ingress: cohort stream failed")
-            error = {"kind": "unavailable", "type": type(exc).__name__,
-                     "message": f"the model replica failed while serving this cohort: {type(exc).__name__}: {exc}"}
+        except BackPressureError as exc:
+            error = {"kind": "overloaded", "retry_after_s": self.retry_after_s,
+                     "message": "The model replicas' queues are full; retry later"}
+            log.warning("mtplx ingress: replica queue full for rows %s: %s",
+                        [r["request_id"] for r in rows], exc)
+        except Exception:
+            log.exception("mtplx ingress: the cohort stream of rows %s failed", [r["request_id"] for r in rows])
+            error = {"kind": "unavailable",
+                     "message": "The model replica serving this request failed; retry (a new replica is starting)"}
         finally:
             for i, row in enumerate(rows):
                 self._row_replica.pop(row["request_id"], None)
-                self._pending_cancel.discard(row["request_id"])
                 if i not in done:
                     queue.put_nowait((slots[i], ("error", error or {
                         "kind": "internal", "message": "the replica ended the cohort without a result"})))
@@ -401,17 +511,19 @@ class OpenAIIngress:
     # ------------------------------------------------------------------------------------------
     # Row cancellation
 
-    def cancel_row(self, rid: str, reason: str) -> None:
-        """Cancel one row wherever its cohort runs (fire and forget; never the whole cohort)."""
+    def cancel_row(self, row: dict, reason: str) -> None:
+        """Cancel one row wherever it is (fire and forget; never the whole cohort). The mark on the
+        row is all the state there is: a row not yet in a batch is dropped at dispatch, a row whose
+        cohort call has not reached its replica is cancelled when the replica answers, and after
+        its cohort ended the mark is simply never read."""
+        if row.get("departed"):
+            return
+        row["departed"] = True
         self._stats["row_cancels"] += 1
         self._metric("cancels", 1, {"reason": reason})
-        replica_id = self._row_replica.get(rid)
-        if replica_id is None:
-            # Not yet started at a replica: Serve drops cancelled callers from batches that have not
-            # run; for a batch already running, the cohort driver cancels it on the first message.
-            self._pending_cancel.add(rid)
-            return
-        self._send_cancel(rid, replica_id)
+        replica_id = self._row_replica.get(row["request_id"])
+        if replica_id is not None:
+            self._send_cancel(row["request_id"], replica_id)
 
     def _send_cancel(self, rid: str, replica_id: Optional[str]) -> None:
         async def send():
@@ -436,8 +548,10 @@ class OpenAIIngress:
         results = await asyncio.gather(*calls, return_exceptions=True)
         out = {}
         for rid, res in zip(ids, results):
-            out[rid] = res if not isinstance(res, BaseException) else {
-                "error": f"{type(res).__name__}: {res}"}
+            if isinstance(res, BaseException):
+                log.warning("mtplx ingress: %s on replica %s failed: %s: %s", method, rid, type(res).__name__, res)
+                res = {"ok": False, "error": "the replica did not answer"}
+            out[rid] = res
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -447,8 +561,9 @@ class OpenAIIngress:
         try:
             replicas = await self._fan_out("health", timeout_s=10)
         except Exception as exc:
-            err = oa.unavailable(f"no model replica answered: {type(exc).__name__}: {exc}")
-            return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503)
+            log.warning("mtplx ingress: health: no model replica answered: %s: %s", type(exc).__name__, exc)
+            err = oa.unavailable("no model replica answered", retry_after_s=self.retry_after_s)
+            return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503, headers=err.headers)
         ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
         body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
                 "max_context": (self.meta or {}).get("max_context"), "ingress": {"mlx_imported": _mlx_imported()},
@@ -459,14 +574,16 @@ class OpenAIIngress:
         try:
             replicas = await self._fan_out("snapshot", timeout_s=10)
         except Exception as exc:
-            raise oa.unavailable(f"no model replica answered: {type(exc).__name__}: {exc}") from None
+            log.warning("mtplx ingress: snapshot: no model replica answered: %s: %s", type(exc).__name__, exc)
+            raise oa.unavailable("no model replica answered", retry_after_s=self.retry_after_s) from None
         return {"model": self.served_model, "ingress": self.ingress_snapshot(), "replicas": replicas}
 
     def ingress_snapshot(self) -> dict:
         s = dict(self._stats)
         s.update({"max_batch_size": self.max_batch_size, "batch_wait_timeout_s": self.batch_wait_timeout_s,
                   "max_concurrent_batches": self.max_concurrent_batches,
-                  "rows_in_flight": len(self._row_replica),
+                  "rows_in_flight": len(self._row_replica), "rows_waiting": self._waiting_rows,
+                  "max_waiting_rows": self.max_waiting_rows,
                   "batch_size_histogram": dict(self._stats["batch_size_histogram"]),
                   "cohort_size_histogram": dict(self._stats["cohort_size_histogram"])})
         return s
@@ -500,9 +617,11 @@ def _mlx_imported() -> bool:
 class _RowRun:
     """One request's life after admission: events from its batch slot -> text -> OpenAI objects."""
 
-    def __init__(self, ingress: OpenAIIngress, row: dict, req, kind: str, t0: float):
+    def __init__(self, ingress: OpenAIIngress, row: dict, req, kind: str, t0: float,
+                 client_id: Optional[str] = None):
         self.ing = ingress
         self.row = row
+        self.client_id = client_id
         self.req = req
         self.kind = kind
         self.t0 = t0
@@ -518,17 +637,19 @@ class _RowRun:
         self.first_text_s: Optional[float] = None
         self.first_tokens_at: Optional[float] = None
         self._queue: Optional[asyncio.Queue] = None
+        self._pump_task: Optional[asyncio.Task] = None
 
     # -- events ----------------------------------------------------------------------------------
     #
     # A pump task reads this row's batch slot (the @serve.batch generator) into a queue; the
-    # request handler reads the queue. When the client goes away the handler task is cancelled
-    # but the pump is not: it drains the slot to its end, so no batch future is left behind with
-    # an unretrieved exception, and the row's later events are simply dropped.
+    # request handler reads the queue. When the client goes away the row is marked departed and
+    # the pump is cancelled: a row still waiting for its batch is never sent (Serve drops cancelled
+    # callers, and the batch skips departed rows), a row already at a replica is cancelled there.
 
     def _start_pump(self) -> None:
         self._queue = asyncio.Queue()
-        task = asyncio.get_running_loop().create_task(self._pump())
+        self.ing._row_waits(self.row)
+        self._pump_task = task = asyncio.get_running_loop().create_task(self._pump())
         self.ing._bg.add(task)
         task.add_done_callback(self.ing._bg.discard)
 
@@ -540,7 +661,14 @@ class _RowRun:
         except Exception as exc:
             self._queue.put_nowait(exc)
         finally:
+            self.ing._row_leaves_wait(self.row)   # ended before its batch started (cancelled, say)
             self._queue.put_nowait(_END)
+
+    def _depart(self) -> None:
+        """The client went away: cancel this row only, wherever it is, and stop listening."""
+        self.ing.cancel_row(self.row, "disconnect")
+        if self._pump_task is not None and not self._pump_task.done():
+            self._pump_task.cancel()
 
     async def _next_update(self, timeout: Optional[float] = None) -> list:
         if self._queue is None:
@@ -550,7 +678,8 @@ class _RowRun:
             self._queue.put_nowait(_END)
             raise StopAsyncIteration
         if isinstance(item, BaseException):
-            raise oa.internal_error(f"the batch failed: {type(item).__name__}: {item}")
+            log.error("mtplx ingress: the batch of request %s failed", self.rid, exc_info=item)
+            raise oa.internal_error(self.rid)
         return item
 
     async def updates(self):
@@ -560,7 +689,8 @@ class _RowRun:
             try:
                 update = await self._next_update()
             except StopAsyncIteration:
-                raise oa.internal_error("the batch ended without a result for this request") from None
+                log.error("mtplx ingress: the batch of request %s ended without a result for it", self.rid)
+                raise oa.internal_error(self.rid) from None
             for event in update:
                 if self.finished:
                     break
@@ -580,7 +710,7 @@ class _RowRun:
             self.n_tokens += len(payload)
             text = self.stops.push(self.detok.push(payload))
             if self.stops.stopped:
-                self.ing.cancel_row(self.rid, "stop_string")
+                self.ing.cancel_row(self.row, "stop_string")
             return text
         if kind == "final":
             self.finished = True
@@ -594,7 +724,22 @@ class _RowRun:
             return tail
         # error
         self.finished = True
-        raise _row_error(payload)
+        raise self._row_error(payload)
+
+    def _row_error(self, payload: dict) -> oa.OpenAIError:
+        """A row's error event (from the replica or the cohort driver) as the client's error. Only
+        messages written for clients pass through; an internal failure says only that it was one."""
+        kind, msg = payload.get("kind"), payload.get("message", "")
+        if kind == "capacity":
+            return oa.invalid_request(msg, param=self.req.max_tokens_param, code="context_length_exceeded")
+        if kind == "overloaded":
+            return oa.overloaded(msg, payload.get("retry_after_s") or self.ing.retry_after_s,
+                                 status=self.ing.overload_status)
+        if kind in ("unavailable", "cancelled"):
+            return oa.unavailable(msg or "the model replica is unavailable; retry",
+                                  retry_after_s=payload.get("retry_after_s") or self.ing.retry_after_s)
+        log.error("mtplx ingress: request %s failed at the replica (the replica log has the details)", self.rid)
+        return oa.internal_error(self.rid)
 
     async def _drain_after_stop(self) -> None:
         """After a stop string: wait (bounded) for the cancelled row's final (it carries stats)."""
@@ -625,6 +770,9 @@ class _RowRun:
         stats["http_ttft_s"] = (self.first_text_s - self.t0) if self.first_text_s else None
         stats["http_elapsed_s"] = time.perf_counter() - self.t0
         stats.update(self._timeline(stats))
+        stats["request_id"] = self.rid
+        if self.client_id is not None:
+            stats["client_request_id"] = self.client_id
         if self.stops.stopped:
             stats["stop_string_matched"] = True
             stats["finish_reason"] = "stop"
@@ -662,7 +810,7 @@ class _RowRun:
                 await self._drain_after_stop()
         finally:
             if not self.finished:   # the client went away (task cancelled) or we failed
-                self.ing.cancel_row(self.rid, "disconnect")
+                self._depart()
         usage, stats = self._usage_and_stats()
         text = "".join(pieces)
         build = oa.chat_response if self.kind == "chat" else oa.completion_response
@@ -679,7 +827,7 @@ class _RowRun:
             return None
         except BaseException:
             if not self.finished:
-                self.ing.cancel_row(self.rid, "disconnect")
+                self._depart()
             raise
 
     def _chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False, **extra):
@@ -725,17 +873,7 @@ class _RowRun:
             yield oa.SSE_DONE
         finally:
             if not self.finished:   # disconnect mid-stream: cancel this row only
-                self.ing.cancel_row(self.rid, "disconnect")
+                self._depart()
 
 
 _END = object()
-
-
-def _row_error(payload: dict) -> oa.OpenAIError:
-    kind = payload.get("kind")
-    msg = payload.get("message", "generation failed")
-    if kind == "capacity":
-        return oa.invalid_request(msg, code="context_length_exceeded")
-    if kind == "unavailable":
-        return oa.unavailable(msg)
-    return oa.internal_error(msg)

@@ -39,6 +39,10 @@ class RowCancelled(RuntimeError):
     """A cohort row was cancelled (client gone, stop string matched, or the cancel endpoint)."""
 
 
+class ReplicaOverloaded(RuntimeError):
+    """A row was refused: its key already has as many waiting rows as the replica allows."""
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -159,7 +163,8 @@ class MTPReplica:
     def __init__(self, model_path: Optional[str] = None, widths=(3, 8), batch_wait_s: float = 0.02,
                  stream_interval_ms: float = 0.0, blas_threads: Optional[int] = None,
                  numerics: str = "throughput", warmup: bool = True, num_cpus: float = 1.0,
-                 niceness: Optional[int] = 0):
+                 niceness: Optional[int] = 0, max_waiting_rows_per_key: int = 64,
+                 retry_after_s: float = 1.0, watchdog_s: float = 120.0):
         from ._proc import renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
@@ -186,8 +191,14 @@ class MTPReplica:
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.stream_interval_s = max(0.0, float(stream_interval_ms) / 1000.0)
+        # Backpressure: beyond its widest lane, a key holds at most this many waiting rows; more
+        # are refused at once (the ingress answers 429/503 with Retry-After).
+        self.max_waiting_rows_per_key = int(max_waiting_rows_per_key)
+        self.retry_after_s = float(retry_after_s)
+        self.watchdog_s = float(watchdog_s)   # check_health fails when one owner step runs longer
         self._jobs: Dict[str, list] = {}
         self._cohorts_started = 0
+        self._overload_rejections = 0
         self._stream_messages = 0
         if warmup:
             self._warmup()
@@ -294,7 +305,8 @@ class MTPReplica:
         self._observe("cohorts", 1, {"generation_mode": modes[0] if modes else "mtp"})
         self._observe("width", len(jobs))
         yield {"replica": self.replica_id}
-        self.service.submit_cohort(jobs)
+        admitted = self._admit_within_limits(jobs)
+        self.service.submit_cohort(admitted)
         open_rows = set(range(len(jobs)))
         first_token_seen = set()
         try:
@@ -345,6 +357,26 @@ class MTPReplica:
                     if not lst:
                         self._jobs.pop(job.request_id, None)
 
+    def _admit_within_limits(self, jobs: list) -> list:
+        """The jobs that fit their key's bound on waiting rows; the others fail at once with
+        `ReplicaOverloaded` (their callers answer 429/503 with Retry-After)."""
+        room: Dict[Any, int] = {}
+        admitted = []
+        for job in jobs:
+            key = job.compatibility_key
+            if key not in room:
+                room[key] = (self.service.max_cohort_rows + self.max_waiting_rows_per_key
+                             - self.service.rows_wanting(key))
+            if room[key] > 0:
+                room[key] -= 1
+                admitted.append(job)
+            else:
+                self._overload_rejections += 1
+                job._fail(ReplicaOverloaded(
+                    f"The server is overloaded (more than {self.max_waiting_rows_per_key} requests of this kind "
+                    f"wait for a slot); retry after {self.retry_after_s:g} s"))
+        return admitted
+
     def _final(self, job, mode: str, fut) -> dict:
         exc = fut.exception()
         if exc is None:
@@ -358,8 +390,25 @@ class MTPReplica:
             return out
         if job.cancel_requested():
             return _partial_result(job, mode, "cancelled")
-        kind = "capacity" if isinstance(exc, ValueError) else "internal"
-        return {"error": {"kind": kind, "type": type(exc).__name__, "message": str(exc)}}
+        return {"error": self._error_class(job, exc)}
+
+    def _error_class(self, job, exc: BaseException) -> dict:
+        """A failed row's error event, by class. Only messages written for clients leave this
+        process; anything else is a bug of ours, logged here with the request id."""
+        from mtplx.generation import CapacityError
+
+        if isinstance(exc, ReplicaOverloaded):
+            return {"kind": "overloaded", "message": str(exc), "retry_after_s": self.retry_after_s}
+        if isinstance(exc, CapacityError):
+            return {"kind": "capacity", "message": str(exc)}
+        if isinstance(exc, self._mtp_batch.MTPBatchServiceClosed):
+            log.error("mtplx replica %s: request %s refused, the service is closed: %s", self.replica_id,
+                      job.request_id, exc)
+            return {"kind": "unavailable", "retry_after_s": self.retry_after_s,
+                    "message": "This model replica is shutting down or failed; retry (a new replica is starting)"}
+        log.error("mtplx replica %s: request %s failed", self.replica_id, job.request_id,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return {"kind": "internal"}
 
     async def cancel(self, request_id: str, **_pin) -> int:
         """Cancel every row with this request id on this replica; returns how many were live."""
@@ -373,26 +422,38 @@ class MTPReplica:
         snap = self.service.snapshot()
         snap.update({"replica_id": self.replica_id, "node_id": self.node_id, "model_id": self.model.model_id,
                      "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
-                     "live_requests": len(self._jobs)})
+                     "live_requests": len(self._jobs), "overload_rejections": self._overload_rejections,
+                     "max_waiting_rows_per_key": self.max_waiting_rows_per_key})
         return snap
 
     async def health(self, **_pin) -> dict:
         snap = self.service.snapshot()
         return {"replica_id": self.replica_id, "model_id": self.model.model_id,
-                "ok": not (snap.get("shut_down") or snap.get("poisoned")) and snap.get("owner_alive", True),
+                "ok": self._unhealthy(snap) is None,
                 "runtime": self._mtplx.runtime_info(), "blas_threads": self.blas_threads,
                 "niceness": self.niceness,
                 "installed_widths": snap.get("installed_widths"),
                 "numerics": snap.get("numerics"), "poisoned": snap.get("poisoned"),
                 "last_error": snap.get("last_error")}
 
-    def check_health(self) -> None:
-        """Serve's health check: a poisoned or dead service makes the replica unhealthy (restarted)."""
-        snap = self.service.snapshot()
+    def _unhealthy(self, snap: dict) -> Optional[str]:
         if snap.get("poisoned") or snap.get("shut_down"):
-            raise RuntimeError(f"MTP batch service unusable: {snap.get('poisoned') or 'shut down'}")
+            return f"MTP batch service unusable: {snap.get('poisoned') or 'shut down'}"
         if not snap.get("owner_alive", True):
-            raise RuntimeError("MTP batch model-owner thread died")
+            return "MTP batch model-owner thread died"
+        age = snap.get("owner_step_age_s")
+        if age is not None and age > self.watchdog_s:
+            return (f"MTP batch model-owner thread stuck: one step has run {age:.0f} s "
+                    f"(watchdog_s={self.watchdog_s:g})")
+        return None
+
+    def check_health(self) -> None:
+        """Serve's health check: a poisoned or dead service, or a model thread stuck in one step
+        longer than `watchdog_s`, makes the replica unhealthy; Serve replaces it."""
+        problem = self._unhealthy(self.service.snapshot())
+        if problem is not None:
+            log.error("mtplx replica %s unhealthy: %s", self.replica_id, problem)
+            raise RuntimeError(problem)
 
     def __del__(self):
         try:

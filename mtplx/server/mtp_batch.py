@@ -490,6 +490,7 @@ class MTPBatchGenerationService:
         self._closed_error: Optional[BaseException] = None
         self._stopping = False
         self._busy = False
+        self._step_began_s = time.monotonic()   # when the owner began its current unit of work (watchdogs)
         self._thread: Optional[threading.Thread] = None
         self._owner_ident: Optional[int] = None
         self._stats = {
@@ -704,6 +705,14 @@ class MTPBatchGenerationService:
             return exc
         return None
 
+    def rows_wanting(self, key) -> int:
+        """Rows of this compatibility key that hold or want a lane slot: queued here, or live,
+        prefilling or waiting in the key's running lane (for admission limits upstream)."""
+        with self._cond:
+            lane = self._running.get(key)
+            return (sum(1 for j in self._pending if j.compatibility_key == key)
+                    + (lane.running.demand if lane is not None else 0))
+
     def _on_job_cancelled(self, job: MTPBatchJob) -> None:
         with self._cond:
             try:
@@ -761,6 +770,7 @@ class MTPBatchGenerationService:
                 if self._stopping:
                     return
                 self._busy = True
+                self._step_began_s = time.monotonic()
                 calls, self._calls = list(self._calls), deque()
             for fut, fn, args, kwargs in calls:
                 if not fut.set_running_or_notify_cancel():
@@ -1130,6 +1140,9 @@ class MTPBatchGenerationService:
                 "poisoned": s["poisoned"],
                 "shut_down": self._closed_error is not None,
                 "owner_alive": bool(self._thread is not None and self._thread.is_alive()),
+                # seconds the owner has spent on its current cycle, prefill chunk or call (None
+                # when idle): a watchdog's measure of a stuck model thread
+                "owner_step_age_s": (round(time.monotonic() - self._step_began_s, 3) if self._busy else None),
             }
 
 

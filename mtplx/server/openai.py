@@ -9,16 +9,19 @@ No MLX here: the Ray Serve ingress imports this module, and the ingress must nev
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
-from typing import Any, Iterable, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..sampling import SamplerConfig
 
 MAX_STOP_STRINGS = 4
 GENERATION_MODES = ("mtp", "ar")
+# A temperature below this decodes greedy (as vLLM's sampling epsilon does).
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -29,13 +32,15 @@ class OpenAIError(Exception):
     """An error answered to the client as {"error": {...}} with an HTTP status."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
         super().__init__(message)
         self.message = message
         self.status = int(status)
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -69,12 +74,35 @@ def context_length_exceeded(prompt_tokens: int, max_tokens: int, max_context: in
         status=400, param=param, code="context_length_exceeded")
 
 
-def internal_error(message: str) -> OpenAIError:
-    return OpenAIError(message, status=500, type="server_error", code="internal_error")
+def internal_error(request_id: Optional[str] = None) -> OpenAIError:
+    """A bug of ours. The client learns only that, and the id to quote; the details go to the log."""
+    ref = f" (request id {request_id})" if request_id else ""
+    return OpenAIError(f"The server had an internal error while processing the request{ref}; "
+                       f"the server log has the details", status=500, type="server_error", code="internal_error")
 
 
-def unavailable(message: str) -> OpenAIError:
-    return OpenAIError(message, status=503, type="server_error", code="service_unavailable")
+def _retry_headers(retry_after_s: Optional[float]) -> Dict[str, str]:
+    return {"retry-after": str(max(1, int(-(-float(retry_after_s) // 1))))} if retry_after_s else {}
+
+
+def unavailable(message: str, retry_after_s: Optional[float] = None) -> OpenAIError:
+    """503: no model replica can serve now (restarting, shut down); retry after the given delay."""
+    return OpenAIError(message, status=503, type="server_error", code="service_unavailable",
+                       headers=_retry_headers(retry_after_s))
+
+
+def overloaded(message: str, retry_after_s: float, status: int = 429) -> OpenAIError:
+    """429 (or 503, as configured): a bounded queue is full; answered at once with Retry-After."""
+    return OpenAIError(message, status=status, type="server_error" if status == 503 else "rate_limit_error",
+                       code="server_overloaded", headers=_retry_headers(retry_after_s))
+
+
+def unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(message, status=401, type="invalid_request_error", code="invalid_api_key",
+                       headers={"www-authenticate": "Bearer"})
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[a-z_-]+\[.*\])$")
 
 
 def from_validation_error(exc: ValidationError) -> OpenAIError:
@@ -83,12 +111,18 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     if not errors:
         return invalid_request(str(exc))
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+    # a union's member tags ("str", "list[str]", "function-after[...]") are not part of the field path
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",) and not _UNION_TAG.match(str(p))]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):   # our own validators' messages read better without it
+        msg = msg[len("Value error, "):]
     if err.get("type") == "json_invalid":
         return invalid_request(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}",
                                code="invalid_json")
+    if err.get("type") == "extra_forbidden":
+        return invalid_request(f"Unrecognized request argument supplied: {param}", param=param,
+                               code="unknown_parameter")
     if err.get("type") == "missing":
         return invalid_request(f"Missing required parameter: {param!r}", param=param,
                                code="missing_required_parameter")
@@ -118,6 +152,13 @@ class ChatMessage(BaseModel):
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
 
+    @model_validator(mode="after")
+    def _content_required(self):
+        # Only an assistant turn may come without content (it made tool calls, say).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        return self
+
     def text(self, index: int) -> str:
         if self.content is None:
             return ""
@@ -134,9 +175,10 @@ class ChatMessage(BaseModel):
 
 
 class _GenerationFields(BaseModel):
-    """Fields shared by chat and completions requests (plus the mtplx extensions)."""
+    """Fields shared by chat and completions requests (plus the mtplx extensions). A field this
+    server does not know is refused (as OpenAI does), never silently dropped."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
@@ -152,6 +194,10 @@ class _GenerationFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(default=None, strict=True)
     user: Optional[str] = None
+    # OpenAI bookkeeping fields with no effect on generation: accepted, not acted on
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
     logprobs: Optional[Union[bool, int]] = None
     logit_bias: Optional[dict] = None
     # mtplx extensions
@@ -235,6 +281,16 @@ class CompletionRequest(_GenerationFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or ids(v) or (isinstance(v, list) and all(isinstance(p, str) or ids(p) for p in v)):
+            return v
+        raise ValueError("prompt must be a string, a list of token ids (integers), or a list of those")
+
     def checks(self) -> None:
         self.common_checks()
         if self.echo:
@@ -287,6 +343,8 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
             values[name] = v
     if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
         values["top_k"] = 0
+    if values.get("temperature") is not None and values["temperature"] < GREEDY_TEMPERATURE_EPS:
+        values["temperature"] = 0.0   # logits / 1e-320 overflow to a NaN distribution: decode greedy
     try:
         return SamplerConfig(**values)
     except ValueError as exc:
