@@ -22,7 +22,7 @@ import numpy as np
 
 from .generation import PREFILL_CHUNK, CapacityError, start_prefill
 from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
-from .sampling import SamplerConfig, distribution, sample, verify_one_token
+from .sampling import SamplerConfig, row_distribution, sample, to_host, verify_one_token
 
 DEPTH = 1
 VERIFY_T = 2
@@ -333,7 +333,7 @@ class _LaneRow:
         self.sampler = req.sampler
         self.draft_sampler = req.draft_sampler or req.sampler
         self.rng = np.random.default_rng(req.seed)
-        self.counts = np.zeros(vocab, dtype=np.int64) if self.sampler.has_penalties else None
+        self.counts = {} if self.sampler.has_penalties else None     # completion token -> count
         self.result = A3BMTPBatchStreamResult(request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
         self.pending: Optional[int] = None
         self.owes_history = False
@@ -343,7 +343,7 @@ class _LaneRow:
         return self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
 
     def dist(self, logits_row, cfg=None):
-        return distribution(logits_row, cfg or self.sampler, self.counts)
+        return row_distribution(logits_row, cfg or self.sampler, self.counts)
 
     def finish(self, reason: str) -> None:
         r = self.result
@@ -366,7 +366,7 @@ class _LaneRow:
         r = self.result
         r.tokens.append(token)
         if self.counts is not None:
-            self.counts[token] += 1
+            self.counts[token] = self.counts.get(token, 0) + 1
         try:
             self.req.on_token(token)
         except Exception:
@@ -429,7 +429,7 @@ class _Admission:
         self.out = None        # (logits [V], hidden [1, 1, H]) once the prefill has ended
 
     def advance(self) -> int:
-        """Run the next chunk; returns its token count (1 for the last prompt token)."""
+        """Run the next chunk; returns its token count."""
         if self.steps is None:
             req = self.row.req
             try:
@@ -439,11 +439,14 @@ class _Admission:
             self.cache, self.mtp_cache, self.steps, cached = start_prefill(
                 self.model, list(req.prompt_ids), self.chunk, req.session_restore, req.session_commit)
             self.row.result.cached_tokens = cached
+            self.fed = cached
         try:
-            return next(self.steps)
-        except StopIteration as done:
+            n = next(self.steps)
+        except StopIteration as done:     # the final chunk ran and returned the prefill's output
             self.out = done.value
-            return 1
+            n = len(self.row.req.prompt_ids) - self.fed
+        self.fed += n
+        return n
 
 
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
@@ -683,7 +686,7 @@ class RunningLane:
         owes = np.array([r is not None and r.owes_history for r in rows])
         greedy = all(r.greedy for r in rows if r is not None)
         logits_host = None if greedy else (self.logits_host if self.logits_host is not None
-                                           else _host(self.logits_last))
+                                           else to_host(self.logits_last))
         h_last, hist_h, logits_last = self.h_last, self.hist_h, self.logits_last
 
         # 1. primary token per row
@@ -707,7 +710,7 @@ class RunningLane:
         if greedy:
             d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
         else:
-            q_host = _host(q_logits)
+            q_host = to_host(q_logits)
             q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
             for b, row in enumerate(rows):
                 if active[b] and row.req.speculative:
@@ -722,7 +725,7 @@ class RunningLane:
             mx.eval(x0, d, target_ids)
             x0_host, d_host, target_ids = np.array(x0), np.array(d), np.array(target_ids)
         else:
-            L_host = _host(L)
+            L_host = to_host(L)
 
         # 4. per-row decision, same RNG order as the solo path
         keep = np.zeros(W, dtype=np.int64)
@@ -775,11 +778,6 @@ class RunningLane:
         self.h_last = mx.take_along_axis(H, sel, axis=1)
         self.logits_last = mx.take_along_axis(L, sel, axis=1)[:, 0]
         self.logits_host = None if greedy else L_host[np.arange(W), np.maximum(keep - 1, 0)]
-
-
-def _host(x: mx.array) -> np.ndarray:
-    """Logits on the host in float64 (cast on the device first: numpy cannot read bfloat16)."""
-    return np.array(x.astype(mx.float32), dtype=np.float64)
 
 
 def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_log: bool = False) -> A3BMTPBatchResult:

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplerConfig, distribution, sample, verify_one_token
+from .sampling import SamplerConfig, row_distribution, sample, verify_one_token
 
 PREFILL_CHUNK = 256
 
@@ -57,32 +57,36 @@ def check_request(model, prompt_ids, max_tokens: int) -> list[int]:
 
 def prefill_steps(model, prompt: list[int], cache, mtp_cache=None, chunk: int = PREFILL_CHUNK,
                   start: int = 0, boundary_hook=None):
-    """The prefill as a generator: each `next()` runs one chunk of the prompt body and yields its
-    token count; the generator returns (logits_last [V], hidden_last [1, 1, H]).
+    """The prefill as a generator: each `next()` runs one chunk of the prompt and yields its token
+    count; the generator returns (logits_last [V], hidden_last [1, 1, H]).
 
-    The body (prompt[:-1]) is split at absolute multiples of `chunk`, then the last prompt token
-    runs alone, so every path (AR, MTP, lane rows, prefix restores) uses one partition and greedy
+    The prompt is split at absolute multiples of `chunk` (the last prompt token rides in the final
+    chunk), so every path (AR, MTP, lane rows, prefix restores) uses one partition and greedy
     outputs agree token for token. A running lane drives it one chunk per cycle, so a long prompt
-    delays the lane's live rows by at most one chunk per cycle. The MTP history is primed when
-    `mtp_cache` is given. `start` is a chunk boundary whose state the caches already hold (a prefix
-    restore); `boundary_hook(m)` is called after the last full chunk boundary m (prefix snapshots).
+    delays the lane's live rows by at most one chunk per cycle. The MTP history (h_i, token_{i+1})
+    is primed for every position but the last when `mtp_cache` is given. `start` is a chunk
+    boundary whose state the caches already hold (a prefix restore); `boundary_hook(m)` is called
+    after the last full chunk boundary m before the final token (prefix snapshots).
     """
-    body = prompt[:-1]
-    last_boundary = ((len(body)) // chunk) * chunk if mtp_cache is not None else 0
-    for s in range(start, len(body), chunk):
-        piece = body[s:s + chunk]
+    n = len(prompt)
+    last_boundary = ((n - 1) // chunk) * chunk if mtp_cache is not None else 0
+    for s in range(start, n, chunk):
+        piece = prompt[s:s + chunk]
         h = model.hidden(mx.array([piece]), cache)
-        if mtp_cache is not None:
-            # History entries (h_i, token_{i+1}) for every body position i.
-            model.draft_hidden(h, mx.array([prompt[s + 1:s + 1 + len(piece)]]), mtp_cache)
-        mx.eval([c.state for c in cache] + ([c.state for c in mtp_cache] if mtp_cache else []))
-        if boundary_hook is not None and s + len(piece) == last_boundary and last_boundary > start:
-            boundary_hook(last_boundary)
-        yield len(piece)
-    h_last = model.hidden(mx.array([prompt[-1:]]), cache)
-    logits_last = model.logits(h_last)[0, -1]
-    mx.eval(logits_last, h_last)
-    return logits_last, h_last
+        following = prompt[s + 1:s + 1 + len(piece)]       # one short in the final chunk
+        if mtp_cache is not None and following:
+            model.draft_hidden(h[:, :len(following)], mx.array([following]), mtp_cache)
+        state = [c.state for c in cache] + ([c.state for c in mtp_cache] if mtp_cache else [])
+        if s + len(piece) < n:
+            mx.eval(state)
+            if boundary_hook is not None and s + len(piece) == last_boundary and last_boundary > start:
+                boundary_hook(last_boundary)
+            yield len(piece)
+            continue
+        h_last = h[:, -1:]
+        logits_last = model.logits(h_last)[0, -1]
+        mx.eval(state, logits_last, h_last)
+        return logits_last, h_last
 
 
 def run_steps(steps, cancelled: Callable[[], bool] = lambda: False):
@@ -156,16 +160,16 @@ class _Row:
         self.vocab = model.vocab_size
         self.tokens: list[int] = []
         self.finish_reason: Optional[str] = None
-        self.counts = np.zeros(self.vocab, dtype=np.int64) if sampler.has_penalties else None
+        self.counts = {} if sampler.has_penalties else None     # completion token -> count
 
-    def dist(self, logits_row, cfg=None) -> np.ndarray:
-        return distribution(np.array(logits_row, dtype=np.float64), cfg or self.sampler, self.counts)
+    def dist(self, logits_row, cfg=None):
+        return row_distribution(logits_row, cfg or self.sampler, self.counts)
 
     def emit(self, token: int, on_token=None) -> bool:
         """Record a token; returns True when the row is finished."""
         self.tokens.append(token)
         if self.counts is not None:
-            self.counts[token] += 1
+            self.counts[token] = self.counts.get(token, 0) + 1
         if on_token is not None:
             on_token(token)
         if token in self.stop:

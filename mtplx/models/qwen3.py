@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
+from .attention import attention
+
 MODEL_TYPES = ("qwen3",)
 
 
@@ -33,8 +35,35 @@ def embed(target: nn.Module, tokens: mx.array) -> mx.array:
     return target.model.embed_tokens(tokens)
 
 
+class Attention(qwen3.Attention):
+    """mlx-lm's Qwen3 attention (same weights and projections), calling our `attention`."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _use_our_attention(layers) -> None:
+    for layer in layers:
+        layer.self_attn.__class__ = Attention
+
+
+def prepare_target(target: nn.Module) -> None:
+    _use_our_attention(text_model(target).layers)
+
+
 def make_mtp_block(args) -> nn.Module:
-    return qwen3.TransformerBlock(args)
+    block = qwen3.TransformerBlock(args)
+    _use_our_attention([block])
+    return block
 
 
 def hidden_size(args) -> int:
