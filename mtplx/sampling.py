@@ -1,13 +1,18 @@
 """Sampling configuration, target/draft distributions and the speculative acceptance rule.
 
-Distribution order (applied to one row of raw logits, in float64 on the host):
+Distribution order (applied to one row of raw logits; float32 logits, float64 masses):
   1. penalties on raw logits, counting completion tokens only:
        logit[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]
-  2. temperature 0 -> one-hot on the argmax (ties break to the lowest id); else softmax(logits / T)
-  3. top-p: keep the smallest prefix of tokens sorted by probability (ties by id) whose mass
-     reaches top_p (1.0 keeps all)
-  4. min-p: drop tokens below min_p * max probability (0 keeps all)
-  5. top-k: keep the k most probable (ties by id; 0 keeps all), then renormalise.
+  2. temperature 0 -> one-hot on the argmax (ties break to the lowest id); else the weights
+       z[t] = exp((logit[t] - max logit) / T)   (float32), total Z = sum of z (float64)
+  3. top-p: keep the smallest prefix of tokens sorted by weight (ties by id) whose mass
+     reaches top_p * Z (1.0 keeps all)
+  4. min-p: drop tokens below min_p * max weight (0 keeps all)
+  5. top-k: keep the k heaviest (ties by id; 0 keeps all), then renormalise over the kept tokens.
+
+A filtered distribution is held sparse (`Distribution`: the kept ids and their probabilities), and
+is built from the heaviest tokens only, which is exact (see `row_distribution`): a 248,320-token
+row costs a few passes over float32 logits instead of sorting the vocabulary in float64.
 
 Speculative acceptance (Leviathan et al. / Chen et al.): a draft token d sampled from q is accepted
 with probability min(1, p(d)/q(d)); on rejection the output is sampled from the residual
@@ -76,88 +81,154 @@ def token_counts(tokens: Iterable[int], vocab_size: int) -> np.ndarray:
     return np.bincount(np.asarray(list(tokens), dtype=np.int64), minlength=vocab_size)[:vocab_size]
 
 
-CANDIDATES = 64     # top-p / min-p look at the most probable tokens first (see `_keep_mask`)
+def to_host(logits) -> np.ndarray:
+    """Logits on the host as float32 (cast on the device first: numpy cannot read bfloat16)."""
+    import mlx.core as mx
+
+    if isinstance(logits, mx.array):
+        if logits.dtype != mx.float32:
+            logits = logits.astype(mx.float32)
+        return np.array(logits, copy=False)
+    return np.asarray(logits, dtype=np.float32)
 
 
-def _ranked(probs: np.ndarray, m: int) -> np.ndarray:
-    """Ids of the m most probable tokens and every id tied with the m-th, by prob desc then id."""
-    n = probs.size
-    if m >= n:
-        idx = np.arange(n)
+class Distribution:
+    """One row's sampling distribution: probabilities `probs` (float64, summing to 1) over the
+    kept token ids `ids` (ascending), or over the whole vocabulary when `ids` is None."""
+
+    __slots__ = ("ids", "probs", "vocab")
+
+    def __init__(self, ids: Optional[np.ndarray], probs: np.ndarray, vocab: int):
+        self.ids, self.probs, self.vocab = ids, probs, vocab
+
+    @classmethod
+    def point(cls, token: int, vocab: int) -> "Distribution":
+        return cls(np.array([token], dtype=np.int64), np.ones(1), vocab)
+
+    @classmethod
+    def from_dense(cls, probs: np.ndarray) -> "Distribution":
+        probs = np.asarray(probs, dtype=np.float64)
+        ids = np.flatnonzero(probs > 0)
+        return cls(ids, probs[ids] / probs[ids].sum(), probs.size)
+
+    def prob(self, token: int) -> float:
+        return float(self.probs_at(np.array([token]))[0])
+
+    def probs_at(self, tokens: np.ndarray) -> np.ndarray:
+        if self.ids is None:
+            return self.probs[tokens]
+        i = np.minimum(np.searchsorted(self.ids, tokens), self.ids.size - 1)
+        return np.where(self.ids[i] == tokens, self.probs[i], 0.0)
+
+    def dense(self) -> np.ndarray:
+        if self.ids is None:
+            return self.probs.copy()
+        out = np.zeros(self.vocab)
+        out[self.ids] = self.probs
+        return out
+
+    def draw(self, u: float) -> int:
+        """Inverse CDF over ascending ids at uniform u (the same token a dense draw picks)."""
+        return _inverse_cdf(self.probs, u, self.ids)
+
+
+def _inverse_cdf(weights: np.ndarray, u: float, ids: Optional[np.ndarray] = None) -> int:
+    cum = np.cumsum(weights)
+    i = int(min(np.searchsorted(cum, u * cum[-1], side="right"), weights.size - 1))
+    return i if ids is None else int(ids[i])
+
+
+CANDIDATE_FLOOR = 1e-4   # first candidate set: weights at least 1e-4 of the heaviest
+
+
+def _penalised(x: np.ndarray, cfg: SamplerConfig, counts) -> np.ndarray:
+    if not cfg.has_penalties or counts is None or not len(counts):
+        return x
+    if isinstance(counts, dict):
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        n = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
     else:
-        kth = np.partition(probs, n - m)[n - m]
-        idx = np.flatnonzero(probs >= kth)
-    return idx[np.lexsort((idx, -probs[idx]))]
+        ids = np.flatnonzero(counts)
+        n = np.asarray(counts, dtype=np.float64)[ids]
+    x = x.copy()
+    x[ids] -= (cfg.presence_penalty * (n > 0) + cfg.frequency_penalty * n).astype(np.float32)
+    return x
 
 
-def _keep_mask(probs: np.ndarray, cfg: SamplerConfig) -> np.ndarray:
-    """Boolean keep-mask for top-p / min-p / top-k, with ties broken by token id.
-
-    The rules run over the tokens ranked by probability. Ranking the whole vocabulary is a full
-    sort per row and per distribution (several per cycle); so they first run over the most probable
-    tokens only (top_k of them, or CANDIDATES), and that answer is final when top-k already bounds
-    the kept set or when it drops one of those candidates: every token outside them ranks lower and
-    is dropped too. Otherwise (the kept set may reach past them) the whole vocabulary is ranked."""
-    n = probs.size
-    m = cfg.top_k if 0 < cfg.top_k < n else min(CANDIDATES, n)
-    total = probs.sum()
-    while True:
-        order = _ranked(probs, m)
-        sorted_p = probs[order]
-        keep_sorted = np.ones(order.size, dtype=bool)
-        if cfg.top_p < 1.0:
-            cum = np.cumsum(sorted_p)
-            cutoff = int(np.searchsorted(cum, cfg.top_p * total * (1 - 1e-12))) + 1
-            keep_sorted[cutoff:] = False
-        if cfg.min_p > 0.0:
-            keep_sorted &= sorted_p >= cfg.min_p * sorted_p[0]
-        if cfg.top_k > 0:
-            keep_sorted[cfg.top_k:] = False
-        if order.size == n or not keep_sorted[-1] or 0 < cfg.top_k <= m:
-            break
-        m = n
-    keep = np.zeros(n, dtype=bool)
-    keep[order[keep_sorted]] = True
-    return keep
+def _weights(x: np.ndarray, top: float, cfg: SamplerConfig) -> np.ndarray:
+    return np.exp((x - np.float32(top)) * np.float32(1.0 / cfg.temperature))
 
 
-def distribution(logits: np.ndarray, cfg: SamplerConfig, counts: Optional[np.ndarray] = None) -> np.ndarray:
-    """The sampling distribution (float64, sums to 1) for one row of raw logits."""
-    x = np.asarray(logits, dtype=np.float64)
-    if cfg.has_penalties and counts is not None:
-        x = x - cfg.presence_penalty * (counts > 0) - cfg.frequency_penalty * counts
+def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
+    """The sampling distribution of one row of raw logits (float32 on the host, or an MLX array).
+
+    Filtered configs rank only the heaviest tokens: the candidates are every token whose weight is
+    at least `floor` (a set closed under ties, so ranking it by weight then id ranks a prefix of
+    the whole vocabulary exactly). The rules run over the candidates; their answer is the whole
+    vocabulary's when top-k fits inside them, when they drop their last candidate (every token
+    outside ranks lower and is dropped too), or when the floor is min_p (min-p drops every token
+    below it: the heaviest weighs exactly 1). Otherwise the floor drops and the rules run again.
+    `counts`: completion-token counts (dict or dense array)."""
+    x = _penalised(to_host(logits).reshape(-1), cfg, counts)
+    V = x.size
     if cfg.is_greedy:
-        p = np.zeros_like(x)
-        p[int(np.argmax(x))] = 1.0
-        return p
-    z = x / cfg.temperature
-    z = np.exp(z - z.max())
-    p = z / z.sum()
-    if cfg.top_p < 1.0 or cfg.min_p > 0.0 or (0 < cfg.top_k < p.size):
-        p = np.where(_keep_mask(p, cfg), p, 0.0)
-        p /= p.sum()
-    return p
+        return Distribution.point(int(np.argmax(x)), V)
+    z_all = _weights(x, float(x.max()), cfg)
+    if not (cfg.top_p < 1.0 or cfg.min_p > 0.0 or 0 < cfg.top_k < V):
+        z = z_all.astype(np.float64)
+        return Distribution(None, z / z.sum(), V)
+    total = float(z_all.sum(dtype=np.float64))
+    floor = max(CANDIDATE_FLOOR, cfg.min_p)
+    while True:
+        cand = np.flatnonzero(z_all >= np.float32(floor))
+        z = z_all[cand]
+        order = np.lexsort((cand, -z))
+        cand, zs = cand[order], z[order].astype(np.float64)
+        keep = np.ones(cand.size, dtype=bool)
+        if cfg.top_p < 1.0:
+            cum = np.cumsum(zs)
+            keep[int(np.searchsorted(cum, cfg.top_p * total * (1 - 1e-12))) + 1:] = False
+        if cfg.min_p > 0.0:
+            keep &= zs >= cfg.min_p * zs[0]
+        if cfg.top_k > 0:
+            keep[cfg.top_k:] = False
+        if cand.size == V or not keep[-1] or 0 < cfg.top_k <= cand.size or floor <= cfg.min_p:
+            break
+        floor = floor ** 4 if floor > 1e-30 else 0.0
+    ids, w = cand[keep], zs[keep]
+    by_id = np.argsort(ids)
+    return Distribution(ids[by_id], w[by_id] / w.sum(), V)
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw: one uniform per token, so RNG consumption is fixed and reproducible."""
-    cum = np.cumsum(probs)
-    return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), probs.size - 1))
+def distribution(logits, cfg: SamplerConfig, counts=None) -> np.ndarray:
+    """`row_distribution` as a dense float64 vector over the vocabulary (reference and tests)."""
+    return row_distribution(logits, cfg, counts).dense()
 
 
-def verify_one_token(p: np.ndarray, q: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[bool, int]:
+def sample(dist, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from a `Distribution` or a dense probability vector: one uniform per
+    token, so RNG consumption is fixed and reproducible."""
+    if isinstance(dist, Distribution):
+        return dist.draw(rng.random())
+    return _inverse_cdf(np.asarray(dist, dtype=np.float64), rng.random())
+
+
+def verify_one_token(p, q, draft: int, rng: np.random.Generator) -> tuple[bool, int]:
     """Accept `draft` (drawn from q) with prob min(1, p/q); else resample from max(p - q, 0).
+    p and q are `Distribution`s or dense probability vectors.
 
     Consumes exactly one uniform on acceptance and two on rejection.
     """
-    pd, qd = float(p[draft]), float(q[draft])
+    p = p if isinstance(p, Distribution) else Distribution.from_dense(p)
+    q = q if isinstance(q, Distribution) else Distribution.from_dense(q)
+    pd, qd = p.prob(draft), q.prob(draft)
     if qd > 0.0 and rng.random() * qd < pd:  # u < p/q without dividing by zero
         return True, int(draft)
-    residual = np.maximum(p - q, 0.0)
-    total = residual.sum()
-    if total <= 0.0:  # p == q exactly on the support: any rejection is measure-zero; fall back to p
-        return False, sample(p, rng)
-    return False, sample(residual / total, rng)
+    ids = p.ids if p.ids is not None else np.arange(p.vocab)
+    residual = np.maximum(p.probs - q.probs_at(ids), 0.0)
+    if residual.sum() <= 0.0:  # p == q exactly on the support: any rejection is measure-zero; fall back to p
+        return False, p.draw(rng.random())
+    return False, _inverse_cdf(residual, rng.random(), ids)
 
 
 def speculative_output_marginal(p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 import math
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -112,37 +113,73 @@ def test_sampler_config_is_hashable_with_mtplx_defaults():
     assert SamplerConfig(temperature=0).is_greedy
 
 
-def _full_sort_keep(probs, cfg):
-    """The keep rule over the whole vocabulary ranked (prob desc, id asc): the reference."""
-    order = np.lexsort((np.arange(probs.size), -probs))
-    sorted_p = probs[order]
-    keep_sorted = np.ones(probs.size, dtype=bool)
+def _full_sort_reference(logits, cfg):
+    """The rules over the whole vocabulary ranked (weight desc, id asc): the reference."""
+    x = np.asarray(logits, dtype=np.float32)
+    z = np.exp((x - x.max()) * np.float32(1.0 / cfg.temperature))
+    order = np.lexsort((np.arange(z.size), -z))
+    sorted_z = z[order].astype(np.float64)
+    keep_sorted = np.ones(z.size, dtype=bool)
     if cfg.top_p < 1.0:
-        cum = np.cumsum(sorted_p)
-        keep_sorted[int(np.searchsorted(cum, cfg.top_p * probs.sum() * (1 - 1e-12))) + 1:] = False
+        cum = np.cumsum(sorted_z)
+        keep_sorted[int(np.searchsorted(cum, cfg.top_p * z.sum(dtype=np.float64) * (1 - 1e-12))) + 1:] = False
     if cfg.min_p > 0.0:
-        keep_sorted &= sorted_p >= cfg.min_p * sorted_p[0]
+        keep_sorted &= sorted_z >= cfg.min_p * sorted_z[0]
     if cfg.top_k > 0:
         keep_sorted[cfg.top_k:] = False
-    keep = np.zeros(probs.size, dtype=bool)
-    keep[order[keep_sorted]] = True
-    return keep
+    p = np.zeros(z.size)
+    p[order[keep_sorted]] = sorted_z[keep_sorted]
+    return p / p.sum()
 
 
-@pytest.mark.parametrize("cfg", [
+CONFIGS = [
     SamplerConfig(temperature=1.0, top_p=0.95, top_k=20), SamplerConfig(temperature=1.0, top_p=0.9, top_k=0),
     SamplerConfig(temperature=1.0, top_p=1.0, top_k=0, min_p=0.05), SamplerConfig(temperature=1.0, top_p=0.99, top_k=0),
-    SamplerConfig(temperature=1.0, top_p=1.0, top_k=7), SamplerConfig(temperature=1.0, top_p=0.5, top_k=300, min_p=0.01)])
-def test_candidate_keep_mask_equals_the_full_sort(cfg):
-    """The keep mask ranks only the most probable tokens when that is enough: it must keep exactly
-    what ranking the whole vocabulary keeps, ties (broken by id) and flat distributions included."""
-    from mtplx.sampling import _keep_mask
+    SamplerConfig(temperature=1.0, top_p=1.0, top_k=7), SamplerConfig(temperature=1.0, top_p=0.5, top_k=300, min_p=0.01),
+    SamplerConfig(temperature=0.6, top_p=0.95, top_k=0, min_p=1e-6), SamplerConfig(temperature=0.3, top_p=1.0, top_k=5000)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_candidate_distribution_equals_the_full_sort(cfg):
+    """A filtered distribution ranks only the heaviest tokens when that is enough: it must keep
+    exactly what ranking the whole vocabulary keeps, with the same probabilities; ties (broken by
+    id, as bfloat16 logits make them), flat distributions and real vocabulary sizes included."""
+    from mtplx.sampling import row_distribution
 
     rng = np.random.default_rng(0)
-    for trial in range(60):
-        logits = rng.normal(scale=[0.1, 1.0, 4.0][trial % 3], size=4096)
+    for trial in range(24):
+        V = 248_320 if trial % 8 == 7 else 4096
+        logits = rng.normal(scale=[0.1, 1.0, 4.0][trial % 3], size=V).astype(np.float32)
         if trial % 4 == 0:
-            logits = np.round(logits, 1)            # many exact ties
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-        assert np.array_equal(_keep_mask(p, cfg), _full_sort_keep(p, cfg)), trial
+            logits = np.round(logits, 1)                               # many exact ties
+        if trial % 4 == 1:
+            logits = np.array(mx.array(logits).astype(mx.bfloat16).astype(mx.float32))   # bf16 ties
+        d = row_distribution(logits, cfg)
+        ref = _full_sort_reference(logits, cfg)
+        assert np.array_equal(np.flatnonzero(d.dense()), np.flatnonzero(ref)), trial
+        np.testing.assert_allclose(d.dense(), ref, rtol=1e-12, atol=0)
+
+
+def test_bfloat16_logits_from_the_device():
+    """MLX bfloat16 logits (real checkpoints) are read through a float32 cast on the device."""
+    from mtplx.sampling import row_distribution
+
+    logits = mx.array(np.linspace(-3, 3, 1000)).astype(mx.bfloat16)
+    d = row_distribution(logits, SamplerConfig(temperature=0.7, top_p=0.9, top_k=0))
+    ref = _full_sort_reference(np.array(logits.astype(mx.float32)), SamplerConfig(temperature=0.7, top_p=0.9, top_k=0))
+    np.testing.assert_allclose(d.dense(), ref, rtol=1e-12)
+    top = np.array(logits.astype(mx.float32))
+    assert row_distribution(logits, SamplerConfig(temperature=0.0)).ids.tolist() == [int(np.argmax(top))]
+    assert (top == top.max()).sum() > 1          # bf16 ties at the top: the lowest id wins
+
+
+def test_sparse_and_dense_penalty_counts_agree():
+    from mtplx.sampling import row_distribution
+
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=500).astype(np.float32)
+    cfg = SamplerConfig(temperature=0.8, top_p=0.9, top_k=0, presence_penalty=0.5, frequency_penalty=0.7)
+    toks = [3, 3, 17, int(np.argmax(logits))]
+    a = row_distribution(logits, cfg, token_counts(toks, 500)).dense()
+    b = row_distribution(logits, cfg, {3: 2, 17: 1, toks[3]: 1}).dense()
+    assert np.array_equal(a, b) and a[toks[3]] < distribution(logits, cfg)[toks[3]]

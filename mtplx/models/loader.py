@@ -173,6 +173,25 @@ def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Option
     return head
 
 
+def _cpu_float32_experts(module: nn.Module) -> None:
+    """MLX's CPU `gather_mm` (MoE experts) runs only float32 for some shapes: on the CPU device,
+    unquantized expert weights of another dtype are held in float32 and each expert layer casts
+    its input up and its output back, so activations keep the checkpoint's dtype."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+
+    class Float32SwitchLinear(SwitchLinear):
+        def __call__(self, x, indices, sorted_indices=False):
+            return super().__call__(x.astype(mx.float32), indices, sorted_indices).astype(x.dtype)
+
+    for _, m in module.named_modules():
+        if type(m) is SwitchLinear and m.weight.dtype != mx.float32:
+            m.update({k: v.astype(mx.float32) for k, v in m.parameters().items()})
+            m.__class__ = Float32SwitchLinear
+
+
 def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
     """Load a checkpoint directory; None loads the shipped default model."""
     from ..runtime import clear_streams_at_exit, warn_if_slow_blas
@@ -210,6 +229,7 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
     target.eval()
     if hasattr(arch, "prepare_target"):                 # hybrids: capturing GDN forward
         arch.prepare_target(target)
+    _cpu_float32_experts(target)
 
     mtp, reason = None, None
     weights = _mtp_weights(path, getattr(arch, "MTP_PREFIXES", ("mtp.",))) if load_mtp else {}
@@ -220,6 +240,7 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
     else:
         mtp = _build_mtp(arch, target.args, config, weights, path)
         mtp.eval()
+        _cpu_float32_experts(mtp)
 
     tokenizer = _load_tokenizer(path)
     eos = config.get("eos_token_id", _text_config(config).get("eos_token_id"))
