@@ -661,7 +661,9 @@ class _RowRun:
         except Exception as exc:
             self._queue.put_nowait(exc)
         finally:
-            self.ing._row_leaves_wait(self.row)   # ended before its batch started (cancelled, say)
+            if "batch_started_at" not in self.row:   # Serve dropped it from its batch (its client left)
+                self.ing._stats["rows_dropped_before_dispatch"] += 1
+                self.ing._row_leaves_wait(self.row)
             self._queue.put_nowait(_END)
 
     def _depart(self) -> None:

@@ -616,3 +616,132 @@ def test_grafana_dashboard_uses_exported_metric_names():
     code = (REPO / "deployments" / "replica.py").read_text() + (REPO / "deployments" / "ingress.py").read_text()
     for name in set(re.findall(r"ray_(mtplx_[a-z_]+?)(?:_total|_bucket|_sum|_count)?\b", exprs)):
         assert f'"{name}"' in code, name
+
+
+@RAY_MARK
+def test_disconnect_storm_leaves_nothing_behind(serve_app, http, ref_model):
+    """16 clients leave (half before the first byte, half mid-stream) beside 4 that stay: the
+    stayers' outputs are exact, the leavers' rows were dropped before dispatch or cancelled at the
+    replica, and no queue or map holds anything afterwards."""
+    import httpx
+
+    before = _snapshot(http)
+    body = lambda i, stream=True: {"model": "mtplx-tiny-py", "prompt": PROMPTS[i % len(PROMPTS)],  # noqa: E731
+                                   "max_tokens": 160, "temperature": 0, "stream": stream}
+
+    def early_leaver(i):      # gone before its first byte (its row is likely still in the window)
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers,
+                          timeout=httpx.Timeout(30, read=0.1 + 0.02 * i)) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body(i, stream=False))
+
+    def mid_leaver(i):
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json=body(i)) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 3:
+                        break
+
+    def stayer(i):
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers, timeout=120) as c:
+            r = c.post("/v1/completions", json=body(i, stream=False))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+    with cf.ThreadPoolExecutor(20) as pool:
+        stay = [pool.submit(stayer, i) for i in range(4)]
+        leave = [pool.submit(early_leaver if i % 2 else mid_leaver, i) for i in range(16)]
+        for f in leave:
+            f.result()
+        texts = [f.result() for f in stay]
+    for i, text in enumerate(texts):
+        ids = ref_model.tokenizer.encode(PROMPTS[i], add_special_tokens=False)
+        assert text == _reference(ref_model, ids, 160)[0]
+    deadline = time.time() + 15
+    while True:
+        snap = _snapshot(http)
+        ing = snap["ingress"]
+        rep = next(iter(snap["replicas"].values()))
+        idle = (ing["rows_in_flight"] == 0 and ing["rows_waiting"] == 0 and rep["live_requests"] == 0
+                and rep["pending"] == 0 and rep["active"] == 0 and rep["waiting_rows"] == 0 and rep["lanes"] == [])
+        if idle or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, (ing, {k: rep[k] for k in ("live_requests", "pending", "active", "waiting_rows", "lanes")})
+    dropped = ing["rows_dropped_before_dispatch"] - before["ingress"]["rows_dropped_before_dispatch"]
+    cancelled = _replica_sum(snap, "requests_cancelled") - _replica_sum(before, "requests_cancelled")
+    submitted = _replica_sum(snap, "requests_submitted") - _replica_sum(before, "requests_submitted")
+    # a client may leave before the proxy hands its request to the ingress: that one never became a row
+    rows = ing["requests"] - before["ingress"]["requests"]
+    left = rows - 4
+    print(f"disconnect storm: {rows} rows, {dropped} dropped before dispatch, {cancelled} cancelled at the replica")
+    assert left >= 8 and ing["row_cancels"] - before["ingress"]["row_cancels"] == left
+    assert dropped + cancelled == left and submitted == rows - dropped, (rows, dropped, cancelled, submitted)
+
+
+def _replica_actor_names() -> list:
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if "MTPReplica" in a["name"] and a["namespace"] == "serve"]
+
+
+@RAY_MARK
+def test_replica_killed_mid_cohort_ends_rows_with_503_and_serving_resumes(serve_app, http):
+    """Kill the model replica (through Ray) while a cohort streams: every in-flight row ends at
+    once, a stream with an SSE error event, a non-streaming request with 503 and Retry-After;
+    Serve starts a new replica and requests succeed again (measured, bounded below)."""
+    import threading
+
+    import httpx
+    import ray
+
+    (name,) = _replica_actor_names()
+    started = threading.Barrier(3)
+    body = {"model": "mtplx-tiny-py", "prompt": PROMPTS[5], "max_tokens": 1500, "temperature": 0}
+
+    def streamer():
+        events = []
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            started.wait(60)
+        return events, time.perf_counter()
+
+    def plain():
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers, timeout=120) as c:
+            r = c.post("/v1/completions", json=body)
+        return r, time.perf_counter()
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        blocking = pool.submit(plain)
+        time.sleep(0.5)
+        streams = [pool.submit(streamer) for _ in range(2)]
+        started.wait(60)           # both streams have tokens; the non-streaming row decodes too
+        killed_at = time.perf_counter()
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        outs = [f.result(timeout=60) for f in streams]
+        resp, plain_end = blocking.result(timeout=60)
+    for events, end in outs:
+        assert events[-1] == "[DONE]" and end - killed_at < 10
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "service_unavailable" and "Traceback" not in err["message"]
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1" and plain_end - killed_at < 10
+    assert resp.json()["error"]["code"] == "service_unavailable"
+    # Serve replaces the replica; requests succeed again within RECOVERY_S
+    recovery_s, t0 = 180, time.perf_counter()
+    while True:
+        r = http.post("/v1/completions", json={"model": "mtplx-tiny-py", "prompt": PROMPTS[0], "max_tokens": 8,
+                                               "temperature": 0})
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and "retry-after" in r.headers, (r.status_code, r.text)
+        assert time.perf_counter() - t0 < recovery_s
+        time.sleep(1)
+    print(f"replica kill: rows ended in {max(e for _, e in outs) - killed_at:.2f} s, "
+          f"serving again after {time.perf_counter() - killed_at:.1f} s")
+    assert _replica_actor_names() and _replica_actor_names() != [name]

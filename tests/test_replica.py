@@ -1,0 +1,84 @@
+"""The model replica in-process (no Ray Serve): per-key backpressure, error classes, the
+check_health watchdog. Faults are forced only where they are rare: a closed service, a model
+thread held busy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from mtplx.sampling import SamplerConfig
+
+
+@pytest.fixture(scope="module")
+def replica():
+    from deployments.replica import MTPReplica
+
+    rep = MTPReplica(widths=(3,), warmup=False, max_waiting_rows_per_key=2, retry_after_s=2.0, watchdog_s=0.3)
+    yield rep
+    rep.service.shutdown(timeout_s=10)
+
+
+def _row(rep, i: int, max_tokens: int = 6, prompt_ids=None) -> dict:
+    ids = prompt_ids or list(rep.model.tokenizer.encode(f"def f{i}(x):\n", add_special_tokens=False))
+    return {"request_id": f"row-{i}", "prompt_ids": ids, "max_tokens": max_tokens,
+            "sampler": SamplerConfig(temperature=0.0), "seed": i, "compatibility_key": ("test", "greedy")}
+
+
+def _finals(rep, rows) -> dict:
+    async def go():
+        out = {}
+        async for msg in rep.run_cohort(rows):
+            out.update(msg.get("f") or {})
+        return out
+
+    return asyncio.run(go())
+
+
+def test_rows_beyond_the_per_key_bound_are_refused_at_once(replica):
+    # widest lane 3 + 2 waiting rows = 5 rows of one key; the other 3 are refused with Retry-After
+    t0 = time.perf_counter()
+    finals = _finals(replica, [_row(replica, i) for i in range(8)])
+    refused = [f for f in finals.values() if "error" in f]
+    served = [f for f in finals.values() if "error" not in f]
+    assert len(served) == 5 and len(refused) == 3
+    for f in refused:
+        assert f["error"]["kind"] == "overloaded" and f["error"]["retry_after_s"] == 2.0
+        assert "overloaded" in f["error"]["message"]
+    assert all(f["completion_tokens"] >= 1 for f in served)
+    assert time.perf_counter() - t0 < 60
+    snap = asyncio.run(replica.snapshot())
+    assert snap["overload_rejections"] == 3 and snap["live_requests"] == 0 and snap["waiting_rows"] == 0
+
+
+def test_error_classes_reach_the_ingress_without_internals(replica):
+    rows = [_row(replica, 20, max_tokens=replica.model.max_context),          # prompt + budget > context
+            _row(replica, 21, prompt_ids=[replica.model.vocab_size + 5])]     # a bug upstream: not the client's
+    finals = _finals(replica, rows)
+    assert finals[0]["error"]["kind"] == "capacity" and "context window" in finals[0]["error"]["message"]
+    assert finals[1]["error"] == {"kind": "internal"}     # a plain ValueError is no longer "context length"
+
+
+def test_check_health_catches_a_stuck_model_thread(replica):
+    replica.check_health()
+    held = replica.service.call_on_owner(time.sleep, 1.5)   # the owner thread busy in one step
+    time.sleep(0.7)
+    with pytest.raises(RuntimeError, match="stuck"):
+        replica.check_health()
+    assert asyncio.run(replica.health())["ok"] is False
+    held.result(timeout=10)
+    replica.check_health()
+
+
+def test_a_closed_service_answers_unavailable():
+    from deployments.replica import MTPReplica
+
+    rep = MTPReplica(widths=(3,), warmup=False)
+    rep.service.shutdown(timeout_s=10)
+    finals = _finals(rep, [_row(rep, 30)])
+    err = finals[0]["error"]
+    assert err["kind"] == "unavailable" and err["retry_after_s"] == 1.0 and "shut" in err["message"]
+    with pytest.raises(RuntimeError, match="shut down"):
+        rep.check_health()
