@@ -156,7 +156,10 @@ def _penalised(x: np.ndarray, cfg: SamplerConfig, counts) -> np.ndarray:
 
 
 def _weights(x: np.ndarray, top: float, cfg: SamplerConfig) -> np.ndarray:
-    return np.exp((x - np.float32(top)) * np.float32(1.0 / cfg.temperature))
+    """exp((x - top) / T) in float32, in one buffer."""
+    z = np.subtract(x, np.float32(top))
+    np.multiply(z, np.float32(1.0 / cfg.temperature), out=z)
+    return np.exp(z, out=z)
 
 
 def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
@@ -173,7 +176,7 @@ def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
     V = x.size
     if cfg.is_greedy:
         return Distribution.point(int(np.argmax(x)), V)
-    z_all = _weights(x, float(x.max()), cfg)
+    z_all = _weights(x, float(x[np.argmax(x)]), cfg)
     if not (cfg.top_p < 1.0 or cfg.min_p > 0.0 or 0 < cfg.top_k < V):
         z = z_all.astype(np.float64)
         return Distribution(None, z / z.sum(), V)

@@ -39,6 +39,9 @@ QWEN3_VOCAB, QWEN35_VOCAB = 151_936, 248_320
 HEADS = ("agree", "never", "random", "none")
 BRANCH_OUT = ("o_proj", "out_proj", "down_proj")
 ROUTERS = ("mlp.gate", "shared_expert_gate")
+# Output rows scaled up so that the next-token distributions are peaked as a trained model's are
+# (a few tokens carry most of the mass) rather than nearly flat over the vocabulary.
+LOGIT_SCALE = 4.0
 
 # The standard set: name -> write_checkpoint keyword arguments.
 SUITE = {
@@ -105,13 +108,6 @@ def _quantize(module: nn.Module, group_size: int, prefix: str = "") -> dict:
     return wide
 
 
-def _zero_token_zero(target, arch, tied: bool) -> None:
-    """Zero the output row of token 0: its logit is 0, below the maximum of the others."""
-    lm = target.language_model if hasattr(target, "language_model") else target
-    owner = arch.text_model(target).embed_tokens if tied else lm.lm_head
-    owner.weight[0] = 0.0
-
-
 def write_tokenizer(dst: Path, vocab: int) -> None:
     """The shipped tokenizer with its vocabulary extended to `vocab` ids (`<N>` tokens)."""
     from .models.loader import SHIPPED_MODEL
@@ -144,11 +140,14 @@ def write_checkpoint(dst, arch: str = "qwen3", vocab: int = QWEN3_VOCAB, *, dtyp
         if head in ("agree", "never"):
             small = [(k, v * 0.1) for k, v in tree_flatten(mod.parameters()) if k.split(".")[-2] in BRANCH_OUT]
             mod.update(tree_unflatten(small))
+    lm = target.language_model if hasattr(target, "language_model") else target
+    out = arch_mod.text_model(target).embed_tokens if tied else lm.lm_head
+    out.weight = out.weight * LOGIT_SCALE
     if head == "agree":
         mtp.fc.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
     elif head == "never":
         mtp.fc.weight = mx.zeros((hidden, 2 * hidden))
-        _zero_token_zero(target, arch_mod, tied)
+        out.weight[0] = 0.0          # token 0's logit is 0, below the maximum of the others
     dt = getattr(mx, dtype)
     for mod in (target, mtp):
         mod.update(tree_unflatten([(k, v.astype(dt)) for k, v in tree_flatten(mod.parameters())]))
