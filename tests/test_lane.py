@@ -35,7 +35,7 @@ def _prompts(model, k):
 def test_install_receipt_and_route(lanes, model):
     lane = lanes[8]
     assert lane.width == 8 and lane.depth == 1 and lane.verify_t == 2
-    assert lane.selfcheck["ok"] and set(lane.selfcheck["commit_keeps_seen"]) >= {0, 2}
+    assert lane.selfcheck["ok"] and lane.selfcheck["commit_keeps_seen"] == [0, 1, 2]
     assert "b8" in lane.route_id and model.model_id in lane.route_id
     assert lane.config_fingerprint.endswith(lane.route_id)
 
@@ -147,8 +147,26 @@ def test_selfcheck_refuses_a_miswired_lane(model, monkeypatch):
         return real(caches, written, np.where(np.asarray(keep) > 0, written, 0))
 
     monkeypatch.setattr(lane_mod, "commit_rows", keeps_everything)
-    with pytest.raises(LaneSelfCheckError, match="refused"):
+    with pytest.raises(LaneSelfCheckError, match="refused to install: failed self-check commit_math, greedy_parity") as err:
         install_a3b_mtp_batch_lane(model, 4)
+    assert "greedy_parity" in err.value.receipt["failed_checks"]
+
+
+def test_selfcheck_forces_commits_whatever_the_head(model, monkeypatch):
+    """The self-check injects every draft (the target's own next token, or another), so a head
+    that never agrees installs; a lane that never accepts (a broken accept test) is refused by
+    name, though its greedy output is still exact."""
+    monkeypatch.setattr(model, "draft_hidden", lambda h, t, c, real=model.draft_hidden: real(h, t, c) * 0)
+    receipt = install_a3b_mtp_batch_lane(model, 4).selfcheck
+    assert receipt["ok"] and receipt["commit_keeps_seen"] == [0, 1, 2]
+    assert receipt["dtype"] == "float32" and receipt["parity_tolerance"] == 0.0
+    monkeypatch.undo()
+    real = lane_mod.RunningLane._injected
+    monkeypatch.setattr(lane_mod.RunningLane, "_injected",
+                        lambda self, d, p: (real(self, d, p) + 1) % model.vocab_size)   # no draft can match
+    with pytest.raises(LaneSelfCheckError, match="commit_keeps") as err:
+        install_a3b_mtp_batch_lane(model, 4)
+    assert err.value.receipt["failed_checks"] == ["commit_keeps"]
 
 
 def test_any_width_installs(model):

@@ -636,3 +636,23 @@ def test_pump_once_without_owner_thread(make_service, prompts):
     assert [f.done() for f in futures] == [True, True, True, False]
     assert service.pump_once() is True and futures[3].result(0)["stats"]["mtp_batch_real_width"] == 1
     assert service.pump_once() is False
+
+
+def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkeypatch):
+    """A lane whose self-check fails is not installed; the service still starts, names the failed
+    check in its snapshot, and decodes that width's rows through the one-row lane (exactly)."""
+    import mtplx.a3b_mtp_batch as lane_mod
+
+    real = lane_mod.run_selfcheck
+    monkeypatch.setattr(lane_mod, "run_selfcheck", lambda lane: real(lane) if lane.width != 8 else {
+        "ok": False, "failures": ["row_isolation: injected fault"], "failed_checks": ["row_isolation"]})
+    service = MTPBatchGenerationService.for_model(model, widths=(8,), batch_wait_s=0.01)
+    try:
+        snap = service.snapshot()
+        assert snap["installed_widths"] == [] and "failed self-check row_isolation" in snap["refused_widths"]["8"]
+        results = [f.result(TIMEOUT) for f in [service.submit(job(prompts[i], seed=i)) for i in range(3)]]
+        for r, p in zip(results, prompts):
+            assert r["tokens"] == generate_ar(model, p, 8, GREEDY).tokens
+            assert r["stats"]["mtp_batch_fixed_width"] == 1
+    finally:
+        service.shutdown(timeout_s=30)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import math
 import os
 import secrets
@@ -61,6 +62,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 
 from ..sampling import SamplerConfig
 
+logger = logging.getLogger(__name__)
 FORCE_WIDTH_ENV = "MTPLX_MTP_BATCH_FORCE_WIDTH"
 MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the default when no lane is installed
 DEFAULT_WIDTHS = (3, 8)
@@ -474,6 +476,7 @@ class MTPBatchGenerationService:
         except ValueError:
             raise ValueError(f"{FORCE_WIDTH_ENV}={raw!r} is invalid: must be an integer width") from None
         self._lanes: dict[int, Any] = {}
+        self.refused_widths: dict[int, str] = {}   # width -> why its lane refused to install
         self.numerics = numerics
         self._set_lanes(lanes or {})
         if self.numerics is None:
@@ -536,12 +539,16 @@ class MTPBatchGenerationService:
             raise ValueError("widths is empty: install at least one lane width")
 
         def install():
-            from ..a3b_mtp_batch import install_a3b_mtp_batch_lane
+            from ..a3b_mtp_batch import LaneSelfCheckError, install_a3b_mtp_batch_lane
 
             lanes = dict(self._lanes)
             for w in widths:
                 if w not in lanes:
-                    lanes[w] = install_a3b_mtp_batch_lane(self.model, w, numerics=self.numerics)
+                    try:
+                        lanes[w] = install_a3b_mtp_batch_lane(self.model, w, numerics=self.numerics)
+                    except LaneSelfCheckError as exc:    # rows that would run at w run narrower (solo at worst)
+                        self.refused_widths[w] = str(exc)
+                        logger.warning("MTP batch lane B%d refused: %s", w, exc)
             self._set_lanes(lanes)
             return sorted(lanes)
 
@@ -602,6 +609,8 @@ class MTPBatchGenerationService:
             return [ln for ln in lanes if ln.width >= self.forced_width]
         if lanes and lanes[0].width > 1:
             lanes.insert(0, solo_lane(lanes[0].model))
+        if not lanes and self.refused_widths:           # every width refused: rows decode solo
+            lanes = [solo_lane(self.model)]
         return lanes
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -1104,6 +1113,7 @@ class MTPBatchGenerationService:
                 "lanes": lanes,
                 "pump_scheduled": bool(self._busy or self._pending or self._calls or self._running),
                 "installed_widths": self.installed_widths,
+                "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
                 "forced_width": self.forced_width,
                 "numerics": self.numerics,
                 "route_ids": {str(w): lane.route_id for w, lane in sorted(self._lanes.items())},
