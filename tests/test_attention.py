@@ -1,6 +1,7 @@
 """The CPU attention kernel: same numbers as MLX's fused kernel, and exact lanes at long spans."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane
@@ -36,24 +37,65 @@ def test_softmax_attention_matches_fused(heads, kv_heads, T, S, mask):
     assert mx.abs(got - want).max().item() < 1e-5
 
 
-def test_long_span_lane_rows_equal_solo_ar(model, monkeypatch):
-    """Eight rows whose spans pass the kernel's threshold decode exactly like plain greedy AR."""
+def _lane_rows_equal_solo_ar(model, monkeypatch, prompts):
+    """Decode the prompts as one B8 lane (all prefilled first) and check every row against plain
+    greedy AR; returns which kernel each [8, 2] forward took."""
     greedy = SamplerConfig(temperature=0.0)
-    base = model.tokenizer.encode("def area(r):\n    return 3.14159 * r * r\n\n" * 40)
-    prompts = [base[i * 7:i * 7 + 540] for i in range(8)]
-    assert 8 * 4 * 2 * 540 >= A.SCORE_ELEMENTS
-    calls, kernel = [], A.softmax_attention
+    taken = []
+    for name in ("softmax_attention", "split_attention"):
+        kernel = getattr(A, name)
 
-    def counted(q, *args):
-        calls.append(q.shape)
-        return kernel(q, *args)
+        def counted(q, *args, name=name, kernel=kernel):
+            if q.shape[0] == 8 and q.shape[2] == 2:
+                taken.append(name)
+            return kernel(q, *args)
 
-    monkeypatch.setattr(A, "softmax_attention", counted)
+        monkeypatch.setattr(A, name, counted)
     lane = RunningLane(install_a3b_mtp_batch_lane(model, 8))
     streams = [lane.add(A3BMTPBatchRequest(str(i), p, greedy, max_tokens=12)) for i, p in enumerate(prompts)]
+    lane.admit_all()
     while lane.has_work:
         lane.step()
-    assert any(shape[0] == 8 and shape[2] == 2 for shape in calls)      # the [8, 2] verify took it
     for i, p in enumerate(prompts):
         assert streams[i].tokens == generate_ar(model, p, 12, greedy).tokens, f"row {i}"
+    return set(taken)
 
+
+def _long_prompts(model):
+    base = model.tokenizer.encode("def area(r):\n    return 3.14159 * r * r\n\n" * 40)
+    return [base[i * 7:i * 7 + 540] for i in range(8)]
+
+
+def test_long_span_lane_rows_equal_solo_ar(model, monkeypatch):
+    """Eight rows of one long span: the whole-span kernel, exact against plain greedy AR."""
+    assert 8 * 4 * 2 * 540 >= A.SCORE_ELEMENTS
+    assert _lane_rows_equal_solo_ar(model, monkeypatch, _long_prompts(model)) == {"softmax_attention"}
+
+
+def test_uneven_span_lane_rows_equal_solo_ar(model, monkeypatch):
+    """Two long rows among short ones: attention split by span, exact against plain greedy AR."""
+    prompts = _long_prompts(model)
+    prompts = prompts[:2] + [p[:40 + 9 * i] for i, p in enumerate(prompts[2:])]
+    assert "split_attention" in _lane_rows_equal_solo_ar(model, monkeypatch, prompts)
+
+
+def test_split_point_saves_reads_or_declines():
+    cut, rows = A.split_point(np.array([600, 120, 80, 130, 100, 90, 110, 95]), 600)
+    assert cut == 130 and rows.tolist() == [0]
+    assert A.split_point(np.array([600, 590, 580, 600]), 600) is None       # nothing worth it
+
+
+def test_split_attention_matches_whole():
+    k0, k1, k2 = mx.random.split(mx.random.key(2), 3)
+    B, T, S = 6, 2, 800
+    spans = np.array([800, 40, 75, 500, 12, 60])
+    q = mx.random.normal((B, 4, T, 32), key=k0)
+    k = mx.random.normal((B, 2, S, 32), key=k1) * 2
+    v = mx.random.normal((B, 2, S, 32), key=k2)
+    q_pos = mx.array(spans - T)[:, None] + mx.arange(T)[None]
+    mask = (mx.arange(S)[None, None] <= q_pos[..., None])[:, None]
+    cut, rows = A.split_point(spans, S)
+    assert 0 < cut < S and rows.tolist() == [0, 3]
+    got = A.split_attention(q, k, v, 0.18, mask, cut, rows)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.18, mask=mask)
+    assert mx.abs(got - want).max().item() < 1e-5

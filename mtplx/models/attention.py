@@ -8,6 +8,12 @@ two taken from the float's exponent bits (exact) times a degree-7 polynomial of 
 (relative error below 1e-6, the order of the rounding differences between batch shapes).
 Everything else (small scores, an accelerator, quantized KV, attention sinks) goes to MLX's fused
 kernel. `attention` is a drop-in for mlx-lm's `scaled_dot_product_attention`.
+
+A lane's rows have their own spans, yet one batched attention reads every row up to the longest:
+one long prompt makes seven short rows pay for its length. When a lane's spans are uneven
+enough, `split_attention` attends every row over the keys all rows share, and only the long rows
+over the rest, then merges the two softmax parts per row (the running max and sum, as flash
+attention does).
 """
 
 from __future__ import annotations
@@ -15,9 +21,14 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
+from .cache import RaggedKVCache
+
 SCORE_ELEMENTS = 32768    # measured crossover on a 2-core x86 CPU: ~B8 x 4 heads x 2 queries x 512 keys
+SPLIT_SAVING = 2048       # key positions x rows a split must save to pay for its ~20 extra ops
+_MASKED = -1e30           # finite, so that a part with every key masked merges with weight ~0
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -47,30 +58,81 @@ def _causal(T: int, S: int) -> mx.array:
     return mx.arange(S - T, S)[:, None] >= mx.arange(S)[None]
 
 
+def _scores(q, k, scale, mask, masked):
+    """Grouped-query scores [B, Hkv, rep, T, S], masked entries set to `masked`."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    s = ((q * scale).reshape(B, Hkv, H // Hkv * T, D) @ k.swapaxes(-1, -2)).reshape(B, Hkv, H // Hkv, T, S)
+    if isinstance(mask, str):
+        mask = _causal(T, S)
+    if mask is not None:
+        if mask.ndim == 4:                       # [B, 1|H, T, S] -> the grouped layout
+            Bm, Hm = mask.shape[:2]
+            mask = mask.reshape(Bm, 1, 1, T, S) if Hm == 1 else mask.reshape(Bm, Hkv, H // Hkv, T, S)
+        s = mx.where(mask, s, masked) if mask.dtype == mx.bool_ else s + mask
+    return s
+
+
+def _softmax_part(s, v):
+    """Unnormalized softmax attention over one key part: (max, sum, weighted values), each
+    [B, Hkv, rep, T, .]."""
+    B, Hkv, rep, T, S = s.shape
+    m = mx.max(s, axis=-1, keepdims=True)
+    p = exp_nonpositive(s - m)
+    o = (p.reshape(B, Hkv, rep * T, S) @ v).reshape(B, Hkv, rep, T, -1)
+    return m, p.sum(axis=-1, keepdims=True), o
+
+
 def softmax_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                       mask: Union[None, str, mx.array]) -> mx.array:
     """q [B, H, T, D], k/v [B, Hkv, S, D] (grouped-query heads), mask None, "causal", boolean or
     additive [.., T, S]. Returns [B, H, T, D]."""
     B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    rep = H // Hkv
-    s = ((q * scale).reshape(B, Hkv, rep * T, D) @ k.swapaxes(-1, -2)).reshape(B, Hkv, rep, T, S)
-    if isinstance(mask, str):
-        mask = _causal(T, S)
-    if mask is not None:
-        if mask.ndim == 4:                       # [B, 1|H, T, S] -> the grouped layout
-            mask = mask.reshape(mask.shape[0], -1, 1, T, S) if mask.shape[1] == 1 else \
-                mask.reshape(mask.shape[0], Hkv, rep, T, S)
-        s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask
-    p = exp_nonpositive(s - mx.max(s, axis=-1, keepdims=True))
-    out = (p.reshape(B, Hkv, rep * T, S) @ v) / p.sum(axis=-1).reshape(B, Hkv, rep * T, 1)
-    return out.reshape(B, H, T, D)
+    _, l, o = _softmax_part(_scores(q, k, scale, mask, -mx.inf), v)
+    return (o / l).reshape(B, H, T, -1)
+
+
+def split_point(spans: np.ndarray, width_span: int):
+    """(cut, long rows) minimising the key positions read, or None when no cut saves
+    SPLIT_SAVING: every row reads keys [0, cut), the long rows (span > cut) also [cut, width_span)."""
+    W = len(spans)
+    best_cost, best_cut = W * width_span - SPLIT_SAVING, None
+    for cut in np.unique(spans)[:-1]:
+        cost = W * int(cut) + int((spans > cut).sum()) * (width_span - int(cut))
+        if cost < best_cost:
+            best_cost, best_cut = cost, int(cut)
+    if best_cut is None:
+        return None
+    return best_cut, np.flatnonzero(spans > best_cut)
+
+
+def split_attention(q, k, v, scale: float, mask: mx.array, cut: int, long_rows: np.ndarray) -> mx.array:
+    """Attention of a lane whose rows need different spans: all rows over keys [0, cut), the
+    long rows over [cut, S) too, merged per row. `mask` is boolean [B, 1, T, S]."""
+    B, H, T, D = q.shape
+    m, l, o = _softmax_part(_scores(q, k[..., :cut, :], scale, mask[..., :cut], _MASKED), v[..., :cut, :])
+    idx = mx.array(long_rows.astype(np.int32))
+    mb, lb, ob = _softmax_part(_scores(q[idx], k[idx][:, :, cut:], scale, mask[idx][..., cut:], _MASKED),
+                               v[idx][:, :, cut:])
+    ma, la, oa = m[idx], l[idx], o[idx]
+    top = mx.maximum(ma, mb)
+    wa, wb = mx.exp(ma - top), mx.exp(mb - top)
+    out = o / l
+    out[idx] = (oa * wa + ob * wb) / (la * wa + lb * wb)
+    return out.reshape(B, H, T, -1)
 
 
 def attention(queries, keys, values, cache, scale: float, mask, sinks: Optional[mx.array] = None):
-    """mlx-lm's attention call, with the CPU softmax path for large float32 score tensors."""
+    """mlx-lm's attention call, with the CPU softmax paths for float32 scores: split by row span
+    when a lane's rows are uneven enough, whole when the scores are large."""
     B, H, T, _ = queries.shape
-    if (sinks is None and not hasattr(cache, "bits") and queries.dtype == mx.float32
-            and B * H * T * keys.shape[2] >= SCORE_ELEMENTS and mx.default_device() == mx.cpu):
-        return softmax_attention(queries, keys, values, scale, mask)
+    S = keys.shape[2]
+    if sinks is None and not hasattr(cache, "bits") and queries.dtype == mx.float32 \
+            and mx.default_device() == mx.cpu:
+        if isinstance(cache, RaggedKVCache) and not cache.full_span and isinstance(mask, mx.array):
+            split = split_point(np.minimum(cache.lengths, S), S)   # lengths: each row's span now
+            if split is not None:
+                return split_attention(queries, keys, values, scale, mask, *split)
+        if B * H * T * S >= SCORE_ELEMENTS:
+            return softmax_attention(queries, keys, values, scale, mask)
     return mlx_lm_attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
