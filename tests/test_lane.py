@@ -291,3 +291,72 @@ def test_non_speculative_rows_decode_plain_ar_beside_drafting_rows(model, lanes,
             assert s.accepted_drafts == s.rejected_drafts == 0 and s.cycles == 39   # x0 + 1 per cycle
         else:
             assert s.accepted_drafts + s.rejected_drafts > 0
+
+
+def _target_joint(model, ids, cfg):
+    """The exact target joint p(t1) p(t2 | t1) of a row's first two tokens (penalties count t1)."""
+    import mlx.core as mx
+
+    from mtplx.sampling import row_distribution
+
+    def logits(seq):
+        return model.logits(model.hidden(mx.array([seq]), model.make_cache()))[0, -1]
+
+    p1 = row_distribution(logits(ids), cfg)
+    joint = {}
+    for t1, a in zip(p1.ids.tolist(), p1.probs):
+        p2 = row_distribution(logits(ids + [t1]), cfg, {t1: 1})
+        joint.update({(t1, t2): a * b for t2, b in zip(p2.ids.tolist(), p2.probs)})
+    return joint
+
+
+def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes):
+    """End to end in a running W=3 lane (rows joining as others leave, each with its own seed):
+    top_p, min_p and both penalties on the target, a draft sampler that differs from it; the
+    (t1, t2) pairs follow the target's exact joint (t2 goes through draft, accept test and
+    residual). Chi-square at a false-alarm rate of 1e-4, fixed seeds; the power check: the
+    classic bug (every draft accepted: t2 ~ draft) would put the statistic far past the critical
+    value with this many samples."""
+    from test_sampling import ALPHA, chi2_test
+
+    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.sampling import row_distribution
+
+    cfg = SamplerConfig(temperature=0.7, top_p=0.8, top_k=0, min_p=0.1, presence_penalty=0.4,
+                        frequency_penalty=0.3)
+    draft = SamplerConfig(temperature=1.4, top_p=1.0, top_k=6)
+    ids = model.tokenizer.encode("while True:\n")
+    joint = _target_joint(model, ids, cfg)
+    assert 4 <= len(joint) <= 40
+    n = 800
+    running = RunningLane(lanes[3])
+    streams = []
+    for s in range(n):
+        streams.append(running.add(_req(s, ids, 2, sampler=cfg, seed=s, draft_sampler=draft)))
+        if len(streams) % 3 == 0:
+            running.step()
+    while running.has_work:
+        running.step()
+    assert running.peak_rows == 3 and sum(s.accepted_drafts for s in streams) > 100
+    counts: dict = {}
+    for s in streams:
+        counts[tuple(s.tokens)] = counts.get(tuple(s.tokens), 0) + 1
+    p_value, df = chi2_test(counts, joint)
+    assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
+    # power: under "accept every draft", t2 ~ the draft distribution given t1
+    import mlx.core as mx
+
+    bad = {}
+    for (t1, _), _p in joint.items():
+        if any(k[0] == t1 for k in bad):
+            continue
+        h = model.hidden(mx.array([ids + [t1]]), model.make_cache())
+        q_cache = model.make_mtp_cache()
+        g = model.draft_hidden(model.hidden(mx.array([ids]), model.make_cache())[:, -1:], mx.array([[t1]]), q_cache)
+        q = row_distribution(model.logits(g)[0, -1], draft, {t1: 1})
+        p1 = sum(v for k, v in joint.items() if k[0] == t1)
+        bad.update({(t1, t2): p1 * b for t2, b in zip(q.ids.tolist(), q.probs)})
+        del h
+    outside = sum(v for k, v in bad.items() if k not in joint)
+    lam = n * (sum((bad.get(k, 0.0) - v) ** 2 / v for k, v in joint.items()) + (1e9 if outside > 0.01 else 0.0))
+    assert lam > 100, lam
