@@ -311,9 +311,10 @@ class _CycleForwards:
     when a KV buffer's capacity grows. Eager through the same code when compiling is off or a
     cache cannot enter a graph yet."""
 
-    def __init__(self, lane, caches, mtp_caches):
+    def __init__(self, lane, caches, mtp_caches, counters=None):
         self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
         self.compiled = lane.compiled
+        self.counters = counters            # gets `graph_retraces` += 1 per retrace of a lane graph
         if self.compiled and not lane._graphs:
             model = lane.model
             kinds = [type(c) for c in caches]
@@ -343,6 +344,12 @@ class _CycleForwards:
         if arrays is None:
             return None
         offset = ragged[0].offset if ragged else mx.zeros((1,), mx.int32)
+        traced = self._graphs.setdefault("traced", set())        # (graph, input shapes) seen
+        signature = (name,) + tuple(a.shape for a in args + tuple(arrays))
+        if signature not in traced:
+            if self.counters is not None and any(t[0] == name for t in traced):
+                self.counters.graph_retraces += 1
+            traced.add(signature)
         return self._graphs[name](*args, offset, *arrays), offset + T
 
     def draft(self, h_in, t_in, sel):
@@ -544,6 +551,7 @@ class RunningLane:
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
+        self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
         # the self-check's hook: inject_drafts(row index, output position) -> draft token or None
@@ -695,6 +703,11 @@ class RunningLane:
             layer.put_row(b, per_row)
         for layer, per_row in zip(self.mtp_caches, adm.mtp_cache):
             layer.put_row(b, per_row)
+        if self.lane.compiled:      # KV for the row's whole life now: no retrace while it decodes
+            need = len(adm.row.req.prompt_ids) + adm.row.req.max_tokens + VERIFY_T
+            for layer in self.caches + self.mtp_caches:
+                if isinstance(layer, RaggedKVCache):
+                    layer.ensure_capacity(need)
         logits, hidden = adm.out
         self.logits_last[b] = logits
         self.h_last[b] = hidden[0]
@@ -723,7 +736,7 @@ class RunningLane:
 
     def _cycle(self) -> None:
         if self.forwards is None:
-            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches)
+            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, self)
         caches, mtp_caches, forwards = self.caches, self.mtp_caches, self.forwards
         rows, W = self.rows, self.width
         self.cycles += 1

@@ -473,3 +473,27 @@ def test_capture_commit_cost_measurement_runs(models):
     assert {"[3,2] compiled plain ms", "[3,2] compiled capture_commit ms", "eager overhead",
             "compiled overhead"} <= set(out)
     assert all(v > 0 for k, v in out.items() if k.endswith(" ms"))
+
+
+def test_compiled_lane_never_retraces_while_decoding(models, lanes):
+    """A row's KV is sized for prompt + max_tokens when it joins, so rows that decode across a
+    256-token buffer boundary never retrace the compiled cycle graphs (counted by the lane)."""
+    from mtplx.a3b_mtp_batch import RunningLane
+
+    m, lane = models["qwen3_5"], lanes[("qwen3_5", 3)]
+    assert lane.compiled
+    running = RunningLane(lane)
+    prompts = _prompts(3, seed=51, lengths=(240, 3, 250))
+    streams = [running.add(_req(i, p, 40)) for i, p in enumerate(prompts)]
+    running.admit_all()
+    running.step()                          # may trace at this buffer size (the self-check ran smaller)
+    joined = running.graph_retraces
+    while running.has_work:
+        running.step()
+    assert running.graph_retraces == joined and running.cycles > 20
+    late = running.add(_req(3, prompts[0] * 2, 40))       # joins later, needs a bigger buffer:
+    while running.has_work:                                # draft and verify trace once more
+        running.step()
+    assert running.graph_retraces == joined + 2
+    for s, p in zip(streams + [late], prompts + [prompts[0] * 2]):
+        assert s.tokens == generate_ar(m, p, 40, GREEDY).tokens

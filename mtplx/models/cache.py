@@ -34,6 +34,7 @@ class RaggedKVCache:
         self.lengths = np.asarray(lengths, dtype=np.int64).copy()  # host truth, per row
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         self.full_span = False    # traced: attend over the whole buffer, keep no host state
+        self.reserved = 0         # capacity asked for before the buffer exists
 
     @classmethod
     def traced(cls, keys: mx.array, values: mx.array, offset: mx.array) -> "RaggedKVCache":
@@ -42,6 +43,7 @@ class RaggedKVCache:
         capacity for the positions written."""
         c = cls.__new__(cls)
         c.keys, c.values, c.offset, c.lengths, c.full_span = keys, values, offset, None, True
+        c.reserved = 0
         return c
 
     def _span(self, T: int) -> int:
@@ -77,17 +79,22 @@ class RaggedKVCache:
         """A cache whose row i is this cache's row index[i] (None: an empty row)."""
         lengths = [int(self.lengths[i]) if i is not None else 0 for i in index]
         if self.keys is None:
-            return RaggedKVCache(None, None, lengths)
+            c = RaggedKVCache(None, None, lengths)
+            c.reserved = self.reserved
+            return c
         rows = mx.array([i if i is not None else 0 for i in index], dtype=mx.int32)
         return RaggedKVCache(self.keys[rows], self.values[rows], lengths)
 
     def ensure_capacity(self, needed: int, like: Optional[tuple] = None) -> None:
+        """Capacity for `needed` positions per row, in steps of STEP. Before the first write (no
+        buffer yet, `like` None) the request is remembered and honoured at allocation."""
         if self.keys is None:        # every row started empty: allocate from the first write
+            self.reserved = max(self.reserved, needed)
             if like is None:
                 return
             k, v = like
             B, H, _, Dk = k.shape
-            cap = -(-needed // STEP) * STEP
+            cap = -(-self.reserved // STEP) * STEP
             self.keys = mx.zeros((B, H, cap, Dk), k.dtype)
             self.values = mx.zeros((B, H, cap, v.shape[3]), v.dtype)
             return

@@ -419,7 +419,7 @@ class _KeyLane:
 _LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
                   "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
                   "admitted": "admissions", "widenings": "widenings", "narrowings": "narrowings",
-                  "cycle_s": "cycle_s", "prefill_s": "prefill_s"}
+                  "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces"}
 
 
 def _add_lane_counters(stats: dict, running) -> None:
@@ -501,7 +501,7 @@ class MTPBatchGenerationService:
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
             "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
-            "lane_row_cycles": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
+            "lane_row_cycles": 0, "graph_retraces": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
             "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
@@ -1131,6 +1131,9 @@ class MTPBatchGenerationService:
                 "lane_row_cycles": s["lane_row_cycles"],
                 "mean_lane_occupancy": round(s["lane_row_cycles"] / max(s["target_verify_cycles"], 1), 3),
                 "admissions": s["admissions"],
+                # compiled cycle graphs traced again at a new shape (a KV buffer grew, which the
+                # lane avoids by sizing a row's KV for prompt + max_tokens when it joins)
+                "graph_retraces": s["graph_retraces"],
                 "cycle_seconds_total": round(s["cycle_s"], 6),
                 "prefill_seconds_total": round(s["prefill_s"], 6),
                 "lanes_started": s["lanes_started"],
