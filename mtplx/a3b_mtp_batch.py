@@ -22,12 +22,14 @@ import numpy as np
 
 from .generation import PREFILL_CHUNK, CapacityError, start_prefill
 from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
+from .repetition import RepetitionLimits, repeated_tail
 from .sampling import SamplerConfig, row_distribution, sample, to_host, verify_one_token
 
 DEPTH = 1
 VERIFY_T = 2
 MIN_WIDTH, MAX_WIDTH = 2, 32
 NUMERICS_PROFILES = ("throughput", "b1-exact")
+REPETITION_LIMITS = RepetitionLimits.from_env()
 
 
 class A3BMTPBatchCapacityError(CapacityError):
@@ -94,6 +96,7 @@ class A3BMTPBatchStreamResult:
     real_width: int = 0                             # most live rows in one of its cycles
     occupancy_sum: int = 0                          # live rows, summed over its cycles
     mean_occupancy: float = 0.0                     # occupancy_sum / cycles
+    repetition_stop: Optional[object] = None        # a RepetitionStop when the row stopped on a repeat
 
 
 @dataclass
@@ -431,6 +434,14 @@ class _LaneRow:
         elif len(r.tokens) >= self.req.max_tokens:
             self.finish("length")
         return not self.live
+
+    def check_repetition(self) -> None:
+        """Stop with the repeats after the block's first copy trimmed (mtplx.repetition)."""
+        hit = repeated_tail(self.result.tokens, REPETITION_LIMITS)
+        if hit is not None:
+            self.result.repetition_stop = hit
+            del self.result.tokens[len(self.result.tokens) - hit.trimmed_tokens:]
+            self.finish("stop")
 
     def cancelled(self) -> bool:
         try:
@@ -842,6 +853,8 @@ class RunningLane:
                     row.pending = tok
             self.hist_tok[b] = draft
         for b, row in enumerate(rows):
+            if active[b] and row.live and row.req.repetition_stop:
+                row.check_repetition()
             if active[b] and not row.live:
                 keep[b] = 0           # finished this cycle: freeze its state, free its slot
                 rows[b] = None

@@ -83,3 +83,31 @@ def test_lane_installs_and_rows_equal_solo(models, name):
     other = [A3BMTPBatchRequest(request_id="x", prompt_ids=prompts[2][:2], sampler=SAMPLED, seed=99, max_tokens=5)]
     c = generate_a3b_mtp_batch(lane, reqs[:1] + other)
     assert c.streams[0].tokens == a.streams[0].tokens
+
+
+def test_repetition_stop_through_the_service(models, monkeypatch):
+    """A row that arms the repetition stop ends when its output repeats (the tied test model
+    repeats one token): its result drops the repeats after the first copy and says so; a row
+    that does not arm it runs to its budget."""
+    import mtplx.a3b_mtp_batch as lane_mod
+    from mtplx.repetition import RepetitionLimits
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+
+    monkeypatch.setattr(lane_mod, "REPETITION_LIMITS", RepetitionLimits(20, 12, 4, 8))
+    m = models["qwen3_bf16_tied"]
+    ids = _prompts(m, 1)[0]
+    ar = generate_ar(m, ids, 40, GREEDY).tokens
+    assert len(set(ar[-12:])) == 1                        # the model does repeat
+    service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.01)
+    try:
+        jobs = [MTPBatchJob(request_id=f"r{i}", prompt_ids=ids, max_tokens=40, sampler=GREEDY,
+                            generation_limits={"uncapped_repetition_stop_enabled": i == 0})
+                for i in range(2)]
+        armed, plain = [service.submit(j).result(120) for j in jobs]
+    finally:
+        service.shutdown(timeout_s=30)
+    st = armed["stats"]
+    assert st["repetition_stop_triggered"] and st["repetition_stop_block_tokens"] == 1
+    assert armed["finish_reason"] == "stop" and 20 <= st["repetition_stop_raw_tokens"] <= 22
+    assert armed["tokens"] == ar[:st["repetition_stop_raw_tokens"] - st["repetition_stop_trimmed_tokens"]]
+    assert plain["tokens"] == ar and not plain["stats"]["repetition_stop_triggered"]

@@ -352,7 +352,7 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
         "mtp_batch_route_id": cohort.route_id,
         "mtp_batch_numerics": cohort.numerics,
         "mtp_disabled_reason": None,
-        "repetition_stop_triggered": False,
+        "repetition_stop_triggered": bool(stats.get("repetition_stop_triggered", False)),
         "finish_reason": finish_reason,
         "server_seed": job.seed,
     })
@@ -992,12 +992,16 @@ class MTPBatchGenerationService:
             placement = _Cohort([job], stream.real_width, w, stream.route_id, f"fixed_mtp_batch_width_{w}",
                                 "mtp_batch", self.numerics)
         placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s
+        extra = {"admitted_at_cycle": stream.admitted_at_cycle, "lane_mean_occupancy": round(stream.mean_occupancy, 3)}
+        if stream.repetition_stop is not None:   # the repeats already streamed; the result drops them
+            cut = len(job.tokens) - stream.repetition_stop.trimmed_tokens
+            del job.tokens[cut:], job.token_times[cut:]
+            extra.update(stream.repetition_stop.stats())
         result = _build_result(
             job, placement, finish_reason=stream.finish_reason, cycles=stream.cycles,
             accepted=stream.accepted_drafts, rejected=stream.rejected_drafts,
             terminal_perf_s=stream.terminal_perf_s, cached_tokens=stream.cached_tokens, solo=w <= 1,
-            extra_stats={"admitted_at_cycle": stream.admitted_at_cycle,
-                         "lane_mean_occupancy": round(stream.mean_occupancy, 3)})
+            extra_stats=extra)
         job._succeed(result)
 
     # -- alone (b1-exact, or a lone job with its own solo runner) -------------------------------
