@@ -460,6 +460,14 @@ def solo_lane(model) -> InstalledA3BMTPBatchLane:
     return lane
 
 
+def ar_lanes(model, widths) -> list:
+    """Lanes for plain AR rows only (a model without an MTP head): the one-row lane and these
+    widths, with no self-check (no drafts, no commits but 1)."""
+    reason = getattr(model, "mtp_disabled_reason", None) or "no MTP head"
+    return [solo_lane(model)] + [_new_lane(model, int(w), "throughput", {"skipped": f"AR rows only: {reason}"}, None)
+                                 for w in sorted(set(widths)) if int(w) > 1]
+
+
 def _validate_request(model, r: A3BMTPBatchRequest) -> None:
     if not r.prompt_ids:
         raise ValueError(f"request {r.request_id}: prompt_ids is empty")
@@ -468,6 +476,9 @@ def _validate_request(model, r: A3BMTPBatchRequest) -> None:
     bad = [t for t in r.prompt_ids if not 0 <= t < model.vocab_size]
     if bad:
         raise ValueError(f"request {r.request_id}: token id {bad[0]} is outside the vocabulary")
+    if r.speculative and getattr(model, "mtp", True) is None:
+        raise ValueError(f"request {r.request_id}: the model has no MTP head "
+                         f"({model.mtp_disabled_reason}); send it with speculative=False (plain AR)")
     if len(r.prompt_ids) + r.max_tokens > model.max_context:
         raise A3BMTPBatchCapacityError(
             f"request {r.request_id}: prompt ({len(r.prompt_ids)}) + max_tokens ({r.max_tokens}) "
@@ -685,7 +696,7 @@ class RunningLane:
             return
         W = self.width
         self.caches = [empty_batch_layer(c, W) for c in adm.cache]
-        self.mtp_caches = [empty_batch_layer(c, W) for c in adm.mtp_cache]
+        self.mtp_caches = [empty_batch_layer(c, W) for c in adm.mtp_cache or []]
         logits, hidden = adm.out
         self.logits_last = mx.zeros((W,) + logits.shape, logits.dtype)
         self.h_last = mx.zeros((W,) + hidden.shape[1:], hidden.dtype)
@@ -712,7 +723,7 @@ class RunningLane:
         b = self.rows.index(None)
         for layer, per_row in zip(self.caches, adm.cache):
             layer.put_row(b, per_row)
-        for layer, per_row in zip(self.mtp_caches, adm.mtp_cache):
+        for layer, per_row in zip(self.mtp_caches, adm.mtp_cache or []):
             layer.put_row(b, per_row)
         if self.lane.compiled:      # KV for the row's whole life now: no retrace while it decodes
             need = len(adm.row.req.prompt_ids) + adm.row.req.max_tokens + VERIFY_T
@@ -784,24 +795,27 @@ class RunningLane:
                     x0_host[b] = sample(row.dist(logits_host[b]), row.rng)
             x0 = mx.array(x0_host, dtype=mx.uint32)
 
-        # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]
-        owes_mx = mx.array(owes)
-        slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
-        slot0_t = mx.where(owes_mx, mx.array(self.hist_tok, dtype=mx.uint32), x0)
-        q_logits = forwards.draft(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
-                                  mx.array(owes.astype(np.int32))[:, None, None])        # [W, V]
-        commit_rows(mtp_caches, 2, np.where(active, 1 + owes, 0))
-        if greedy:
-            d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
-            mx.async_eval(d)        # the draft computes while the verify's graph is built
-        else:
-            q_host = to_host(q_logits)
-            q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
-            for b, row in enumerate(rows):
-                if active[b] and row.req.speculative:
-                    q_probs[b] = row.dist(q_host[b], row.draft_sampler)
-                    d_host[b] = sample(q_probs[b], row.rng)
-            d = mx.array(d_host, dtype=mx.uint32)
+        # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]; no head forward
+        #    when every row is plain AR (a model without a head, or generation_mode "ar")
+        d = x0
+        if any(r is not None and r.req.speculative for r in rows):
+            owes_mx = mx.array(owes)
+            slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
+            slot0_t = mx.where(owes_mx, mx.array(self.hist_tok, dtype=mx.uint32), x0)
+            q_logits = forwards.draft(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
+                                      mx.array(owes.astype(np.int32))[:, None, None])        # [W, V]
+            commit_rows(mtp_caches, 2, np.where(active, 1 + owes, 0))
+            if greedy:
+                d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
+                mx.async_eval(d)        # the draft computes while the verify's graph is built
+            else:
+                q_host = to_host(q_logits)
+                q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
+                for b, row in enumerate(rows):
+                    if active[b] and row.req.speculative:
+                        q_probs[b] = row.dist(q_host[b], row.draft_sampler)
+                        d_host[b] = sample(q_probs[b], row.rng)
+                d = mx.array(d_host, dtype=mx.uint32)
 
         if self.inject_drafts is not None:
             d = mx.array(self._injected(np.array(d), has_pending), dtype=mx.uint32)

@@ -19,6 +19,7 @@ KINDS = {
     "qwen3_q4": dict(arch="qwen3", vocab=QWEN3_VOCAB, quantized=True, layers=2),
     "moe_bf16": dict(arch="qwen3_5_moe", vocab=QWEN35_VOCAB),
     "moe_q4_tied": dict(arch="qwen3_5_moe", vocab=QWEN35_VOCAB, quantized=True, tied=True),
+    "qwen3_bf16_nohead": dict(arch="qwen3", vocab=QWEN3_VOCAB, head="none", layers=2),
 }
 
 
@@ -38,7 +39,7 @@ def test_shapes_dtypes_and_quantization(models):
     for name, m in models.items():
         logits = m.logits(m.hidden(mx.array([[5, 6]]), m.make_cache()))
         assert logits.shape[-1] == m.vocab_size and logits.dtype == mx.bfloat16, name
-        assert m.mtp is not None
+        assert (m.mtp is None) == name.endswith("nohead")
     q = models["moe_q4_tied"]
     emb = q.arch.text_model(q.target).embed_tokens
     assert emb.bits == 8 and q.arch.text_model(q.target).layers[1].self_attn.q_proj.bits == 4
@@ -47,7 +48,7 @@ def test_shapes_dtypes_and_quantization(models):
     assert q.tokenizer.decode([QWEN35_VOCAB - 1]) == f"<{QWEN35_VOCAB - 1}>"
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", [k for k in KINDS if not k.endswith("nohead")])
 def test_greedy_mtp_equals_ar_and_sampled_runs(models, name):
     m = models[name]
     n = 6 if "q4" in name else 16
@@ -111,3 +112,24 @@ def test_repetition_stop_through_the_service(models, monkeypatch):
     assert armed["finish_reason"] == "stop" and 20 <= st["repetition_stop_raw_tokens"] <= 22
     assert armed["tokens"] == ar[:st["repetition_stop_raw_tokens"] - st["repetition_stop_trimmed_tokens"]]
     assert plain["tokens"] == ar and not plain["stats"]["repetition_stop_triggered"]
+
+
+def test_a_checkpoint_without_a_head_serves_plain_ar(models):
+    """No MTP head: the service starts with lanes of plain AR rows, every request (whatever its
+    generation_mode) decodes exactly as generate_ar, and the snapshot and each result say why."""
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+
+    m = models["qwen3_bf16_nohead"]
+    service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.05)
+    try:
+        assert "no mtp" in service.snapshot()["mtp_disabled_reason"]
+        prompts = _prompts(m, 3)
+        jobs = [MTPBatchJob(request_id=f"r{i}", prompt_ids=p, max_tokens=10, seed=i,
+                            sampler=GREEDY if i < 2 else SAMPLED) for i, p in enumerate(prompts)]
+        results = [f.result(120) for f in service.submit_cohort(jobs)]
+    finally:
+        service.shutdown(timeout_s=30)
+    for i, (r, p) in enumerate(zip(results, prompts)):
+        assert r["tokens"] == generate_ar(m, p, 10, GREEDY if i < 2 else SAMPLED, seed=i).tokens
+        assert r["stats"]["generation_mode"] == "ar" and "no mtp" in r["stats"]["mtp_disabled_reason"]
+    assert results[0]["stats"]["mtp_batch_real_width"] == 2        # the greedy rows shared a lane

@@ -107,8 +107,9 @@ class MTPModel:
         make = getattr(self.arch, "make_cache", None)      # hybrids: RecurrentCache for GDN layers
         return make(self.target) if make is not None else make_prompt_cache(self.target)
 
-    def make_mtp_cache(self) -> list:
-        return [KVCache() for _ in self.mtp.layers]
+    def make_mtp_cache(self) -> Optional[list]:
+        """The MTP head's caches; None without a head (a prefill then primes no history)."""
+        return [KVCache() for _ in self.mtp.layers] if self.mtp is not None else None
 
 
 def _read_config(path: Path) -> dict:

@@ -351,7 +351,7 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
         "mtp_batch_fixed_width": cohort.fixed_width,
         "mtp_batch_route_id": cohort.route_id,
         "mtp_batch_numerics": cohort.numerics,
-        "mtp_disabled_reason": None,
+        "mtp_disabled_reason": stats.get("mtp_disabled_reason"),
         "repetition_stop_triggered": bool(stats.get("repetition_stop_triggered", False)),
         "finish_reason": finish_reason,
         "server_seed": job.seed,
@@ -477,6 +477,10 @@ class MTPBatchGenerationService:
             raise ValueError(f"{FORCE_WIDTH_ENV}={raw!r} is invalid: must be an integer width") from None
         self._lanes: dict[int, Any] = {}
         self.refused_widths: dict[int, str] = {}   # width -> why its lane refused to install
+        # a model without an MTP head serves every request as plain AR rows, and says why
+        self.mtp_disabled_reason: Optional[str] = (
+            (getattr(model, "mtp_disabled_reason", None) or "the model has no MTP head")
+            if model is not None and getattr(model, "mtp", True) is None else None)
         self.numerics = numerics
         self._set_lanes(lanes or {})
         if self.numerics is None:
@@ -524,7 +528,11 @@ class MTPBatchGenerationService:
 
             kwargs["session_bank"] = SessionBank(f"{model.model_id}:{model.fingerprint}")
         service = cls(model, {}, batch_wait_s=batch_wait_s, numerics=numerics, **kwargs)
-        if numerics != "b1-exact":
+        if service.mtp_disabled_reason is not None:     # no head: lanes of plain AR rows
+            from ..a3b_mtp_batch import ar_lanes
+
+            service.call_on_owner(lambda: service._set_lanes(ar_lanes(model, widths))).result()
+        elif numerics != "b1-exact":
             try:
                 service.install_lanes(widths).result()
             except BaseException:
@@ -677,6 +685,8 @@ class MTPBatchGenerationService:
                 raise ValueError(f"job {job.request_id!r} was already submitted")
         accepted = []
         for job in jobs:
+            if self.mtp_disabled_reason is not None:
+                job.speculative = False
             if self.session_bank is not None and job.session_restore is None and job.session_commit is None:
                 job.session_restore, job.session_commit = self.session_bank.hooks(job.prompt_ids)
             job._service = self
@@ -992,7 +1002,8 @@ class MTPBatchGenerationService:
             placement = _Cohort([job], stream.real_width, w, stream.route_id, f"fixed_mtp_batch_width_{w}",
                                 "mtp_batch", self.numerics)
         placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s
-        extra = {"admitted_at_cycle": stream.admitted_at_cycle, "lane_mean_occupancy": round(stream.mean_occupancy, 3)}
+        extra = {"admitted_at_cycle": stream.admitted_at_cycle, "lane_mean_occupancy": round(stream.mean_occupancy, 3),
+                 "mtp_disabled_reason": self.mtp_disabled_reason}
         if stream.repetition_stop is not None:   # the repeats already streamed; the result drops them
             cut = len(job.tokens) - stream.repetition_stop.trimmed_tokens
             del job.tokens[cut:], job.token_times[cut:]
@@ -1118,6 +1129,7 @@ class MTPBatchGenerationService:
                 "pump_scheduled": bool(self._busy or self._pending or self._calls or self._running),
                 "installed_widths": self.installed_widths,
                 "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
+                "mtp_disabled_reason": self.mtp_disabled_reason,
                 "forced_width": self.forced_width,
                 "numerics": self.numerics,
                 "route_ids": {str(w): lane.route_id for w, lane in sorted(self._lanes.items())},
