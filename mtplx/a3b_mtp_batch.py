@@ -111,6 +111,7 @@ class A3BMTPBatchResult:
     fixed_width: int
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    host_s: float = 0.0          # of decode_s: host work (sampling, accept tests, bookkeeping)
 
 
 @dataclass(frozen=True)
@@ -574,6 +575,7 @@ class RunningLane:
         self.admitted = self.widenings = self.narrowings = 0
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
+        self.host_s = 0.0                              # host work in cycles: sampling, accept tests, rows' bookkeeping
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
         # the self-check's hook: inject_drafts(row index, output position) -> draft token or None
@@ -789,11 +791,13 @@ class RunningLane:
             x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
                           mx.argmax(logits_last, axis=-1).astype(mx.uint32))
         else:
+            t_host = time.perf_counter()
             x0_host = pending.copy()
             for b, row in enumerate(rows):
                 if active[b] and not has_pending[b]:
                     x0_host[b] = sample(row.dist(logits_host[b]), row.rng)
             x0 = mx.array(x0_host, dtype=mx.uint32)
+            self.host_s += time.perf_counter() - t_host
 
         # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]; no head forward
         #    when every row is plain AR (a model without a head, or generation_mode "ar")
@@ -810,12 +814,14 @@ class RunningLane:
                 mx.async_eval(d)        # the draft computes while the verify's graph is built
             else:
                 q_host = to_host(q_logits)
+                t_host = time.perf_counter()
                 q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
                 for b, row in enumerate(rows):
                     if active[b] and row.req.speculative:
                         q_probs[b] = row.dist(q_host[b], row.draft_sampler)
                         d_host[b] = sample(q_probs[b], row.rng)
                 d = mx.array(d_host, dtype=mx.uint32)
+                self.host_s += time.perf_counter() - t_host
 
         if self.inject_drafts is not None:
             d = mx.array(self._injected(np.array(d), has_pending), dtype=mx.uint32)
@@ -830,6 +836,7 @@ class RunningLane:
             L_host = to_host(L)
 
         # 4. per-row decision, same RNG order as the solo path
+        t_host = time.perf_counter()
         keep = np.zeros(W, dtype=np.int64)
         for b, row in enumerate(rows):
             if not active[b]:
@@ -874,6 +881,7 @@ class RunningLane:
                 rows[b] = None
         if self.keep_log is not None:
             self.keep_log.extend(int(k) for k, a in zip(keep, active) if a)
+        self.host_s += time.perf_counter() - t_host
 
         # 5. commit: each row keeps 0/1/2 verify positions; last logits/hidden follow
         commit_rows(caches, VERIFY_T, keep)
@@ -906,7 +914,7 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_lo
         streams=streams, cycles=running.cycles, accepted_drafts=running.accepted,
         rejected_drafts=running.rejected, route_id=lane.route_id, width_histogram={lane.width: running.cycles},
         real_width=len(requests), fixed_width=lane.width, prefill_s=t_decode - t_prefill,
-        decode_s=t_end - t_decode)
+        decode_s=t_end - t_decode, host_s=running.host_s)
     if _keep_log:
         result.keep_log = running.keep_log
     return result

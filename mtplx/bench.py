@@ -7,7 +7,8 @@ ratios from the same run, report medians).
           BLAS turned off (a child process, since BLAS loads at import).
   lane  - serial solo AR / solo MTP vs the B8 lane, B3 vs B8 at 3 rows, a 2-row cohort, and
           mlx-lm's BatchGenerator on the same prompts and weights; the B8 lane with its cycle
-          graphs compiled vs eager; forward costs [B,1]/[B,2].
+          graphs compiled vs eager; forward costs [B,1]/[B,2]; ms and host ms per B8 cycle, and a
+          sampled B8 cycle against a greedy one run beside it (`b8_cycle_vs_greedy`).
   Both report, for hybrid (GDN) models, capture-commit vs a plain verify forward.
 """
 
@@ -33,7 +34,7 @@ BENCH_PROMPTS = [
     "'''Utilities for working with files.'''\n", "def read_lines(path):\n    with open(path) as f:\n",
 ]
 GREEDY = SamplerConfig(temperature=0.0)
-SAMPLED = SamplerConfig(temperature=0.6)
+SAMPLED = SamplerConfig(temperature=0.6)           # MTPLX's defaults otherwise: top_p 0.95, top_k 20
 
 
 def _median(xs):
@@ -265,7 +266,8 @@ def _lane_round(lane, prompts, tokens, sampler):
     per_row = [len(s.tokens) / (s.terminal_perf_s - (t + res.prefill_s)) for s in res.streams]
     return {"tok_s": n / res.decode_s, "per_row_tok_s": _median(per_row),
             "acceptance": res.accepted_drafts / max(res.accepted_drafts + res.rejected_drafts, 1),
-            "cycles": res.cycles}
+            "cycles": res.cycles, "ms_per_cycle": res.decode_s / res.cycles * 1e3,
+            "host_ms_per_cycle": res.host_s / res.cycles * 1e3}
 
 
 def _mlx_lm_batch_round(model, prompts, tokens):
@@ -296,6 +298,8 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
             "b2_2rows": lambda: _lane_round(lanes[2], prompts8[:2], tokens, sampler),
             "serial_mtp_2rows": lambda: _solo_round(model, prompts8[:2], tokens, sampler, mtp=True),
         }
+        if sampler is not GREEDY:
+            arms["b8_8rows_greedy"] = lambda: _lane_round(lanes[8], prompts8, tokens, GREEDY)
         if sampler is GREEDY:
             arms["mlx_lm_batch_8rows"] = lambda: _mlx_lm_batch_round(model, prompts8, tokens)
             arms["b8_8rows_other_mode"] = lambda: _lane_round(other8, prompts8, tokens, sampler)
@@ -312,6 +316,8 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
             row["b8_compiled_vs_eager"] = round(compiled["tok_s"] / eager["tok_s"], 3)
         else:
             row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
+            # the cost of sampling: a sampled B8 cycle against a greedy one measured beside it
+            row["b8_cycle_vs_greedy"] = round(row["b8_8rows"]["ms_per_cycle"] / row["b8_8rows_greedy"]["ms_per_cycle"], 3)
         row["b2_vs_serial_mtp_2rows"] = round(row["b2_2rows"]["tok_s"] / row["serial_mtp_2rows"]["tok_s"], 3)
         row["b3_vs_b8_at_3rows"] = round(row["b3_3rows"]["tok_s"] / row["b8_3rows"]["tok_s"], 3)
         out[name] = row
