@@ -88,7 +88,7 @@ def to_host(logits) -> np.ndarray:
     if isinstance(logits, mx.array):
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
-        return np.array(logits, copy=False)
+        return np.asarray(logits)
     return np.asarray(logits, dtype=np.float32)
 
 

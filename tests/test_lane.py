@@ -90,6 +90,26 @@ def test_cancel_mid_decode_and_before_prefill_leave_others_identical(model, lane
         assert _row_view(res.streams[i]) == _row_view(base.streams[i]), f"row {i} was disturbed"
 
 
+def test_a_raising_callback_fails_only_its_own_row(model, lanes):
+    """cancelled(), on_decode_start(), on_admit(), on_token() and on_terminal() that raise end (or
+    leave untouched) their own row only; every other row decodes exactly as alone."""
+    prompts = _prompts(model, 6)
+    base = generate_a3b_mtp_batch(lanes[8], [_req(i, p, 24) for i, p in enumerate(prompts)])
+
+    def boom(*_args):
+        raise RuntimeError("client callback bug")
+
+    reqs = [_req(i, p, 24) for i, p in enumerate(prompts)]
+    reqs[0] = _req(0, prompts[0], 24, cancelled=boom)
+    reqs[1] = _req(1, prompts[1], 24, on_decode_start=boom)
+    reqs[2] = _req(2, prompts[2], 24, on_token=boom)
+    reqs[3] = _req(3, prompts[3], 24, on_admit=boom, on_terminal=boom)
+    res = generate_a3b_mtp_batch(lanes[8], reqs)
+    assert [s.finish_reason for s in res.streams[:3]] == ["cancelled"] * 3
+    for i in (3, 4, 5):
+        assert _row_view(res.streams[i]) == _row_view(base.streams[i]), f"row {i} was disturbed"
+
+
 def test_callbacks_fire_once_per_row(model, lanes):
     prompts = _prompts(model, 3)
     events = []
