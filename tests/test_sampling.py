@@ -33,8 +33,8 @@ def chi2_sf(x: float, df: int) -> float:
 
 
 def chi2_test(counts: dict, probs: dict, n_min: float = 5.0) -> tuple:
-    """(p-value, df, noncentrality of a given alternative is computed by the caller): cells with
-    expected count below n_min are pooled into one, so the chi-square approximation holds."""
+    """(p-value, df) of observed outcome counts against target probabilities; cells expected
+    fewer than n_min times are pooled into one, so the chi-square approximation holds."""
     n = sum(counts.values())
     assert set(counts) <= set(probs), f"outcomes outside the target's support: {set(counts) - set(probs)}"
     big = [c for c in probs if probs[c] * n >= n_min]
