@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
-from .attention import attention
+from .cpu_ops import RMSNorm, attention
 
 MODEL_TYPES = ("qwen3",)
 
@@ -51,18 +51,21 @@ class Attention(qwen3.Attention):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def _use_our_attention(layers) -> None:
-    for layer in layers:
-        layer.self_attn.__class__ = Attention
+def _use_cpu_ops(module: nn.Module) -> None:
+    """Our attention and RMSNorm classes for mlx-lm's (same weights, same parameters)."""
+    swaps = {qwen3.Attention: Attention, nn.RMSNorm: RMSNorm}
+    for m in module.modules():
+        if type(m) in swaps:
+            m.__class__ = swaps[type(m)]
 
 
 def prepare_target(target: nn.Module) -> None:
-    _use_our_attention(text_model(target).layers)
+    _use_cpu_ops(target)
 
 
 def make_mtp_block(args) -> nn.Module:
     block = qwen3.TransformerBlock(args)
-    _use_our_attention([block])
+    _use_cpu_ops(block)
     return block
 
 

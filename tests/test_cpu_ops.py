@@ -6,7 +6,7 @@ import pytest
 
 from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane
 from mtplx.generation import generate_ar
-from mtplx.models import attention as A
+from mtplx.models import cpu_ops as A
 from mtplx.sampling import SamplerConfig
 
 
