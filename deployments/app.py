@@ -19,6 +19,7 @@ from .ingress import OpenAIIngress
 from .replica import MTPReplica
 
 INGRESS_NAME = "OpenAIIngress"
+REFUSAL_SLOTS = 256
 REPLICA_NAME = "MTPReplica"
 
 
@@ -92,8 +93,9 @@ class AppArgs(BaseModel):
 
 def ingress_max_ongoing(a: AppArgs) -> int:
     """The least max_ongoing_requests an ingress replica needs: its open batches' rows, its waiting
-    rows, and room to refuse the excess itself."""
-    return a.max_batch_size * a.max_concurrent_batches + a.max_waiting_rows + 64
+    rows, and room to refuse the excess itself (a refusal holds its slot only for a moment, but a
+    burst of them must not queue at the proxy behind the rows)."""
+    return a.max_batch_size * a.max_concurrent_batches + a.max_waiting_rows + REFUSAL_SLOTS
 
 
 def build_app(args: Optional[Dict[str, Any]] = None):

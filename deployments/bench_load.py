@@ -366,17 +366,19 @@ class ServerProcess:
         return {"returncode": self.proc.returncode, "leftovers_killed": len(leftovers)}
 
 
-def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float) -> ServerProcess:
-    """`serve run` of the shipped config with a free port (and `model_path` when given), on a
-    fresh local Ray whose temp dir is private to this start."""
+def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float,
+               args_overrides: Optional[dict] = None) -> ServerProcess:
+    """`serve run` of the shipped config with a free port (and `model_path` when given, and any
+    app `args` overridden), on a fresh local Ray whose temp dir is private to this start."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "serve_configs" / "config.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
-    if model_dir is not None:
-        for app in cfg["applications"]:
+    for app in cfg["applications"]:
+        if model_dir is not None:
             app["args"]["model_path"] = str(model_dir)
+        app["args"].update(args_overrides or {})
     cfg_path = work_dir / f"serve_config_{port}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     ray_tmp = Path(tempfile.mkdtemp(prefix="mtplx-bl-", dir="/tmp"))   # short: Ray's socket paths

@@ -7,8 +7,14 @@ per-row token updates are demultiplexed back into the rows' own batch slots. Eac
 detokenizes incrementally, matches stop strings on the text, and answers as JSON or SSE.
 
 Row-level cancellation: a client that disconnects, or a stop string that matches, cancels only that
-row, with a call pinned (by `deployments.router`) to the replica that runs its cohort. The cohort
-stream itself is never cancelled by one row.
+row, with a call pinned (by `deployments.router`) to the replica that runs its cohort; a row whose
+client left before its window closed is never sent. The cohort stream itself is never cancelled by
+one row.
+
+Before any of that: an optional API key (every route but /health), a server-made request id (a
+client's own id is only echoed back), and a bound on the rows waiting here for a window (overload
+is answered at once, 429/503 with Retry-After). Errors are OpenAI-shaped by class; an internal
+failure reaches the client only as "internal error, request id X", its details go to the log.
 """
 
 from __future__ import annotations

@@ -50,6 +50,19 @@ def _replica_id() -> str:
         return f"local-{os.getpid()}"
 
 
+def _rss_bytes() -> Optional[int]:
+    """This process's resident memory now (Linux); its peak on other systems."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def _node_id() -> Optional[str]:
     try:
         import ray
@@ -422,9 +435,17 @@ class MTPReplica:
         snap = self.service.snapshot()
         snap.update({"replica_id": self.replica_id, "node_id": self.node_id, "model_id": self.model.model_id,
                      "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
+                     "rss_bytes": _rss_bytes(), "mlx_memory": self._mlx_memory(),
                      "live_requests": len(self._jobs), "overload_rejections": self._overload_rejections,
                      "max_waiting_rows_per_key": self.max_waiting_rows_per_key})
         return snap
+
+    @staticmethod
+    def _mlx_memory() -> dict:
+        import mlx.core as mx
+
+        return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                "peak_bytes": mx.get_peak_memory()}
 
     async def health(self, **_pin) -> dict:
         snap = self.service.snapshot()

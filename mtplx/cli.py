@@ -40,6 +40,13 @@ def _bench(a):
 
         run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json)
         return
+    if a.what == "soak":
+        from deployments.bench_soak import run_cli as run_soak
+
+        record = run_soak(quick=a.quick, model=a.model, json_out=a.json)
+        if not all(record["checks"].values()):
+            sys.exit(1)
+        return
     if a.what == "http":
         from deployments.bench_http import bench_http
 
@@ -74,15 +81,16 @@ def main(argv=None):
     g.add_argument("--mode", choices=("mtp", "ar"), default="mtp")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load")
-    b.add_argument("what", choices=("solo", "lane", "service", "http", "load"))
+    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak")
+    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak"))
     b.add_argument("--model", default=None)
     b.add_argument("--tokens", type=int, default=None)
     b.add_argument("--prompts", type=int, default=8)
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--json", action="store_true", help="one JSON line")
     b.add_argument("--no-child", action="store_true", help="skip the BLAS-off child run")
-    b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests")
+    b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests; "
+                                                        "soak: 100 requests, 15 s of overload")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
     b.set_defaults(func=_bench)

@@ -1,0 +1,433 @@
+"""`bench soak`: the served app under churn and overload, as `serve run` starts it.
+
+Two phases, each on its own `serve run` of `serve_configs/config.yaml` (a fresh local Ray, free port,
+see `deployments.bench_load.start_ours`):
+
+  * **soak** (the shipped config): REQUESTS streaming `/v1/completions` from CLIENTS closed-loop
+    clients, greedy and sampled alternating by request index, `max_tokens` 8-256 (fixed per
+    index), and DROP_FRACTION of the streams dropped mid-way (the client closes the connection
+    after a fixed number of chunks, about a third of its budget). A kept request is *lost* unless it
+    ends with `[DONE]` (after its text, or after a clean SSE error event). Afterwards the snapshot
+    must show nothing left in any queue or map, and the replica's resident memory is compared with
+    where it was after warm-up.
+  * **overload** (a small queue: `max_waiting_rows` and `max_waiting_rows_per_key` small, few
+    batch windows): OVERLOAD_CLIENTS clients in a closed loop for OVERLOAD_S seconds; a refused
+    client waits its `Retry-After` and tries again. Each refusal must be 429/503 with `Retry-After`
+    in OpenAI's error shape, answered within 100 ms (time to the status line); every admitted
+    request must complete.
+
+    python -m deployments.bench_soak            # or: mtplx bench soak [--quick]
+
+Writes `build/bench/soak-<stamp>.json` and the `bench:soak` section of `BENCHMARKS.md`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+from .bench_load import ROOT, _client, _snapshot, percentile, prompt_for, replace_section, start_ours
+
+REQUESTS, CLIENTS, DROP_FRACTION = 1000, 32, 0.30
+MIN_BUDGET, MAX_BUDGET = 8, 256
+SAMPLED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+OVERLOAD_CLIENTS, OVERLOAD_S = 128, 60.0
+# The small queue of the overload phase: 4 windows of 8 rows reach the replica, 8 rows may wait at
+# the ingress and 4 per key beyond the widest lane at the replica.
+OVERLOAD_ARGS = {"max_concurrent_batches": 4, "max_waiting_rows": 8, "max_waiting_rows_per_key": 4,
+                 "retry_after_s": 1}
+REFUSAL_BOUND_S = 0.100
+WARMUP_PER_CLIENT = 4
+MEMORY_BOUND = 0.10
+
+
+def soak_plan(n: int, seed: int = 0) -> List[dict]:
+    """Per request index: body, and the chunk count after which a dropped stream leaves (None: kept)."""
+    rng = random.Random(seed)
+    plan = []
+    for i in range(n):
+        budget = rng.randint(MIN_BUDGET, MAX_BUDGET)
+        body = {"model": "", "prompt": prompt_for(i), "max_tokens": budget, "stream": True,
+                "stream_options": {"include_usage": True}}
+        body.update({**SAMPLED, "seed": 5000 + i} if i % 2 else {"temperature": 0.0})
+        drop = max(2, budget // 3) if rng.random() < DROP_FRACTION else None
+        plan.append({"index": i, "body": body, "drop_after": drop})
+    return plan
+
+
+async def one_stream(client, index: int, body: dict, drop_after: Optional[int]) -> dict:
+    """One streaming request. Outcome: done ([DONE] after text), error_event (a clean SSE error then
+    [DONE]), dropped (we left), refused (status != 200), or lost (anything else: no [DONE], a broken
+    stream)."""
+    t0 = time.perf_counter()
+    row = {"index": index, "status": None, "outcome": "lost", "status_s": None, "ttft": None, "e2e": None,
+           "tokens": 0, "retry_after": None, "error": None}
+    chunks, error_event = 0, False
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            row["status"], row["status_s"] = r.status_code, time.perf_counter() - t0
+            if r.status_code != 200:
+                raw = await r.aread()
+                row.update(outcome="refused", retry_after=r.headers.get("retry-after"))
+                try:
+                    row["error"] = json.loads(raw)["error"]
+                except (ValueError, KeyError, TypeError):
+                    row["error"] = {"unparsed": raw[:160].decode(errors="replace")}
+                return row
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    row["outcome"] = "error_event" if error_event else "done"
+                    break
+                obj = json.loads(line[6:])
+                if obj.get("error"):
+                    error_event, row["error"] = True, obj["error"]
+                    continue
+                if obj.get("usage"):
+                    row["tokens"] = obj["usage"].get("completion_tokens", 0)
+                if (obj.get("choices") or [{}])[0].get("text"):
+                    chunks += 1
+                    if row["ttft"] is None:
+                        row["ttft"] = time.perf_counter() - t0
+                    if drop_after is not None and chunks >= drop_after:
+                        row["outcome"] = "dropped"
+                        break       # leaving the block closes the connection mid-stream
+    except Exception as exc:   # a broken stream is a lost request, recorded
+        row["error"] = {"exception": f"{type(exc).__name__}: {exc}"[:200]}
+    row["e2e"] = time.perf_counter() - t0
+    return row
+
+
+async def soak(base_url: str, plan: List[dict], clients: int, model: str) -> tuple:
+    pending = iter(plan)
+    rows: List[dict] = []
+
+    async def worker(client):
+        for p in pending:
+            rows.append(await one_stream(client, p["index"], {**p["body"], "model": model}, p["drop_after"]))
+
+    async with _client(base_url, clients) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return sorted(rows, key=lambda r: r["index"]), wall
+
+
+async def overload(base_url: str, clients: int, duration_s: float, model: str) -> tuple:
+    """Closed loop for `duration_s`; a refused client sleeps its Retry-After, then tries again."""
+    rows: List[dict] = []
+    stop_at = time.perf_counter() + duration_s
+    counter = iter(range(10 ** 9))
+
+    async def worker(client):
+        while time.perf_counter() < stop_at:
+            i = next(counter)
+            body = {"model": model, "prompt": prompt_for(i), "max_tokens": 32 + (i * 37) % 97, "stream": True,
+                    "temperature": 0.0, "stream_options": {"include_usage": True}}
+            row = await one_stream(client, i, body, None)
+            rows.append(row)
+            if row["outcome"] == "refused":
+                await asyncio.sleep(float(row["retry_after"] or 1))
+
+    async with _client(base_url, clients) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return rows, wall
+
+
+def _idle_state(snap: Optional[dict]) -> dict:
+    """What is still held anywhere (all zero / empty when idle)."""
+    if not snap:
+        return {"snapshot": "unavailable"}
+    ing = snap.get("ingress") or {}
+    out = {"ingress_rows_in_flight": ing.get("rows_in_flight"), "ingress_rows_waiting": ing.get("rows_waiting")}
+    for rid, rep in (snap.get("replicas") or {}).items():
+        for k in ("live_requests", "pending", "active", "waiting_rows"):
+            out[f"{k}"] = out.get(k, 0) + int(rep.get(k) or 0)
+        out["lanes"] = out.get("lanes", 0) + len(rep.get("lanes") or [])
+    return out
+
+
+def _memory(snap: Optional[dict]) -> dict:
+    """Replica memory, summed over replicas: resident set, MLX active / cache, and the prompt-prefix
+    bank (a bounded LRU cache that fills by design, up to its byte budget)."""
+    out = {"rss": 0, "mlx_active": 0, "mlx_cache": 0, "prefix_bank": 0}
+    for rep in ((snap or {}).get("replicas") or {}).values():
+        out["rss"] += int(rep.get("rss_bytes") or 0)
+        out["mlx_active"] += int((rep.get("mlx_memory") or {}).get("active_bytes") or 0)
+        out["mlx_cache"] += int((rep.get("mlx_memory") or {}).get("cache_bytes") or 0)
+        out["prefix_bank"] += int((rep.get("session_bank") or {}).get("bytes") or 0)
+    return {k: round(v / 2 ** 20, 1) for k, v in out.items()}
+
+
+class _MemorySampler:
+    """Samples the replicas' resident memory every `period_s` while a phase runs: (seconds, MB)."""
+
+    def __init__(self, base_url: str, period_s: float = 15.0):
+        import threading
+
+        self.base_url, self.period_s, self.samples = base_url, period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.wait(self.period_s):
+            self.samples.append((round(time.monotonic() - t0), _memory(_snapshot(self.base_url))["rss"]))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = _snapshot(base_url)
+        state = _idle_state(snap)
+        if all(not v for v in state.values()) or time.monotonic() > deadline:
+            return {"state": state, "snapshot": snap}
+        time.sleep(0.5)
+
+
+def _ms(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v * 1000, 1)
+
+
+def summarize_soak(rows: List[dict], wall: float) -> dict:
+    by = {}
+    for r in rows:
+        by[r["outcome"]] = by.get(r["outcome"], 0) + 1
+    kept = [r for r in rows if r["outcome"] != "dropped"]
+    done = [r for r in rows if r["outcome"] == "done"]
+    return {
+        "requests": len(rows), "wall_s": round(wall, 1), "outcomes": by,
+        "kept": len(kept), "dropped": by.get("dropped", 0), "lost": by.get("lost", 0),
+        "status_5xx": sum(1 for r in rows if (r["status"] or 0) >= 500),
+        "error_events": by.get("error_event", 0), "refused": by.get("refused", 0),
+        "completion_tokens_done": sum(r["tokens"] for r in done),
+        "tok_s_done": round(sum(r["tokens"] for r in done) / wall, 1) if wall else None,
+        "ttft_p50_ms": _ms(percentile([r["ttft"] for r in rows], 50)),
+        "ttft_p99_ms": _ms(percentile([r["ttft"] for r in rows], 99)),
+        "e2e_p50_s": percentile([r["e2e"] for r in done], 50), "e2e_p99_s": percentile([r["e2e"] for r in done], 99),
+        "lost_samples": [r for r in rows if r["outcome"] == "lost"][:3],
+        "error_samples": [r["error"] for r in rows if r["error"]][:3],
+    }
+
+
+def summarize_overload(rows: List[dict], wall: float) -> dict:
+    refused = [r for r in rows if r["outcome"] == "refused"]
+    admitted = [r for r in rows if r["outcome"] != "refused"]
+    shaped = [r for r in refused if r["status"] in (429, 503) and r["retry_after"]
+              and isinstance(r["error"], dict) and {"message", "type", "param", "code"} <= set(r["error"])]
+    status_s = [r["status_s"] for r in refused]
+    return {
+        "requests": len(rows), "wall_s": round(wall, 1), "refused": len(refused), "admitted": len(admitted),
+        "refused_statuses": sorted({r["status"] for r in refused}),
+        "refused_openai_shape_with_retry_after": len(shaped),
+        "refusal_p50_ms": _ms(percentile(status_s, 50)), "refusal_p99_ms": _ms(percentile(status_s, 99)),
+        "refusal_max_ms": _ms(max(status_s) if status_s else None),
+        "refused_within_bound": sum(1 for s in status_s if s <= REFUSAL_BOUND_S),
+        "admitted_completed": sum(1 for r in admitted if r["outcome"] == "done"),
+        "admitted_not_completed": [r for r in admitted if r["outcome"] != "done"][:3],
+        "admitted_ttft_p50_ms": _ms(percentile([r["ttft"] for r in admitted], 50)),
+        "admitted_e2e_p50_s": percentile([r["e2e"] for r in admitted], 50),
+        "tok_s": round(sum(r["tokens"] for r in admitted) / wall, 1) if wall else None,
+    }
+
+
+def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, clients: int = CLIENTS,
+               overload_clients: int = OVERLOAD_CLIENTS, overload_s: float = OVERLOAD_S,
+               ready_timeout_s: float = 600.0,
+               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    import mtplx
+
+    started = time.time()
+    model_path = Path(model_dir).resolve() if model_dir else None
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = ROOT / "build" / "bench"
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    record = {"bench": "soak", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "model": str(model_path) if model_path else "shipped",
+              "plan": {"requests": requests, "clients": clients, "drop_fraction": DROP_FRACTION,
+                       "budgets": [MIN_BUDGET, MAX_BUDGET], "sampled": SAMPLED,
+                       "overload_clients": overload_clients, "overload_s": overload_s,
+                       "overload_args": OVERLOAD_ARGS, "refusal_bound_s": REFUSAL_BOUND_S},
+              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                          "runtime": mtplx.runtime_info()},
+              "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    with tempfile.TemporaryDirectory(prefix="mtplx-bench-soak-") as tmp:
+        work = Path(tmp)
+        log(f"soak: {requests} streaming requests from {clients} clients ({DROP_FRACTION:.0%} dropped)")
+        server = start_ours(model_path, out_dir / "logs" / f"soak-{stamp}-soak.log", work, ready_timeout_s)
+        try:
+            model = server.model
+            # warm-up (WARMUP_PER_CLIENT requests per client, same mix), so that memory is measured
+            # after first-use costs: lane buffers at every width, allocator pools, caches
+            asyncio.run(soak(server.url, soak_plan(clients * WARMUP_PER_CLIENT, seed=99), clients, model))
+            idle0 = _wait_idle(server.url)
+            mem0 = _memory(idle0["snapshot"])
+            with _MemorySampler(server.url) as curve:
+                rows, wall = asyncio.run(soak(server.url, soak_plan(requests), clients, model))
+            idle = _wait_idle(server.url)
+            mem1 = _memory(idle["snapshot"])
+            s = summarize_soak(rows, wall)
+            s.update(idle_after=idle["state"], memory_before_mb=mem0, memory_after_mb=mem1,
+                     rss_curve_mb=curve.samples,
+                     ingress=(idle["snapshot"] or {}).get("ingress"))
+            if mem0["rss"]:
+                s["rss_growth"] = mem1["rss"] / mem0["rss"] - 1
+                # what is not the bounded prefix cache filling up
+                s["rss_growth_beside_prefix_bank"] = (mem1["rss"] - mem1["prefix_bank"]) / \
+                    (mem0["rss"] - mem0["prefix_bank"]) - 1
+            record["soak"] = s
+            log(f"soak: {s['outcomes']} in {s['wall_s']} s, lost {s['lost']}, 5xx {s['status_5xx']}, "
+                f"idle {s['idle_after']}, memory {mem0} -> {mem1} MB")
+        finally:
+            record["soak_stop"] = server.stop()
+        log(f"overload: {overload_clients} clients for {overload_s:.0f} s against a small queue {OVERLOAD_ARGS}")
+        server = start_ours(model_path, out_dir / "logs" / f"soak-{stamp}-overload.log", work, ready_timeout_s,
+                            args_overrides=OVERLOAD_ARGS)
+        try:
+            rows, wall = asyncio.run(overload(server.url, overload_clients, overload_s, server.model))
+            idle = _wait_idle(server.url)
+            o = summarize_overload(rows, wall)
+            o["idle_after"] = idle["state"]
+            record["overload"] = o
+            log(f"overload: {o['refused']} refused ({o['refused_statuses']}, p50 {o['refusal_p50_ms']} ms, "
+                f"p99 {o['refusal_p99_ms']} ms), {o['admitted_completed']}/{o['admitted']} admitted completed")
+        finally:
+            record["overload_stop"] = server.stop()
+    s, o = record["soak"], record["overload"]
+    record["checks"] = {
+        "soak_none_lost": s["lost"] == 0,
+        "soak_no_5xx": s["status_5xx"] == 0,
+        "soak_nothing_left": all(not v for v in s["idle_after"].values()),
+        "soak_memory_within_10pct": (s.get("rss_growth_beside_prefix_bank") is not None
+                                     and s["rss_growth_beside_prefix_bank"] <= MEMORY_BOUND),
+        "overload_refusals_shaped": o["refused"] > 0 and o["refused_openai_shape_with_retry_after"] == o["refused"],
+        "overload_refusals_within_100ms": o["refused"] > 0 and o["refused_within_bound"] == o["refused"],
+        "overload_admitted_all_complete": o["admitted_completed"] == o["admitted"],
+    }
+    record["elapsed_s"] = time.time() - started
+    record["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    record["artifacts"] = {"json": str(out_dir / f"soak-{stamp}.json")}
+    return record
+
+
+def render_section(record: dict, command: str) -> str:
+    m, rt, s, o = record["machine"], record["machine"]["runtime"], record["soak"], record["overload"]
+    p = record["plan"]
+    mb0, mb1 = s["memory_before_mb"], s["memory_after_mb"]
+    quick = " (quick smoke run: not the full workload)" if record.get("quick") else ""
+    ok = lambda b: "yes" if b else "**no**"   # noqa: E731
+    c = record["checks"]
+    lines = [
+        f"## bench soak: churn and overload{quick}",
+        "",
+        f"`{command}`, {record['date']}, {record['elapsed_s'] / 60:.1f} min. Machine: `{m['platform']}`, "
+        f"{m['cpu_count']} CPUs, BLAS {rt.get('blas')}, mlx {rt.get('mlx_version')} on `{rt.get('mlx_device')}`. "
+        f"Model: {record['model']}. Each phase on its own `serve run serve_configs/config.yaml`. "
+        f"Load average (1/5/15 min) at start {_load(record.get('loadavg_start'))}, at end "
+        f"{_load(record.get('loadavg_end'))}: the CPUs are shared with the bench client and other work.",
+        "",
+        f"**Soak**: {p['requests']} streaming `/v1/completions` from {p['clients']} closed-loop clients, greedy and "
+        f"sampled (t {SAMPLED['temperature']}, top_p {SAMPLED['top_p']}, top_k {SAMPLED['top_k']}) alternating, "
+        f"`max_tokens` {p['budgets'][0]}-{p['budgets'][1]}, {p['drop_fraction']:.0%} of streams dropped mid-way "
+        "(the client closes after about a third of its budget). Lost: a kept request that did not end with "
+        f"`[DONE]`. Memory: the replica's resident set after a {p['clients'] * WARMUP_PER_CLIENT}-request warm-up "
+        "(same mix) vs after the run (sampled every 15 s in the JSON, `rss_curve_mb`); the "
+        "prompt-prefix bank is a bounded LRU cache (512 MiB budget) that fills by design, so the check is "
+        "on the growth beside it.",
+        "",
+        "| requests | done | dropped | clean error events | lost | 5xx | 429/503 | completion tok/s | TTFT p50 / p99 ms "
+        "| E2E p50 / p99 s | left in queues/maps | replica RSS MB before -> after | of which prefix bank MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        f"| {s['requests']} | {s['outcomes'].get('done', 0)} | {s['dropped']} | {s['error_events']} | {s['lost']} | "
+        f"{s['status_5xx']} | {s['refused']} | {s['tok_s_done']} | {s['ttft_p50_ms']} / {s['ttft_p99_ms']} | "
+        f"{_fmt(s['e2e_p50_s'])} / {_fmt(s['e2e_p99_s'])} | "
+        f"{'none' if all(not v for v in s['idle_after'].values()) else s['idle_after']} | "
+        f"{mb0['rss']} -> {mb1['rss']} ({_pct(s.get('rss_growth'))}; {_pct(s.get('rss_growth_beside_prefix_bank'))} "
+        f"beside the prefix bank) | {mb0['prefix_bank']} -> {mb1['prefix_bank']} |",
+        "",
+        f"**Overload**: {p['overload_clients']} closed-loop streaming clients for {p['overload_s']:.0f} s against a "
+        f"small queue (app args {json.dumps(p['overload_args'])}); a refused client waits its `Retry-After`. "
+        "Refusal time: request sent to status line.",
+        "",
+        "| requests | admitted | admitted completed | refused | refused statuses | OpenAI shape + Retry-After "
+        "| refusal p50 / p99 / max ms | within 100 ms | admitted TTFT p50 ms | tok/s |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        f"| {o['requests']} | {o['admitted']} | {o['admitted_completed']} | {o['refused']} | {o['refused_statuses']} | "
+        f"{o['refused_openai_shape_with_retry_after']} | {o['refusal_p50_ms']} / {o['refusal_p99_ms']} / "
+        f"{o['refusal_max_ms']} | {o['refused_within_bound']}/{o['refused']} | {o['admitted_ttft_p50_ms']} | "
+        f"{o['tok_s']} |",
+        "",
+        "Checks: " + ", ".join(f"{k.replace('_', ' ')}: {ok(v)}" for k, v in c.items()) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _load(v) -> str:
+    return "-" if not v else "/".join(f"{x:.1f}" for x in v)
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
+def write_outputs(record: dict, command: str) -> dict:
+    md = ROOT / "BENCHMARKS.md"
+    md.write_text(replace_section(md.read_text() if md.exists() else "", "soak", render_section(record, command)))
+    Path(record["artifacts"]["json"]).write_text(json.dumps(record, indent=2, default=str))
+    record["artifacts"]["markdown"] = str(md)
+    return record["artifacts"]
+
+
+def run_cli(quick: bool = False, model: Optional[str] = None, json_out: bool = False) -> dict:
+    """The `mtplx bench soak` entry: `--quick` is 100 requests and 15 s of overload."""
+    opts = dict(requests=100, overload_s=15.0) if quick else {}
+    record = bench_soak(model_dir=model, **opts)
+    record["quick"] = quick
+    command = "mtplx bench soak" + (" --quick" if quick else "") + (f" --model {model}" if model else "")
+    out = write_outputs(record, command)
+    if json_out:
+        print(json.dumps(record, default=str), flush=True)
+    else:
+        print(json.dumps(record["checks"], indent=2))
+        print(f"\nJSON: {out['json']}\nsection: {out['markdown']}", flush=True)
+    return record
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="100 requests, 15 s of overload")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the shipped model)")
+    p.add_argument("--json", action="store_true", help="print the JSON record")
+    a = p.parse_args(argv)
+    record = run_cli(quick=a.quick, model=a.model, json_out=a.json)
+    return 0 if all(record["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
