@@ -738,14 +738,24 @@ class RunningLane:
         self.logits_host = None
         self.hist_tok[b] = 0
         row = adm.row
-        row.result.admitted_at_cycle = self.cycles
+        r = row.result
         self.rows[b] = row
+        r.admitted_at_cycle, r.fixed_width, r.route_id = self.cycles, self.width, self.lane.route_id
+        r.real_width = self.live_rows
         self.admitted += 1
         try:
             row.req.on_decode_start()
         except Exception:
             row.finish("cancelled")
             self.rows[b] = None
+            return
+        # The first token comes from the prefill's logits: emit it now rather than after a cycle
+        # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
+        first = int(mx.argmax(logits).item()) if row.greedy else sample(row.dist(to_host(logits)), row.rng)
+        if row.emit(first):
+            self.rows[b] = None
+        else:
+            row.pending = first
 
     def _injected(self, drafts: np.ndarray, has_pending: np.ndarray) -> np.ndarray:
         """Drafts replaced by `inject_drafts` (row index = request id in a sealed cohort); the

@@ -68,7 +68,8 @@ def test_stops_at_different_cycles_and_first_token_finish(model, lanes):
             continue
         cut = s.index(next(iter(st))) + 1
         assert stream.tokens == s[:cut] and stream.finish_reason == "stop"
-    assert res.streams[0].cycles == 1
+    assert res.streams[0].cycles == 0      # its first token, from the prefill, was a stop: no cycle
+    assert res.streams[0].fixed_width == 8 and res.streams[0].route_id == lanes[8].route_id
 
 
 def _row_view(s):
