@@ -23,7 +23,7 @@ import numpy as np
 from .generation import PREFILL_CHUNK, CapacityError, start_prefill
 from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from .repetition import RepetitionLimits, repeated_tail
-from .sampling import SamplerConfig, row_distribution, sample, to_host, verify_one_token
+from .sampling import Distribution, SamplerConfig, row_distribution, sample, to_host, verify_one_token
 
 DEPTH = 1
 VERIFY_T = 2
@@ -399,6 +399,11 @@ class _LaneRow:
     @property
     def greedy(self) -> bool:
         return self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
+
+    @property
+    def greedy_draft(self) -> bool:
+        """Drafts the head's argmax (on the device, no RNG draw)."""
+        return self.draft_sampler.is_greedy and not self.draft_sampler.has_penalties
 
     def dist(self, logits_row, cfg=None):
         return row_distribution(logits_row, cfg or self.sampler, self.counts)
@@ -812,6 +817,7 @@ class RunningLane:
         # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]; no head forward
         #    when every row is plain AR (a model without a head, or generation_mode "ar")
         d = x0
+        q_probs = [None] * W                 # sampled rows' draft distributions (None: a point mass)
         if any(r is not None and r.req.speculative for r in rows):
             owes_mx = mx.array(owes)
             slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
@@ -823,15 +829,21 @@ class RunningLane:
                 d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
                 mx.async_eval(d)        # the draft computes while the verify's graph is built
             else:
-                q_host = to_host(q_logits)
-                t_host = time.perf_counter()
-                q_probs, d_host = [None] * W, np.zeros(W, dtype=np.int64)
-                for b, row in enumerate(rows):
-                    if active[b] and row.req.speculative:
-                        q_probs[b] = row.dist(q_host[b], row.draft_sampler)
-                        d_host[b] = sample(q_probs[b], row.rng)
+                # a greedy draft sampler drafts on the device (q is the point mass on the argmax;
+                # no draw, no wait); the other rows draw theirs on the host from their q
+                coupled = np.array([r is not None and r.req.speculative and r.greedy_draft for r in rows])
+                drawn = [b for b, r in enumerate(rows) if r is not None and r.req.speculative and not coupled[b]]
+                d_host = np.zeros(W, dtype=np.int64)
+                if drawn:
+                    q_host = to_host(q_logits)
+                    t_host = time.perf_counter()
+                    for b in drawn:
+                        q_probs[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
+                        d_host[b] = sample(q_probs[b], rows[b].rng)
+                    self.host_s += time.perf_counter() - t_host
                 d = mx.array(d_host, dtype=mx.uint32)
-                self.host_s += time.perf_counter() - t_host
+                if coupled.any():
+                    d = mx.where(mx.array(coupled), mx.argmax(q_logits, axis=-1).astype(mx.uint32), d)
 
         if self.inject_drafts is not None:
             d = mx.array(self._injected(np.array(d), has_pending), dtype=mx.uint32)
@@ -844,6 +856,7 @@ class RunningLane:
             x0_host, d_host, target_ids = np.array(x0), np.array(d), np.array(target_ids)
         else:
             L_host = to_host(L)
+            d_host = np.array(d)
 
         # 4. per-row decision, same RNG order as the solo path
         t_host = time.perf_counter()
@@ -864,7 +877,8 @@ class RunningLane:
             if greedy:
                 ok, tok = draft == int(target_ids[b, 0]), int(target_ids[b, 0])
             else:
-                ok, tok = verify_one_token(row.dist(L_host[b, 0]), q_probs[b], draft, row.rng)
+                q = q_probs[b] if q_probs[b] is not None else Distribution.point(draft, self.model.vocab_size)
+                ok, tok = verify_one_token(row.dist(L_host[b, 0]), q, draft, row.rng)
             row.pending, row.owes_history = None, ok
             if ok:
                 self.accepted += 1

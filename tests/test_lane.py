@@ -168,7 +168,8 @@ def test_selfcheck_refuses_a_miswired_lane(model, monkeypatch):
         return real(caches, written, np.where(np.asarray(keep) > 0, written, 0))
 
     monkeypatch.setattr(lane_mod, "commit_rows", keeps_everything)
-    with pytest.raises(LaneSelfCheckError, match="refused to install: failed self-check commit_math, greedy_parity") as err:
+    with pytest.raises(LaneSelfCheckError,
+                       match="refused to install: failed self-check commit_math, greedy_parity") as err:
         install_a3b_mtp_batch_lane(model, 4)
     assert "greedy_parity" in err.value.receipt["failed_checks"]
 
@@ -331,13 +332,16 @@ def _target_joint(model, ids, cfg):
     return joint
 
 
-def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes):
+@pytest.mark.parametrize("draft", [SamplerConfig(temperature=1.4, top_p=1.0, top_k=6),
+                                   SamplerConfig(temperature=0.0)], ids=["sampled_draft", "greedy_draft"])
+def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft):
     """End to end in a running W=3 lane (rows joining as others leave, each with its own seed):
     top_p, min_p and both penalties on the target, a draft sampler that differs from it; the
     (t1, t2) pairs follow the target's exact joint (t2 goes through draft, accept test and
-    residual). Chi-square at a false-alarm rate of 1e-4, fixed seeds; the power check: the
-    classic bug (every draft accepted: t2 ~ draft) would put the statistic far past the critical
-    value with this many samples."""
+    residual). A sampled draft is drawn on the host; a greedy one is the head's argmax on the
+    device (q a point mass). Chi-square at a false-alarm rate of 1e-4, fixed seeds; the power
+    check: the classic bug (every draft accepted: t2 ~ draft) would put the statistic far past the
+    critical value with this many samples."""
     from test_sampling import ALPHA, chi2_test
 
     from mtplx.a3b_mtp_batch import RunningLane
@@ -345,7 +349,6 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes):
 
     cfg = SamplerConfig(temperature=0.7, top_p=0.8, top_k=0, min_p=0.1, presence_penalty=0.4,
                         frequency_penalty=0.3)
-    draft = SamplerConfig(temperature=1.4, top_p=1.0, top_k=6)
     ids = model.tokenizer.encode("while True:\n")
     joint = _target_joint(model, ids, cfg)
     assert 4 <= len(joint) <= 40

@@ -164,9 +164,11 @@ def _full_sort_reference(logits, cfg):
 
 CONFIGS = [
     SamplerConfig(temperature=1.0, top_p=0.95, top_k=20), SamplerConfig(temperature=1.0, top_p=0.9, top_k=0),
-    SamplerConfig(temperature=1.0, top_p=1.0, top_k=0, min_p=0.05), SamplerConfig(temperature=1.0, top_p=0.99, top_k=0),
-    SamplerConfig(temperature=1.0, top_p=1.0, top_k=7), SamplerConfig(temperature=1.0, top_p=0.5, top_k=300, min_p=0.01),
-    SamplerConfig(temperature=0.6, top_p=0.95, top_k=0, min_p=1e-6), SamplerConfig(temperature=0.3, top_p=1.0, top_k=5000)]
+    SamplerConfig(temperature=1.0, top_p=1.0, top_k=0, min_p=0.05),
+    SamplerConfig(temperature=1.0, top_p=0.99, top_k=0), SamplerConfig(temperature=1.0, top_p=1.0, top_k=7),
+    SamplerConfig(temperature=1.0, top_p=0.5, top_k=300, min_p=0.01),
+    SamplerConfig(temperature=0.6, top_p=0.95, top_k=0, min_p=1e-6),
+    SamplerConfig(temperature=0.3, top_p=1.0, top_k=5000)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
