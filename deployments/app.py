@@ -60,6 +60,9 @@ class AppArgs(BaseModel):
         1024, ge=1, description="Serve's max_queued_requests of the ingress (requests the HTTP proxy holds "
                                 "when every ingress replica is at max_ongoing_requests): Serve answers "
                                 "503 beyond it")
+    replica_max_queued_requests: int = Field(
+        64, ge=1, description="Serve's max_queued_requests of the model replicas (cohort calls waiting for a "
+                              "replica, e.g. while one restarts): beyond it those rows get 503 with Retry-After")
     retry_after_s: float = Field(1.0, gt=0.0, description="Retry-After of 429/503 overload answers")
     overload_status: Literal[429, 503] = Field(429, description="Status of an overload answer")
     watchdog_s: float = Field(120.0, gt=0.0, description="Replica check_health fails (and Serve replaces the "
@@ -108,6 +111,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         name=REPLICA_NAME,
         num_replicas=a.num_replicas,
         max_ongoing_requests=a.replica_max_ongoing_requests,
+        max_queued_requests=a.replica_max_queued_requests,
         ray_actor_options=replica_opts,
         health_check_period_s=10,
         health_check_timeout_s=30,

@@ -171,6 +171,17 @@ def _memory(snap: Optional[dict]) -> dict:
     return {k: round(v / 2 ** 20, 1) for k, v in out.items()}
 
 
+def rss_trend(samples: List[tuple]) -> Optional[float]:
+    """Highest resident memory in the second half of the run over the highest in the first half,
+    minus 1: about 0 when memory plateaus under load, positive and growing with run length for a
+    leak."""
+    if len(samples) < 4:
+        return None
+    half = len(samples) // 2
+    first, second = max(v for _, v in samples[:half]), max(v for _, v in samples[half:])
+    return second / first - 1 if first else None
+
+
 class _MemorySampler:
     """Samples the replicas' resident memory every `period_s` while a phase runs: (seconds, MB)."""
 
@@ -288,7 +299,7 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
             mem1 = _memory(idle["snapshot"])
             s = summarize_soak(rows, wall)
             s.update(idle_after=idle["state"], memory_before_mb=mem0, memory_after_mb=mem1,
-                     rss_curve_mb=curve.samples,
+                     rss_curve_mb=curve.samples, rss_trend=rss_trend(curve.samples),
                      ingress=(idle["snapshot"] or {}).get("ingress"))
             if mem0["rss"]:
                 s["rss_growth"] = mem1["rss"] / mem0["rss"] - 1
@@ -356,14 +367,15 @@ def render_section(record: dict, command: str) -> str:
         "on the growth beside it.",
         "",
         "| requests | done | dropped | clean error events | lost | 5xx | 429/503 | completion tok/s | TTFT p50 / p99 ms "
-        "| E2E p50 / p99 s | left in queues/maps | replica RSS MB before -> after | of which prefix bank MB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| E2E p50 / p99 s | left in queues/maps | replica RSS MB before -> after | of which prefix bank MB "
+        "| RSS peak, 2nd half vs 1st half of the run |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         f"| {s['requests']} | {s['outcomes'].get('done', 0)} | {s['dropped']} | {s['error_events']} | {s['lost']} | "
         f"{s['status_5xx']} | {s['refused']} | {s['tok_s_done']} | {s['ttft_p50_ms']} / {s['ttft_p99_ms']} | "
         f"{_fmt(s['e2e_p50_s'])} / {_fmt(s['e2e_p99_s'])} | "
         f"{'none' if all(not v for v in s['idle_after'].values()) else s['idle_after']} | "
         f"{mb0['rss']} -> {mb1['rss']} ({_pct(s.get('rss_growth'))}; {_pct(s.get('rss_growth_beside_prefix_bank'))} "
-        f"beside the prefix bank) | {mb0['prefix_bank']} -> {mb1['prefix_bank']} |",
+        f"beside the prefix bank) | {mb0['prefix_bank']} -> {mb1['prefix_bank']} | {_pct(s.get('rss_trend'))} |",
         "",
         f"**Overload**: {p['overload_clients']} closed-loop streaming clients for {p['overload_s']:.0f} s against a "
         f"small queue (app args {json.dumps(p['overload_args'])}); a refused client waits its `Retry-After`. "

@@ -454,8 +454,9 @@ class MTPReplica:
                 "runtime": self._mtplx.runtime_info(), "blas_threads": self.blas_threads,
                 "niceness": self.niceness,
                 "installed_widths": snap.get("installed_widths"),
-                "numerics": snap.get("numerics"), "poisoned": snap.get("poisoned"),
-                "last_error": snap.get("last_error")}
+                "numerics": snap.get("numerics"), "poisoned": bool(snap.get("poisoned"))}
+        # /health is open to anyone who can reach the port: no error texts here (the snapshot,
+        # behind the API key, has last_error)
 
     def _unhealthy(self, snap: dict) -> Optional[str]:
         if snap.get("poisoned") or snap.get("shut_down"):
