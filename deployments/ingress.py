@@ -36,6 +36,8 @@ from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+import mtplx
+from mtplx.server import anthropic
 from mtplx.server import openai as oa
 from mtplx.server.mtp_batch import mtp_batch_compatibility_key
 
@@ -50,6 +52,7 @@ CLIENT_REQUEST_ID_HEADER = "x-mtplx-request-id"          # a client's own id: me
 CLIENT_REQUEST_ID_ECHO = "x-mtplx-client-request-id"
 _CLIENT_ID_OK = re.compile(r"^[\x21-\x7e]{1,128}$")     # printable ASCII, no spaces
 OPEN_PATHS = ("/health",)                                # the only routes an API key does not guard
+ANTHROPIC_PREFIX = "/v1/messages"                        # routes that answer errors in Anthropic's shape
 TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
@@ -231,7 +234,8 @@ class OpenAIIngress:
         path = path.rstrip("/") or "/"
         route = path
         # The server names every request; a client's own id is only metadata, echoed back.
-        rid = oa.new_id({"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}.get(path, "req"))
+        rid = oa.new_id({"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl",
+                         "/v1/messages": "msg"}.get(path, "req"))
         headers = {"x-mtplx-request-id": rid}
         client_id = request.headers.get(CLIENT_REQUEST_ID_HEADER)
         try:
@@ -243,11 +247,26 @@ class OpenAIIngress:
                 headers[CLIENT_REQUEST_ID_ECHO] = client_id
             if path not in OPEN_PATHS:
                 self._authorize(request)
-            if path.startswith("/v1/") and self.tokenizer is None:
+            if (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) and self.tokenizer is None:
                 await self._ensure_model()
             if path == "/v1/chat/completions":
                 self._require(method, "POST", path)
                 resp = await self._chat(request, rid, client_id)
+            elif path == "/v1/messages":
+                self._require(method, "POST", path)
+                resp = await self._messages(request, rid, client_id)
+            elif path == "/v1/messages/count_tokens":
+                self._require(method, "POST", path)
+                resp = await self._count_tokens(request)
+            elif path == "/tokenize":
+                self._require(method, "POST", path)
+                resp = await self._tokenize(request)
+            elif path == "/detokenize":
+                self._require(method, "POST", path)
+                resp = await self._detokenize(request)
+            elif path == "/version":
+                self._require(method, "GET", path)
+                resp = JSONResponse({"version": mtplx.__version__})
             elif path == "/v1/completions":
                 self._require(method, "POST", path)
                 resp = await self._completions(request, rid, client_id)
@@ -275,7 +294,8 @@ class OpenAIIngress:
                 route = "other"
                 raise oa.route_not_found(method, path)
         except oa.OpenAIError as exc:
-            resp = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            body = anthropic.error_body(exc) if path.startswith(ANTHROPIC_PREFIX) else exc.body()
+            resp = JSONResponse(body, status_code=exc.status, headers=exc.headers)
             if exc.status == 401:
                 self._stats["rejected_unauthorized"] += 1
             elif exc.status in (429, 503) and exc.code == "server_overloaded":
@@ -284,7 +304,8 @@ class OpenAIIngress:
             log.exception("mtplx ingress: unhandled error on %s %s (request id %s)", method, path, rid)
             self._stats["errors"] += 1
             err = oa.internal_error(rid)
-            resp = JSONResponse(err.body(), status_code=err.status)
+            body = anthropic.error_body(err) if path.startswith(ANTHROPIC_PREFIX) else err.body()
+            resp = JSONResponse(body, status_code=err.status)
         for name, value in headers.items():
             resp.headers.setdefault(name, value)
         self._metric("requests", 1, {"route": route, "status": str(resp.status_code)})
@@ -295,8 +316,11 @@ class OpenAIIngress:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if not auth:
-            raise oa.unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+        if not auth and request.headers.get("x-api-key"):   # how Anthropic's clients send a key
+            scheme, token = "bearer", request.headers["x-api-key"]
+        elif not auth:
+            raise oa.unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+                                  "(or 'x-api-key: <key>').")
         if scheme.lower() != "bearer" or not token.strip():
             raise oa.unauthorized("The Authorization header must be 'Bearer <key>'.")
         if not key_matches(token.strip().encode(), self._api_keys):
@@ -360,6 +384,53 @@ class OpenAIIngress:
             raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
         return await self._generate("completion", req, prompt_ids, t0, rid, client_id)
 
+    async def _messages(self, request: Request, rid: str, client_id: Optional[str]) -> Response:
+        """Anthropic Messages, served as the chat completion it translates to (same cohorts, lanes
+        and streaming; Anthropic's framing)."""
+        t0 = time.perf_counter()
+        self._check_overload()
+        msg = oa.parse_request(anthropic.MessagesRequest, await self._body(request))
+        self._check_model(msg.model)
+        req = msg.to_chat_request()
+        size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
+        prompt_ids = await self._off_loop(size, msg.encode, self.tokenizer)
+        return await self._generate("anthropic", req, prompt_ids, t0, rid, client_id)
+
+    async def _count_tokens(self, request: Request) -> Response:
+        req = oa.parse_request(anthropic.CountTokensRequest, await self._body(request))
+        self._check_model(req.model)
+        ids = await self._off_loop(sum(len(m.content) for m in req.messages), req.encode, self.tokenizer)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        req = oa.parse_tokenize_request(await self._body(request))
+        self._check_model(req.model)
+        if isinstance(req, oa.TokenizeChatRequest):
+            size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
+            ids = await self._off_loop(size, oa.encode_chat, self.tokenizer, req.messages, req.add_generation_prompt,
+                                       req.continue_final_message, req.add_special_tokens)
+        else:
+            ids = await self._off_loop(len(req.prompt), lambda: list(
+                self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse(oa.tokenize_response(ids, self.meta["max_context"], strs))
+
+    async def _detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids to text (special tokens included)."""
+        req = oa.parse_request(oa.DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        self._check_vocab(req.tokens, "tokens")
+        text = await self._off_loop(len(req.tokens), lambda: self.tokenizer.decode(req.tokens))
+        return JSONResponse({"prompt": text})
+
+    def _check_vocab(self, ids: List[int], param: str) -> None:
+        vocab = self.meta["vocab_size"] or 2 ** 31
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise oa.invalid_request(f"token id {bad[0]} in {param} is outside the vocabulary [0, {vocab})",
+                                     param=param, code="invalid_value")
+
     @staticmethod
     async def _off_loop(size: int, fn, *args):
         """Small prompts are tokenized inline; long ones in a worker thread so that one big prompt
@@ -387,11 +458,15 @@ class OpenAIIngress:
         mode = req.generation_mode or self.default_mode
         key = mtp_batch_compatibility_key(self.served_model, req.omit_speculative_bonus, sampler, None, mode)
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        if req.stop_token_ids:
+            self._check_vocab(req.stop_token_ids, "stop_token_ids")
         return {
             "request_id": rid, "prompt_ids": list(prompt_ids), "max_tokens": int(max_tokens),
             "sampler": sampler, "draft_sampler": None, "seed": int(seed) % (2 ** 64),
             "generation_mode": mode, "omit_speculative_bonus": bool(req.omit_speculative_bonus),
             "session_id": req.session_id, "compatibility_key": key,
+            # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
+            "stop_token_ids": sorted(set(req.stop_token_ids or ())), "ignore_eos": bool(req.ignore_eos),
         }
 
     async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, rid: str,
@@ -725,10 +800,7 @@ class _RowRun:
             self.final = payload
             tail = "" if self.stops.stopped else self.stops.push(self.detok.flush())
             tail += self.stops.flush()
-            if self.stops.stopped:
-                self.finish_reason = "stop"
-            else:
-                self.finish_reason = payload.get("finish_reason") or "stop"
+            self.finish_reason = "stop" if self.stops.stopped else oa.openai_finish_reason(payload.get("finish_reason"))
             return tail
         # error
         self.finished = True
@@ -770,6 +842,15 @@ class _RowRun:
         self.finished = True
         self.finish_reason = "stop"
 
+    @property
+    def stop_reason(self):
+        """As vLLM reports it: the stop string or the requested stop token id that ended the row;
+        None for an EOS token, a budget, or no stop at all."""
+        if self.stops.matched is not None:
+            return self.stops.matched
+        token = (self.final or {}).get("stop_token_id")
+        return token if token is not None and token in (self.req.stop_token_ids or ()) else None
+
     def _usage_and_stats(self):
         fin = self.final or {}
         prompt_tokens = fin.get("prompt_tokens", len(self.row["prompt_ids"]))
@@ -784,7 +865,8 @@ class _RowRun:
         if self.stops.stopped:
             stats["stop_string_matched"] = True
             stats["finish_reason"] = "stop"
-        return oa.usage(prompt_tokens, completion, fin.get("cached_tokens", 0)), stats
+        build = anthropic.usage if self.kind == "anthropic" else oa.usage
+        return build(prompt_tokens, completion, fin.get("cached_tokens", 0)), stats
 
     def _timeline(self, stats: dict) -> dict:
         """Where a request's time to first token went (wall clock deltas across processes)."""
@@ -821,8 +903,11 @@ class _RowRun:
                 self._depart()
         usage, stats = self._usage_and_stats()
         text = "".join(pieces)
+        if self.kind == "anthropic":
+            return anthropic.message_response(self.rid, self.model, text, self.finish_reason, self.stops.matched,
+                                              usage, stats)
         build = oa.chat_response if self.kind == "chat" else oa.completion_response
-        return build(self.rid, self.created, self.model, text, self.finish_reason, usage, stats)
+        return build(self.rid, self.created, self.model, text, self.finish_reason, usage, stats, self.stop_reason)
 
     # -- streaming ---------------------------------------------------------------------------------
 
@@ -839,20 +924,26 @@ class _RowRun:
             raise
 
     def _chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False, **extra):
+        stop_reason = self.stop_reason if finish_reason else None
         if self.kind == "chat":
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            chunk = oa.chat_chunk(self.rid, self.created, self.model, delta, finish_reason, **extra)
+            chunk = oa.chat_chunk(self.rid, self.created, self.model, delta, finish_reason, stop_reason, **extra)
         else:
-            chunk = oa.completion_chunk(self.rid, self.created, self.model, text or "", finish_reason, **extra)
+            chunk = oa.completion_chunk(self.rid, self.created, self.model, text or "", finish_reason, stop_reason,
+                                        **extra)
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk
 
     async def sse(self, first: Optional[str]):
+        if self.kind == "anthropic":
+            async for data in self._anthropic_sse(first):
+                yield data
+            return
         try:
             if self.kind == "chat":
                 yield oa.sse(self._chunk("", role=True))
@@ -879,6 +970,30 @@ class _RowRun:
             if self.req.include_usage:
                 yield oa.sse(oa.usage_chunk(self.rid, self.created, self.model, obj, usage, stats))
             yield oa.SSE_DONE
+        finally:
+            if not self.finished:   # disconnect mid-stream: cancel this row only
+                self._depart()
+
+    async def _anthropic_sse(self, first: Optional[str]):
+        """The same row as `sse`, framed as Anthropic's message stream events."""
+        events = anthropic.MessageStream(self.rid, self.model, len(self.row["prompt_ids"]))
+        try:
+            yield events.start()
+            if first:
+                self._mark_text()
+                yield events.text(first)
+            try:
+                if first is not None:
+                    async for text in self._iter:
+                        self._mark_text()
+                        yield events.text(text)
+                if self.stops.stopped and not self.final:
+                    await self._drain_after_stop()
+            except oa.OpenAIError as exc:
+                yield events.error(exc)
+                return
+            usage, stats = self._usage_and_stats()
+            yield events.finish(self.finish_reason, self.stops.matched, usage, stats)
         finally:
             if not self.finished:   # disconnect mid-stream: cancel this row only
                 self._depart()

@@ -141,8 +141,12 @@ class _CohortBuffer:
 def _public_result(result: dict) -> dict:
     """The part of a service result dict the ingress needs (no token list: it was streamed)."""
     stats = dict(result.get("stats") or {})
+    tokens = result.get("tokens") or []
+    ended_on_stop_token = (result.get("finish_reason") == "stop" and bool(tokens)
+                           and tokens[-1] in set(result.get("_mtp_batch_stop_token_ids") or ()))
     return {
         "finish_reason": result.get("finish_reason"),
+        "stop_token_id": int(tokens[-1]) if ended_on_stop_token else None,   # the token that ended it
         "prompt_tokens": int(result.get("prompt_tokens", 0)),
         "completion_tokens": int(result.get("completion_tokens", 0)),
         "cached_tokens": int(result.get("cached_tokens", 0) or 0),
@@ -302,7 +306,8 @@ class MTPReplica:
             job = self._mtp_batch.MTPBatchJob(
                 request_id=row["request_id"], prompt_ids=row["prompt_ids"], max_tokens=row["max_tokens"],
                 sampler=row["sampler"], draft_sampler=row.get("draft_sampler"), seed=row["seed"],
-                stop_token_ids=self.model.eos_token_ids,
+                stop_token_ids=(frozenset() if row.get("ignore_eos") else self.model.eos_token_ids)
+                | frozenset(row.get("stop_token_ids") or ()),
                 token_callback=(lambda toks, i=i: buf.push_tokens(i, toks)),
                 compatibility_key=row["compatibility_key"],
                 speculative=mode != "ar",

@@ -12,7 +12,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -200,6 +200,12 @@ class _GenerationFields(BaseModel):
     service_tier: Optional[str] = None
     logprobs: Optional[Union[bool, int]] = None
     logit_bias: Optional[dict] = None
+    # vLLM's sampling extensions: stop_token_ids and ignore_eos act on the row's stop set;
+    # min_tokens and repetition_penalty are accepted only at their no-op values (see checks)
+    stop_token_ids: Optional[List[Annotated[int, Field(ge=0, strict=True)]]] = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, strict=True)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     # mtplx extensions
     generation_mode: Optional[Literal["mtp", "ar"]] = None
     omit_speculative_bonus: bool = False
@@ -235,6 +241,15 @@ class _GenerationFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true",
                                   param="stream_options")
+        if self.min_tokens:
+            raise invalid_request(f"min_tokens={self.min_tokens} is not supported: this server cannot keep a row "
+                                  f"from stopping early (it would have to mask the stop tokens for the target "
+                                  f"and the draft alike); send 0 or omit it", param="min_tokens",
+                                  code="unsupported_value")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
+            raise invalid_request(f"repetition_penalty={self.repetition_penalty:g} is not supported; use "
+                                  f"presence_penalty / frequency_penalty, and send 1.0 or omit it",
+                                  param="repetition_penalty", code="unsupported_value")
 
     @property
     def include_usage(self) -> bool:
@@ -322,6 +337,58 @@ class CompletionRequest(_GenerationFields):
         return p[0]
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's POST /tokenize, prompt form."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    def checks(self) -> None:
+        pass
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's POST /tokenize, chat form: the messages through the model's chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    messages: List[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    def checks(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise invalid_request("continue_final_message and add_generation_prompt cannot both be true; "
+                                  "send add_generation_prompt: false to continue the final message",
+                                  param="continue_final_message")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: List[Annotated[int, Field(ge=0, strict=True)]]
+
+    def checks(self) -> None:
+        pass
+
+
+def parse_tokenize_request(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+    """A /tokenize body is the chat form when it has "messages", the prompt form otherwise."""
+    try:
+        obj = json.loads(raw) if raw else None
+    except ValueError:
+        obj = None
+    cls = TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else TokenizeCompletionRequest
+    return parse_request(cls, raw)
+
+
 def parse_request(cls, raw: bytes):
     """Validate a JSON body into `cls`, raising OpenAIError(400) naming the field on failure."""
     if not raw:
@@ -361,18 +428,24 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
 # Prompts
 
 
-def render_chat(tokenizer, messages: List[ChatMessage]) -> str:
+def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> str:
+    """The messages through the model's chat template; `continue_final_message` leaves the last
+    (assistant) turn open, so the completion continues it."""
     convo = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
              for i, m in enumerate(messages)]
     try:
-        return tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message)
     except Exception as exc:  # jinja errors (e.g. role order rules of a template)
         raise invalid_request(f"messages could not be rendered with the model's chat template: {exc}",
                               param="messages") from None
 
 
-def encode_chat(tokenizer, messages: List[ChatMessage]) -> List[int]:
-    return list(tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False))
+def encode_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> List[int]:
+    text = render_chat(tokenizer, messages, add_generation_prompt, continue_final_message)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def encode_prompt(tokenizer, prompt: Union[str, List[int]], vocab_size: int) -> List[int]:
@@ -404,39 +477,53 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+# OpenAI's finish reasons this server reports ("tool_calls", "content_filter" never happen here).
+FINISH_REASONS = ("stop", "length")
+
+
+def openai_finish_reason(engine_reason: Optional[str]) -> str:
+    """The engine's reason a row ended, as OpenAI spells it: "length" when the row ran out of budget;
+    "stop" for everything else: a stop token or string, a literal-repetition stop, and a row
+    cancelled through the cancel route (`mtplx_stats.cancelled` says so)."""
+    return "length" if engine_reason == "length" else "stop"
+
+
 def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
-                  stats: Optional[dict]) -> dict:
+                  stats: Optional[dict], stop_reason: Union[int, str, None] = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish_reason}],
+                     "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
         "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: Optional[str] = None,
-               **extra) -> dict:
+               stop_reason: Union[int, str, None] = None, **extra) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "system_fingerprint": None,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
     chunk.update(extra)
     return chunk
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
-                        stats: Optional[dict]) -> dict:
+                        stats: Optional[dict], stop_reason: Union[int, str, None] = None) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                     "stop_reason": stop_reason}],
         "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
     }
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: Optional[str] = None,
-                     **extra) -> dict:
+                     stop_reason: Union[int, str, None] = None, **extra) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
              "system_fingerprint": None,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
     chunk.update(extra)
     return chunk
 
@@ -445,6 +532,11 @@ def usage_chunk(rid: str, created: int, model: str, obj: str, usage_: dict, stat
     """The extra last chunk of stream_options.include_usage: empty choices, usage set."""
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
             "choices": [], "usage": usage_, "mtplx_stats": stats}
+
+
+def tokenize_response(ids: List[int], max_model_len: int, token_strs: Optional[List[str]] = None) -> dict:
+    """vLLM's /tokenize answer."""
+    return {"count": len(ids), "max_model_len": int(max_model_len), "tokens": list(ids), "token_strs": token_strs}
 
 
 def models_list(model_ids: Iterable[str], created: int, max_context: Optional[int] = None) -> dict:
@@ -520,13 +612,15 @@ class IncrementalDetokenizer:
 
 class StopStringMatcher:
     """Matches stop strings on streamed text. Text that could be the start of a stop string is held
-    back; on a match the text is cut before the stop string and `stopped` becomes True."""
+    back; on a match the text is cut before the stop string, `stopped` becomes True and `matched`
+    is the stop string that matched (the earliest in the text)."""
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._buf = ""
         self.stopped = False
+        self.matched: Optional[str] = None
 
     def push(self, delta: str) -> str:
         if self.stopped or not delta:
@@ -534,11 +628,12 @@ class StopStringMatcher:
         if not self.stops:
             return delta
         text = self._buf + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._buf = ""
-            return text[:min(hits)]
+            return text[:at]
         keep = 0
         for n in range(min(self._hold, len(text)), 0, -1):
             tail = text[-n:]

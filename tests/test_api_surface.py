@@ -1,0 +1,292 @@
+"""The API surface beyond text and usage: vLLM's /tokenize, /detokenize and /version, the vLLM
+sampling fields (stop_token_ids, ignore_eos; min_tokens and repetition_penalty refused), stop_reason,
+OpenAI-only finish reasons, and Anthropic's /v1/messages through the real `anthropic` client.
+
+The HTTP tests share the session's served app (tests/conftest.py); references come from the engine
+in this process (greedy AR), so what the server says is checked token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from conftest import TEST_API_KEY
+
+RAY_MARK = pytest.mark.ray
+MODEL = "mtplx-tiny-py"
+PROMPT = "def add(a, b):\n    return"
+
+
+def _greedy(model, prompt_ids, max_tokens, stop_token_ids=None):
+    from mtplx.generation import generate_ar
+    from mtplx.sampling import SamplerConfig
+
+    stops = model.eos_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+    return generate_ar(model, prompt_ids, max_tokens=max_tokens, sampler=SamplerConfig(temperature=0.0), seed=0,
+                       stop_token_ids=stops)
+
+
+def _first_new_token(tokens, start: int = 3) -> int:
+    """Index of the first token at or after `start` that does not occur before it."""
+    for k in range(start, len(tokens)):
+        if tokens[k] not in tokens[:k]:
+            return k
+    raise AssertionError(f"no fresh token in {tokens}")
+
+
+# ------------------------------------------------------------------------------------------------
+# No Ray needed
+
+
+def test_stop_string_matcher_names_the_earliest_match():
+    from mtplx.server.openai import StopStringMatcher
+
+    m = StopStringMatcher(["world", "lo w"])
+    assert m.push("hello world") == "hel" and m.stopped and m.matched == "lo w"
+    assert StopStringMatcher(["x"]).matched is None
+
+
+def test_finish_reasons_are_openais_only():
+    from mtplx.server.openai import FINISH_REASONS, openai_finish_reason
+
+    for engine in ("stop", "length", "cancelled", "repetition_stop", None):
+        assert openai_finish_reason(engine) in FINISH_REASONS
+    assert openai_finish_reason("length") == "length" and openai_finish_reason("cancelled") == "stop"
+
+
+@pytest.mark.parametrize("field,value", [("min_tokens", 4), ("repetition_penalty", 1.3)])
+def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
+    from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+
+    for cls, base in ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+                      (CompletionRequest, {"prompt": "x"})):
+        with pytest.raises(OpenAIError) as exc:
+            parse_request(cls, json.dumps({**base, field: value}).encode())
+        assert exc.value.status == 400 and exc.value.param == field and field in exc.value.message
+        # their no-op values are accepted
+        parse_request(cls, json.dumps({**base, field: {"min_tokens": 0, "repetition_penalty": 1.0}[field]}).encode())
+
+
+def test_anthropic_request_translates_to_the_chat_path(model):
+    from mtplx.server import anthropic
+    from mtplx.server.openai import ChatMessage, OpenAIError, encode_chat, parse_request
+
+    body = {"model": MODEL, "max_tokens": 7, "system": [{"type": "text", "text": "Be brief."}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]},
+                         {"role": "assistant", "content": "pass"},
+                         {"role": "user", "content": "again"}],
+            "stop_sequences": ["\n\n"], "temperature": 0.5, "top_k": 5, "top_p": 0.9}
+    req = parse_request(anthropic.MessagesRequest, json.dumps(body).encode())
+    chat = req.to_chat_request()
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "Be brief."), ("user", "def f(x):"),
+                                                            ("assistant", "pass"), ("user", "again")]
+    assert (chat.max_tokens, chat.stop, chat.temperature, chat.top_k, chat.top_p) == (7, ["\n\n"], 0.5, 5, 0.9)
+    assert req.encode(model.tokenizer) == encode_chat(model.tokenizer, chat.messages)
+    # a final assistant turn is a prefill: the prompt ends inside it, with no new assistant header
+    body["messages"].append({"role": "assistant", "content": "def g("})
+    prefill = parse_request(anthropic.MessagesRequest, json.dumps(body).encode()).encode(model.tokenizer)
+    assert model.tokenizer.decode(prefill).endswith("assistant\ndef g(")
+    # refusals name the field, in Anthropic's error shape
+    for bad, param in [({**body, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                        "messages.0.content.0.type"),
+                       ({k: v for k, v in body.items() if k != "max_tokens"}, "max_tokens"),
+                       ({**body, "temperature": 1.5}, "temperature"),
+                       ({**body, "tools": [{"name": "t"}]}, "tools"),
+                       ({**body, "frobnicate": 1}, "frobnicate")]:
+        with pytest.raises(OpenAIError) as exc:
+            r = parse_request(anthropic.MessagesRequest, json.dumps(bad).encode())
+            r.encode(model.tokenizer)
+        assert exc.value.param == param, (param, exc.value.message)
+        err = anthropic.error_body(exc.value)
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert all(isinstance(m, ChatMessage) for m in chat.messages)
+
+
+# ------------------------------------------------------------------------------------------------
+# The replica maps a row's stop_token_ids / ignore_eos onto the job's stop set (in-process)
+
+
+@pytest.fixture(scope="module")
+def replica():
+    from deployments.replica import MTPReplica
+
+    rep = MTPReplica(widths=(3,), warmup=False)
+    yield rep
+    rep.service.shutdown(timeout_s=10)
+
+
+def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monkeypatch):
+    from mtplx.sampling import SamplerConfig
+
+    model = replica.model
+    ids = list(model.tokenizer.encode(PROMPT, add_special_tokens=False))
+    ref = _greedy(model, ids, 24, stop_token_ids=()).tokens
+    k = _first_new_token(ref)
+    # The shipped model never emits its EOS greedily; make the k-th greedy token its "EOS" here.
+    monkeypatch.setattr(model, "eos_token_ids", frozenset({ref[k]}))
+
+    def row(i, **extra):
+        return {"request_id": f"stopset-{i}", "prompt_ids": ids, "max_tokens": 24, "seed": 0,
+                "sampler": SamplerConfig(temperature=0.0), "compatibility_key": ("test", "greedy"), **extra}
+
+    async def go(rows):
+        toks, finals = {}, {}
+        async for msg in replica.run_cohort(rows):
+            for i, t in (msg.get("t") or {}).items():
+                toks.setdefault(i, []).extend(t)
+            finals.update(msg.get("f") or {})
+        return toks, finals
+
+    toks, finals = asyncio.run(go([row(0), row(1, ignore_eos=True), row(2, ignore_eos=True, stop_token_ids=[ref[k]])]))
+    # EOS ends row 0 at k (the stop token is counted, not streamed) and is reported as the stop token
+    assert toks[0] == ref[:k] and finals[0]["finish_reason"] == "stop" and finals[0]["stop_token_id"] == ref[k]
+    assert finals[0]["completion_tokens"] == k + 1
+    # ignore_eos: the row runs to its budget, the "EOS" streamed as a token
+    assert toks[1] == ref[:24] and finals[1]["finish_reason"] == "length" and finals[1]["stop_token_id"] is None
+    # ignore_eos with the same id requested: it stops there again
+    assert toks[2] == ref[:k] and finals[2]["stop_token_id"] == ref[k]
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the served app
+
+
+@RAY_MARK
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(http, ref_model):
+    import mtplx
+    from mtplx.server.openai import ChatMessage, encode_chat
+
+    tok = ref_model.tokenizer
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = list(tok.encode(PROMPT, add_special_tokens=True))
+    assert body == {"count": len(ids), "max_model_len": ref_model.max_context, "tokens": ids,
+                    "token_strs": tok.convert_ids_to_tokens(ids)}
+    # chat form: exactly the prompt a chat completion of these messages decodes from
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f(x):"}]
+    r = http.post("/tokenize", json={"messages": msgs})
+    assert r.status_code == 200, r.text
+    chat_ids = encode_chat(tok, [ChatMessage(**m) for m in msgs])
+    assert r.json()["tokens"] == chat_ids and r.json()["token_strs"] is None
+    # /detokenize round trip (special tokens kept, as vLLM does)
+    r = http.post("/detokenize", json={"model": MODEL, "tokens": chat_ids})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(chat_ids)}
+    r = http.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": mtplx.__version__}
+    # errors in OpenAI's shape, naming the field
+    for path, payload, param in [("/detokenize", {"tokens": [1, ref_model.vocab_size]}, "tokens"),
+                                 ("/detokenize", {"tokens": "abc"}, "tokens"),
+                                 ("/tokenize", {"prompt": "x", "messages": msgs}, "prompt"),
+                                 ("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+                                 ("/tokenize", {"messages": msgs, "continue_final_message": True},
+                                  "continue_final_message"),
+                                 ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, "model")]:
+        r = http.post(path, json=payload)
+        assert r.status_code in (400, 404), (path, payload, r.text)
+        assert r.json()["error"]["param"] == param, (path, payload, r.json())
+    assert http.post("/version").status_code == 405
+
+
+@RAY_MARK
+def test_stop_token_ids_and_stop_reason(client, http, ref_model):
+    tok = ref_model.tokenizer
+    ids = list(tok.encode(PROMPT, add_special_tokens=False))
+    ref = _greedy(ref_model, ids, 24).tokens
+    k = _first_new_token(ref)
+    text_k = tok.decode(ref[:k], skip_special_tokens=True)
+    # a requested stop token ends the row there; its text is not part of the output
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"stop_token_ids": [ref[k]], "ignore_eos": False})
+    c = r.choices[0]
+    assert c.text == text_k and c.finish_reason == "stop" and c.model_extra["stop_reason"] == ref[k]
+    assert r.usage.completion_tokens == k + 1
+    # no stop: stop_reason null; a stop string: the string
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
+    full = tok.decode(ref, skip_special_tokens=True)
+    at = next(i for i in range(2, len(full) - 3) if full[i:i + 3].strip() and full.find(full[i:i + 3]) == i)
+    stop = full[at:at + 3]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:at] and r.choices[0].model_extra["stop_reason"] == stop
+    assert r.choices[0].finish_reason == "stop"
+    # chat, streaming: stop_reason on the final chunk only
+    msgs = [{"role": "user", "content": PROMPT}]
+    cref = _greedy(ref_model, _chat_ids(ref_model, PROMPT), 24).tokens
+    kc = _first_new_token(cref)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
+                                                 stream=True, extra_body={"stop_token_ids": [cref[kc]]}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == tok.decode(cref[:kc], skip_special_tokens=True)
+    reasons = [(ch.choices[0].finish_reason, ch.choices[0].model_extra["stop_reason"]) for ch in chunks]
+    assert reasons[-1] == ("stop", cref[kc]) and all(r == (None, None) for r in reasons[:-1])
+    # refused fields name themselves
+    for extra, param in [({"min_tokens": 2}, "min_tokens"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
+                         ({"stop_token_ids": [ref_model.vocab_size]}, "stop_token_ids")]:
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _chat_ids(model, content):
+    from mtplx.server.openai import ChatMessage, encode_chat
+
+    return encode_chat(model.tokenizer, [ChatMessage(role="user", content=content)])
+
+
+@RAY_MARK
+def test_anthropic_messages_with_the_anthropic_client(serve_app, client, ref_model):
+    import anthropic
+
+    # This client has no sampling arguments of its own (the API dropped them); the server still
+    # takes temperature / top_p / top_k, sent as extra body fields.
+    GREEDY = {"extra_body": {"temperature": 0}}
+    ac = anthropic.Anthropic(base_url=serve_app.base, api_key=TEST_API_KEY, max_retries=0, timeout=120)
+    system = "You write Python."
+    turns = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"},
+             {"role": "user", "content": [{"type": "text", "text": "def mul(a, b):"}]}]
+    chat_msgs = [{"role": "system", "content": system}, turns[0], turns[1],
+                 {"role": "user", "content": "def mul(a, b):"}]
+    # the same conversation as a chat completion: the same prompt, the same greedy text
+    ref = client.chat.completions.create(model=MODEL, messages=chat_msgs, max_tokens=20, **GREEDY)
+    m = ac.messages.create(model=MODEL, system=system, messages=turns, max_tokens=20, **GREEDY)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == ref.choices[0].message.content
+    assert m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert m.usage.input_tokens == ref.usage.prompt_tokens and m.usage.output_tokens == 20
+    # stop_sequences
+    text = m.content[0].text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip()
+                and text.find(text[i:i + 2]) == i)
+    s = ac.messages.create(model=MODEL, system=system, messages=turns, max_tokens=20, stop_sequences=[stop],
+                           **GREEDY)
+    assert s.content[0].text == text[:text.find(stop)] and s.stop_reason == "stop_sequence"
+    assert s.stop_sequence == stop
+    # streaming: Anthropic's event types in order, the same text, usage on message_delta
+    with ac.messages.stream(model=MODEL, system=system, messages=turns, max_tokens=20, **GREEDY) as st:
+        events = [e for e in st]
+        final = st.get_final_message()
+    kinds = [e.type for e in events if e.type in ("message_start", "content_block_start", "content_block_delta",
+                                                 "content_block_stop", "message_delta", "message_stop")]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    assert final.content[0].text == text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 20
+    assert final.usage.input_tokens == ref.usage.prompt_tokens
+    # count_tokens: the prompt the request decodes from
+    assert ac.messages.count_tokens(model=MODEL, system=system, messages=turns).input_tokens == \
+        ref.usage.prompt_tokens
+    # errors in Anthropic's shape, by class
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        ac.messages.create(model=MODEL, messages=turns, max_tokens=20, extra_body={"top_k": -3})
+    assert exc.value.body["type"] == "error" and exc.value.body["error"]["type"] == "invalid_request_error"
+    assert "top_k" in exc.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as exc:
+        ac.messages.create(model="claude-opus-4", messages=turns, max_tokens=20)
+    assert exc.value.body["error"]["type"] == "not_found_error"
+    bad_key = anthropic.Anthropic(base_url=serve_app.base, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as exc:
+        bad_key.messages.create(model=MODEL, messages=turns, max_tokens=4)
+    assert exc.value.body["error"]["type"] == "authentication_error"
