@@ -67,6 +67,8 @@ class AppArgs(BaseModel):
     overload_status: Literal[429, 503] = Field(429, description="Status of an overload answer")
     watchdog_s: float = Field(120.0, gt=0.0, description="Replica check_health fails (and Serve replaces the "
                                                          "replica) when one model step runs longer")
+    summary_interval_s: float = Field(10.0, ge=0.0, description="Replica: seconds between cohort summaries in its "
+                                                              "log while it has work (0: none)")
     default_generation_mode: Literal["mtp", "ar"] = "mtp"
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0.0)
@@ -123,7 +125,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
         warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
-        watchdog_s=a.watchdog_s)
+        watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
     # the rows waiting for a window, and requests it is answering 429 (so that overload gets our
     # OpenAI-shaped 429 rather than the proxy's plain 503 queue).

@@ -41,7 +41,7 @@ from mtplx.server import anthropic
 from mtplx.server import openai as oa
 from mtplx.server.mtp_batch import mtp_batch_compatibility_key
 
-from .metrics import record
+from .metrics import INGRESS_SERIES, make_metrics, record
 from .router import PIN_KWARG, known_replicas
 
 log = logging.getLogger("ray.serve")
@@ -53,7 +53,6 @@ CLIENT_REQUEST_ID_ECHO = "x-mtplx-client-request-id"
 _CLIENT_ID_OK = re.compile(r"^[\x21-\x7e]{1,128}$")     # printable ASCII, no spaces
 OPEN_PATHS = ("/health",)                                # the only routes an API key does not guard
 ANTHROPIC_PREFIX = "/v1/messages"                        # routes that answer errors in Anthropic's shape
-TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 
 def resolve_model_dir(model_path: Optional[str]) -> Path:
@@ -176,6 +175,12 @@ class OpenAIIngress:
                        "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0, "rejected_overload": 0,
                        "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0}
         self._init_metrics()
+        try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
+            from .grafana import provision
+
+            provision(log=log)
+        except Exception as exc:
+            log.warning("mtplx: Grafana provisioning skipped: %s: %s", type(exc).__name__, exc)
 
     def _load_model_files(self, model_dir: Path) -> None:
         self.meta = load_model_metadata(model_dir)
@@ -202,23 +207,7 @@ class OpenAIIngress:
             log.info("mtplx ingress: tokenizer and metadata fetched from a replica into %s", local)
 
     def _init_metrics(self) -> None:
-        self._metrics = None
-        try:
-            from ray.serve import metrics
-
-            self._metrics = {
-                "requests": metrics.Counter("mtplx_http_requests", description="HTTP requests by route/status",
-                                            tag_keys=("route", "status")),
-                "ttft": metrics.Histogram("mtplx_http_ttft_seconds", description="Request arrival to first text",
-                                          boundaries=TTFT_BOUNDARIES_S, tag_keys=("route",)),
-                "cohorts": metrics.Counter("mtplx_ingress_cohorts", description="Cohorts sent to replicas"),
-                "cohort_size": metrics.Histogram("mtplx_ingress_cohort_size", description="Rows per cohort sent",
-                                                 boundaries=[1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]),
-                "cancels": metrics.Counter("mtplx_row_cancels", description="Rows cancelled by the ingress",
-                                           tag_keys=("reason",)),
-            }
-        except Exception as exc:
-            log.warning("mtplx ingress metrics disabled: %s", exc)
+        self._metrics = make_metrics(INGRESS_SERIES, log)
 
     def _metric(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
         record(self._metrics, name, value, tags)

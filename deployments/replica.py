@@ -21,13 +21,11 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ray import serve
 
-from .metrics import record
+from .metrics import REPLICA_SERIES, CohortMonitor, finish_reason_label, make_metrics, record
 
 log = logging.getLogger("ray.serve")
 
 URGENT_TOKENS = 4   # a row's first tokens skip the stream grouping delay
-TTFT_BOUNDARIES_S = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0]
-WIDTH_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5]
 
 
 MODEL_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -181,7 +179,7 @@ class MTPReplica:
                  stream_interval_ms: float = 0.0, blas_threads: Optional[int] = None,
                  numerics: str = "throughput", warmup: bool = True, num_cpus: float = 1.0,
                  niceness: Optional[int] = 0, max_waiting_rows_per_key: int = 64,
-                 retry_after_s: float = 1.0, watchdog_s: float = 120.0):
+                 retry_after_s: float = 1.0, watchdog_s: float = 120.0, summary_interval_s: float = 10.0):
         from ._proc import renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
@@ -213,6 +211,7 @@ class MTPReplica:
         self.max_waiting_rows_per_key = int(max_waiting_rows_per_key)
         self.retry_after_s = float(retry_after_s)
         self.watchdog_s = float(watchdog_s)   # check_health fails when one owner step runs longer
+        self.summary_interval_s = float(summary_interval_s)   # cohort summaries in the replica log (0: none)
         self._jobs: Dict[str, list] = {}
         self._cohorts_started = 0
         self._overload_rejections = 0
@@ -244,27 +243,9 @@ class MTPReplica:
             log.warning("mtplx replica warm-up failed: %s", exc)
 
     def _init_metrics(self) -> None:
-        self._metrics = None
-        try:
-            from ray.serve import metrics
-
-            self._metrics = {
-                "cohorts": metrics.Counter("mtplx_cohorts", description="Cohorts run by this replica",
-                                           tag_keys=("generation_mode",)),
-                "width": metrics.Histogram("mtplx_cohort_real_width", description="Rows per cohort",
-                                           boundaries=WIDTH_BOUNDARIES),
-                "accepted": metrics.Counter("mtplx_accepted_draft_tokens",
-                                            description="MTP draft tokens accepted"),
-                "drafted": metrics.Counter("mtplx_drafted_tokens", description="MTP draft tokens proposed"),
-                "generated": metrics.Counter("mtplx_generated_tokens", description="Completion tokens"),
-                "ttft": metrics.Histogram("mtplx_replica_ttft_seconds",
-                                          description="Cohort call start to a row's first token",
-                                          boundaries=TTFT_BOUNDARIES_S),
-                "decode_tok_s": metrics.Histogram("mtplx_row_decode_tok_s", description="Per-row decode tok/s",
-                                                  boundaries=[5, 10, 20, 50, 100, 200, 500, 1000, 2000]),
-            }
-        except Exception as exc:  # metrics are optional (e.g. outside a Ray worker)
-            log.warning("mtplx replica metrics disabled: %s", exc)
+        self._metrics = make_metrics(REPLICA_SERIES, log)
+        self._monitor = CohortMonitor(self.service.snapshot, self._metrics, log, self.summary_interval_s,
+                                      name=f"mtplx replica {self.replica_id}").start()
 
     def _observe(self, name: str, value: float, tags: Optional[dict] = None) -> None:
         record(self._metrics, name, value, tags)
@@ -399,16 +380,34 @@ class MTPReplica:
         exc = fut.exception()
         if exc is None:
             out = _public_result(fut.result())
-            st = out["stats"]
-            self._observe("generated", out["completion_tokens"])
-            self._observe("accepted", int(st.get("accepted_drafts", 0) or 0))
-            self._observe("drafted", int(st.get("accepted_drafts", 0) or 0) + int(st.get("rejected_drafts", 0) or 0))
-            if st.get("decode_tok_s"):
-                self._observe("decode_tok_s", float(st["decode_tok_s"]))
+            self._observe_row(out)
             return out
         if job.cancel_requested():
+            self._observe("finished", 1, {"finish_reason": "cancelled"})
             return _partial_result(job, mode, "cancelled")
-        return {"error": self._error_class(job, exc)}
+        error = self._error_class(job, exc)
+        self._observe("finished", 1, {"finish_reason": finish_reason_label(error["kind"])})
+        return {"error": error}
+
+    def _observe_row(self, out: dict) -> None:
+        """A finished row's request series (once per row, on the event loop)."""
+        st, n = out["stats"], out["completion_tokens"]
+        prompt, cached = out["prompt_tokens"], out["cached_tokens"]
+        self._observe("finished", 1, {"finish_reason": finish_reason_label(out["finish_reason"])})
+        self._observe("prompt_tokens", prompt)
+        self._observe("generation_tokens", n)
+        self._observe("prefill_tokens", max(0, prompt - cached))
+        self._observe("prefix_queries", prompt)
+        self._observe("prefix_hits", cached)
+        if st.get("request_elapsed_s"):
+            self._observe("e2e", float(st["request_elapsed_s"]))
+        if n > 1 and st.get("decode_elapsed_s"):
+            self._observe("tpot", float(st["decode_elapsed_s"]) / (n - 1))
+        if st.get("decode_tok_s"):
+            self._observe("decode_tok_s", float(st["decode_tok_s"]))
+        cycles = int(st.get("target_verify_cycles") or 0)
+        if cycles and st.get("generation_mode") == "mtp":
+            self._observe("accept_length", 1 + int(st.get("accepted_drafts") or 0) / cycles)
 
     def _error_class(self, job, exc: BaseException) -> dict:
         """A failed row's error event, by class. Only messages written for clients leave this
@@ -483,6 +482,9 @@ class MTPReplica:
             raise RuntimeError(problem)
 
     def __del__(self):
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None:
+            monitor.stop()
         try:
             self.service.shutdown(timeout_s=5)
         except Exception:

@@ -408,10 +408,11 @@ def _shutdown_live_services() -> None:
 class _KeyLane:
     """One compatibility key's running lane in the service, and its unfinished jobs."""
 
-    __slots__ = ("key", "running", "jobs")
+    __slots__ = ("key", "running", "jobs", "serial")
 
-    def __init__(self, key, running):
+    def __init__(self, key, running, serial: int = 0):
         self.key, self.running, self.jobs = key, running, []
+        self.serial = serial   # which lane this is (lanes_started when it began): tells lanes with one label apart
 
 
 # A running lane's counters, by the service stat they add up to (drained lanes are folded into the
@@ -845,10 +846,11 @@ class MTPBatchGenerationService:
             if lane is None:
                 from ..a3b_mtp_batch import RunningLane
 
-                lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(self._ladder()))
                 with self._cond:
-                    self._running[key] = lane
                     self._stats["lanes_started"] += 1
+                    lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(self._ladder()),
+                                    serial=self._stats["lanes_started"])
+                    self._running[key] = lane
             try:
                 lane.running.add(self._lane_request(job))
             except Exception as exc:      # a request the lane refuses fails alone
@@ -1119,7 +1121,10 @@ class MTPBatchGenerationService:
             lanes = [{"key": lane_label(k), "width": ln.running.width, "route_id": ln.running.route_id,
                       "live_rows": ln.running.live_rows, "prefilling_rows": len(ln.running.admitting),
                       "waiting_rows": len(ln.running.waiting), "cycles": ln.running.cycles,
-                      "mean_occupancy": round(ln.running.row_cycles / max(ln.running.cycles, 1), 3)}
+                      "mean_occupancy": round(ln.running.row_cycles / max(ln.running.cycles, 1), 3),
+                      # the lane's own counters since it started (periodic summaries and metrics diff them)
+                      "serial": ln.serial, "admitted": ln.running.admitted, "row_cycles": ln.running.row_cycles,
+                      "accepted": ln.running.accepted, "rejected": ln.running.rejected}
                      for k, ln in self._running.items()]
             return {
                 "pending": len(self._pending),

@@ -1,0 +1,301 @@
+"""Metrics: the exported series, the cohort monitor on a real service, the shipped Grafana dashboard
+and the row we add to Ray's Core dashboard. (The Prometheus end-to-end check is in test_http.py,
+beside the session's Ray Serve.)"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections import defaultdict
+
+import pytest
+
+from deployments import grafana
+from deployments.metrics import (INGRESS_SERIES, RAY_SERVE_SERIES, REPLICA_SERIES, CohortMonitor,
+                                 exported_names, lane_metric_label)
+
+
+def dashboard_exprs(dash: dict) -> list:
+    return [t["expr"] for p in grafana._all_panels(dash["panels"]) for t in p.get("targets", ())]
+
+
+def series_in(expr: str) -> set:
+    return set(re.findall(r"\bray_[a-zA-Z0-9_]+", expr))
+
+
+def test_series_names_are_valid_and_follow_vllm():
+    names = [name for table in (REPLICA_SERIES, INGRESS_SERIES) for _, name, *_ in table.values()]
+    assert len(names) == len(set(names))
+    assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names)
+    for vllm in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                 "spec_decode_num_accepted_tokens_per_pos"):
+        assert f"mtplx_{vllm}" in names
+    # bounded labels only: nothing keyed by request, path or user text
+    tag_keys = {k for table in (REPLICA_SERIES, INGRESS_SERIES) for *_, tags, _ in table.values() for k in tags}
+    assert tag_keys <= {"position", "lane", "width", "generation_mode", "finish_reason", "route", "status", "reason"}
+    assert [lane_metric_label(x) for x in ("t0.7/t0.7", "t0.123456/omit_bonus", "ar/greedy", "greedy/greedy",
+                                           "t0.6/greedy", "warmup")] == \
+        ["sampled", "sampled/omit_bonus", "ar/greedy", "greedy", "sampled/greedy", "default"]
+
+
+def test_dashboard_expressions_name_exported_series():
+    dash = grafana.load_dashboard()
+    exported = exported_names() | set(RAY_SERVE_SERIES)
+    exprs = dashboard_exprs(dash)
+    assert exprs
+    named = set()
+    for expr in exprs:
+        assert series_in(expr), expr
+        assert series_in(expr) <= exported, (expr, series_in(expr) - exported)
+        named |= series_in(expr)
+    # the series a serving engineer looks for are all plotted
+    for must in ("ray_mtplx_spec_decode_num_accepted_tokens_total", "ray_mtplx_waiting_rows",
+                 "ray_mtplx_lane_live_rows", "ray_mtplx_lane_cycle_time_seconds_bucket",
+                 "ray_mtplx_time_to_first_token_seconds_bucket", "ray_mtplx_requests_finished_total",
+                 "ray_mtplx_prefix_cache_hits_total", "ray_mtplx_spec_decode_acceptance_length_bucket"):
+        assert must in named, must
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+class _Rec:
+    def __init__(self, calls, key):
+        self.calls, self.key = calls, key
+
+
+class _Counter(_Rec):
+    def inc(self, value, tags=None):
+        assert value > 0   # Ray's Counter refuses anything else
+        self.calls[self.key].append((value, tuple(sorted((tags or {}).items()))))
+
+
+class _Gauge(_Rec):
+    def set(self, value, tags=None):
+        self.calls[self.key].append((value, tuple(sorted((tags or {}).items()))))
+
+
+class _Histogram(_Rec):
+    def observe(self, value, tags=None):
+        self.calls[self.key].append((value, ()))
+
+
+def recording_metrics():
+    calls = defaultdict(list)
+    cls = {"counter": _Counter, "gauge": _Gauge, "histogram": _Histogram}
+    return calls, {k: cls[spec[0]](calls, k) for k, spec in REPLICA_SERIES.items()}
+
+
+def test_cohort_monitor_on_a_real_service(model, caplog):
+    """Three greedy rows through a real service: the monitor's metric increments add up to the
+    service's own counters, lane gauges read the live rows and fall to 0 when the lane ends, and the
+    summary names the lane with its occupancy and acceptance."""
+    from mtplx.sampling import SamplerConfig
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob, mtp_batch_compatibility_key
+
+    greedy = SamplerConfig(temperature=0.0)
+    key = mtp_batch_compatibility_key(model.model_id, False, greedy, None)
+    service = MTPBatchGenerationService.for_model(model, widths=(3,), batch_wait_s=0.0)
+    try:
+        calls, metrics = recording_metrics()
+        monitor = CohortMonitor(service.snapshot, metrics, logging.getLogger("test"), log_every_s=0)
+        before = service.snapshot()
+        prompt = list(model.tokenizer.encode("def fibonacci(n):\n", add_special_tokens=False))
+        jobs = [MTPBatchJob(request_id=f"m{i}", prompt_ids=prompt, max_tokens=48, sampler=greedy, seed=i,
+                            compatibility_key=key) for i in range(3)]
+        futures = service.submit_cohort(jobs)
+        while not all(f.done() for f in futures):
+            monitor.sample()
+            time.sleep(0.02)
+        for f in futures:
+            f.result()
+        deadline = time.time() + 10
+        while service.snapshot()["lanes"] and time.time() < deadline:
+            time.sleep(0.01)
+        after = monitor.sample()
+        line = monitor.summary()
+    finally:
+        service.shutdown()
+
+    total = lambda k: sum(v for v, _ in calls[k])  # noqa: E731
+    accepted = after["accepted_draft_tokens"] - before["accepted_draft_tokens"]
+    rejected = after["rejected_draft_tokens"] - before["rejected_draft_tokens"]
+    assert accepted + rejected > 0
+    assert total("accepted") == accepted == total("accepted_per_pos")
+    assert total("drafts") == total("draft_tokens") == accepted + rejected
+    assert total("lane_cycles") == after["lane_cycles"] - before["lane_cycles"]
+    assert total("row_cycles") == after["lane_row_cycles"] - before["lane_row_cycles"]
+    assert total("admissions") == 3
+    assert calls["cycle_time"] and all(0 < v < 5 for v, _ in calls["cycle_time"])
+    live = [(v, dict(tags)) for v, tags in calls["live_rows"]]
+    assert any(v > 0 and t == {"lane": "greedy", "width": "3"} for v, t in live)
+    assert live[-1][0] == 0   # the ended lane reads 0, not its last value
+    assert any(dict(tags) == {"lane": "queue"} for _, tags in calls["waiting_rows"])
+    assert line is not None and "lane " in line and " w3: admitted 3, finished 3" in line, line
+    assert "acceptance" in line and "tok/s" in line
+    assert monitor.summary() is None   # nothing ran since: no line
+
+
+def core_dashboard() -> dict:
+    from ray.dashboard.modules.metrics.grafana_dashboard_factory import generate_default_grafana_dashboard
+
+    content, uid = generate_default_grafana_dashboard()
+    assert uid == "rayDefaultDashboard"
+    return json.loads(content)
+
+
+def test_core_dashboard_row(tmp_path, monkeypatch):
+    """Our row on Ray's own Core dashboard: valid JSON, ids that do not clash with Ray's, our
+    panels first and Ray's below, expressions that name exported series, and re-applying it (a
+    second app start) changes nothing."""
+    core = core_dashboard()
+    ray_ids = {p["id"] for p in grafana._all_panels(core["panels"])}
+    d = tmp_path / "dashboards"
+    d.mkdir()
+    (d / grafana.CORE_DASHBOARD_FILE).write_text(json.dumps(core))
+    monkeypatch.setenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", str(d))
+    written = grafana.provision()
+    assert written == {"dashboard": str(d / grafana.OUR_DASHBOARD_FILE), "core_row": str(d / grafana.CORE_DASHBOARD_FILE)}
+    assert json.loads((d / grafana.OUR_DASHBOARD_FILE).read_text()) == grafana.load_dashboard()
+    once = json.loads((d / grafana.CORE_DASHBOARD_FILE).read_text())
+    assert once["uid"] == "rayDefaultDashboard"
+    panels = grafana._all_panels(once["panels"])
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    ours = [p for p in panels if p["id"] not in ray_ids]
+    assert [p["title"] for p in ours] == [grafana.ROW_TITLE, *grafana.ROW_PANELS]
+    assert min(p["id"] for p in ours) > max(ray_ids)
+    assert once["panels"][0]["type"] == "row" and once["panels"][0]["gridPos"]["y"] == 0
+    our_bottom = max(grafana._bottom(p) for p in ours)
+    assert all(p["gridPos"]["y"] >= our_bottom for p in panels if p["id"] in ray_ids)
+    for expr in dashboard_exprs({"panels": ours}):
+        assert series_in(expr) and series_in(expr) <= exported_names() | set(RAY_SERVE_SERIES), expr
+    grafana.provision()
+    assert json.loads((d / grafana.CORE_DASHBOARD_FILE).read_text()) == once
+    # Ray rewrites its file at a new session: ours goes on top again
+    (d / grafana.CORE_DASHBOARD_FILE).write_text(json.dumps(core))
+    grafana.provision()
+    assert json.loads((d / grafana.CORE_DASHBOARD_FILE).read_text()) == once
+
+
+def test_provision_needs_rays_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR", str(tmp_path / "absent"))
+    assert grafana.provision() is None
+    monkeypatch.delenv("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR")
+    monkeypatch.delenv("RAY_METRICS_OUTPUT_ROOT", raising=False)
+    assert grafana.dashboards_dir("/s") == pytest.importorskip("pathlib").Path("/s/metrics/grafana/dashboards")
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the session's Ray Serve (tests/conftest.py)
+
+LONG_PROMPT = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(48))   # > 256 tokens
+
+
+def _traffic_round(serve_app) -> None:
+    """One round of what an operator watches: concurrent greedy and sampled rows, a repeated long
+    prompt (a prefix-cache hit), and a client that leaves mid-stream (a cancel)."""
+    import concurrent.futures as cf
+
+    import httpx
+
+    def post(body):
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers, timeout=120) as c:
+            return c.post("/v1/completions", json=dict(body, model="mtplx-tiny-py")).status_code
+
+    def leave_mid_stream():
+        with httpx.Client(base_url=serve_app.base, headers=serve_app.headers, timeout=120) as c:
+            with c.stream("POST", "/v1/completions", json={"model": "mtplx-tiny-py", "prompt": "def main():\n",
+                                                           "max_tokens": 400, "temperature": 0, "stream": True}) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= 3:
+                        break
+
+    bodies = ([{"prompt": f"def g{i}(n):\n", "max_tokens": 48, "temperature": 0, "stream": True} for i in range(4)]
+              + [{"prompt": "class Node:\n", "max_tokens": 32, "temperature": 0.7, "seed": 1}]
+              + [{"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}])
+    with cf.ThreadPoolExecutor(8) as ex:
+        statuses = list(ex.map(post, bodies))
+        ex.submit(leave_mid_stream).result()
+    assert statuses == [200] * len(bodies)
+    assert post({"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}) == 200
+
+
+@pytest.mark.ray
+def test_replica_log_has_cohort_summaries(serve_app):
+    """With nothing installed, the replica's log (the Ray dashboard: Serve, the deployment, the
+    replica, Logs) carries the periodic cohort summary."""
+    from ray._private import worker
+
+    logs = __import__("pathlib").Path(worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    _traffic_round(serve_app)
+    deadline = time.time() + 30
+    lines = []
+    while time.time() < deadline and not lines:
+        time.sleep(1)
+        lines = [ln for f in logs.glob("replica_*MTPReplica*.log") for ln in f.read_text(errors="replace").splitlines()
+                 if "mtplx replica" in ln and " tok/s, " in ln and "| lane " in ln]
+    assert lines, f"no cohort summary in {sorted(p.name for p in logs.glob('replica_*'))}"
+    assert re.search(r"lane \S+ w\d+: admitted \d+, finished \d+, occupancy [\d.]+/\d+, acceptance", lines[-1])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("prometheus") is None,
+                    reason="needs Prometheus (bash scripts/metrics.sh installs Debian's package)")
+def test_prometheus_evaluates_every_dashboard_expression(serve_app, tmp_path):
+    """scripts/metrics.sh runs Prometheus on a scrape config for the test cluster's metrics agent;
+    with traffic flowing, every PromQL expression of the shipped dashboard returns a finite value
+    through Prometheus's HTTP API. (Ray exports metrics every 10 s: this takes about a minute.)"""
+    import math
+    import os
+    import subprocess
+    import threading
+
+    import httpx
+    import ray
+
+    from deployments._proc import free_port
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 2s\nscrape_configs:\n  - job_name: ray\n    static_configs:\n"
+                      f"      - targets: ['{node['NodeManagerAddress']}:{node['MetricsExportPort']}']\n")
+    port = free_port()
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen(["bash", str(repo / "scripts" / "metrics.sh"), str(config)], stdout=log,
+                            stderr=subprocess.STDOUT, env=dict(os.environ, MTPLX_PROMETHEUS_PORT=str(port)))
+    stop = threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            _traffic_round(serve_app)
+
+    feeder = threading.Thread(target=traffic, daemon=True)
+    feeder.start()
+    exprs = dashboard_exprs(grafana.load_dashboard())
+    missing = list(exprs)
+    try:
+        deadline = time.time() + 240
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as prom:
+            while missing and time.time() < deadline and proc.poll() is None and feeder.is_alive():
+                time.sleep(3)
+                still = []
+                for expr in missing:
+                    try:
+                        r = prom.get("/api/v1/query", params={"query": expr}).json()
+                    except httpx.HTTPError:
+                        still.append(expr)
+                        continue
+                    assert r["status"] == "success", (expr, r)
+                    if not any(math.isfinite(float(s["value"][1])) for s in r["data"]["result"]):
+                        still.append(expr)
+                missing = still
+    finally:
+        stop.set()
+        proc.terminate()
+        proc.wait(10)
+        feeder.join(120)
+    assert proc.returncode is not None
+    assert not missing, (missing, (tmp_path / "prometheus.log").read_text()[-2000:])
