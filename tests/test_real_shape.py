@@ -122,7 +122,8 @@ def test_a_checkpoint_without_a_head_serves_plain_ar(models):
     m = models["qwen3_bf16_nohead"]
     service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.05)
     try:
-        assert "no mtp" in service.snapshot()["mtp_disabled_reason"]
+        snap = service.snapshot()
+        assert "no mtp" in snap["mtp_disabled_reason"] and "AR rows only" in snap["selfchecks"]["3"]["skipped"]
         prompts = _prompts(m, 3)
         jobs = [MTPBatchJob(request_id=f"r{i}", prompt_ids=p, max_tokens=10, seed=i,
                             sampler=GREEDY if i < 2 else SAMPLED) for i, p in enumerate(prompts)]

@@ -654,5 +654,8 @@ def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkey
         for r, p in zip(results, prompts):
             assert r["tokens"] == generate_ar(model, p, 8, GREEDY).tokens
             assert r["stats"]["mtp_batch_fixed_width"] == 1
+        service.install_lanes([3]).result(TIMEOUT)
+        assert service.snapshot()["selfchecks"]["3"] == {"ok": True, "dtype": "float32", "parity_tolerance": 0.0,
+                                                         "tolerated_divergences": []}
     finally:
         service.shutdown(timeout_s=30)

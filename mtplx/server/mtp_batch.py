@@ -1134,6 +1134,12 @@ class MTPBatchGenerationService:
                 "pump_scheduled": bool(self._busy or self._pending or self._calls or self._running),
                 "installed_widths": self.installed_widths,
                 "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
+                # each installed lane's self-check: the dtype its parity was held to, the tolerance
+                # (0: exact) and any divergence tolerated at a near-tie
+                "selfchecks": {str(w): {k: getattr(lane, "selfcheck", {}).get(k) for k in
+                                        ("ok", "dtype", "parity_tolerance", "tolerated_divergences", "skipped")
+                                        if k in getattr(lane, "selfcheck", {})}
+                               for w, lane in sorted(self._lanes.items())},
                 "mtp_disabled_reason": self.mtp_disabled_reason,
                 "forced_width": self.forced_width,
                 "numerics": self.numerics,
