@@ -191,6 +191,29 @@ def test_selfcheck_forces_commits_whatever_the_head(model, monkeypatch):
     assert err.value.receipt["failed_checks"] == ["commit_keeps"]
 
 
+def test_selfcheck_parity_tolerance_follows_the_dtype(model, monkeypatch):
+    """A batched row that differs from solo greedy fails the fp32 self-check (exact); under a
+    bf16/fp16 tolerance the same difference passes only as a divergence at a near-tie, listed in
+    the receipt (here the tolerance is made wide enough to hold it)."""
+    import mtplx.generation as gen
+
+    real = gen.generate_ar
+
+    def one_token_off(m, prompt, n, sampler, **kw):       # the solo reference the check compares to
+        r = real(m, prompt, n, sampler, **kw)
+        if len(r.tokens) > 2:
+            r.tokens[2] = (r.tokens[2] + 1) % m.vocab_size
+        return r
+
+    monkeypatch.setattr(gen, "generate_ar", one_token_off)
+    with pytest.raises(LaneSelfCheckError, match="greedy_parity"):
+        install_a3b_mtp_batch_lane(model, 3)
+    monkeypatch.setattr(lane_mod, "parity_tolerance", lambda m: ("bfloat16", 1e9))
+    receipt = install_a3b_mtp_batch_lane(model, 3).selfcheck
+    assert receipt["ok"] and receipt["dtype"] == "bfloat16"
+    assert receipt["tolerated_divergences"] and "at token 2" in receipt["tolerated_divergences"][0]
+
+
 def test_any_width_installs(model):
     for w in (2, 5, 16):
         assert install_a3b_mtp_batch_lane(model, w).selfcheck["ok"]
