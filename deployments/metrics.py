@@ -273,6 +273,9 @@ class CohortMonitor:
                  + (f"{grew['accepted_draft_tokens'] / drafts:.2f}" if drafts else "-")
                  + f", {p.get('pending', 0)} queued"]
         for (key, width), a in sorted(p["lanes"].items()):
+            if not width:   # rows wait for a lane that has not taken its first width yet
+                parts.append(f"lane {key} starting: waiting {a['waiting']}")
+                continue
             drafted = a["accepted"] + a["rejected"]
             # a lane's tokens: one per live row and cycle, plus its accepted drafts
             parts.append(
