@@ -70,6 +70,43 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
         parse_request(cls, json.dumps({**base, field: {"min_tokens": 0, "repetition_penalty": 1.0}[field]}).encode())
 
 
+def test_logprobs_fields_are_validated_and_refused_until_the_engine_reports_them():
+    from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    cases = [(ChatCompletionRequest, {**chat, "top_logprobs": 3}, "top_logprobs"),        # without logprobs
+             (ChatCompletionRequest, {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             (ChatCompletionRequest, {**chat, "logprobs": True}, "logprobs"),
+             (CompletionRequest, {"prompt": "x", "logprobs": 2}, "logprobs"),
+             (CompletionRequest, {"prompt": "x", "logprobs": True}, "logprobs")]
+    for cls, body, param in cases:
+        with pytest.raises(OpenAIError) as exc:
+            parse_request(cls, json.dumps(body).encode())
+        assert exc.value.status == 400 and exc.value.param == param, (body, exc.value.message)
+    assert parse_request(ChatCompletionRequest, json.dumps({**chat, "logprobs": False}).encode()).requested_logprobs \
+        is None
+
+
+def test_logprobs_shapes_carry_each_tokens_exact_bytes(model):
+    from mtplx.server.openai import TokenBytes, chat_logprobs, completion_logprobs
+
+    tok = model.tokenizer
+    text = "h\u00e9llo \u2192 w\u00f6rld\n"
+    ids = list(tok.encode(text, add_special_tokens=False))
+    token_bytes = TokenBytes(tok)
+    assert b"".join(token_bytes(i)[1] for i in ids).decode("utf-8") == text   # split characters included
+    eos = sorted(model.eos_token_ids)[0]
+    assert token_bytes(eos)[0] == tok.decode([eos])                              # a special token: its text
+    entries = [(-0.5 * k, [(ids[k], -0.5 * k), (eos, -3.0), (ids[0], -4.0)]) for k in range(len(ids))]
+    chat = chat_logprobs(ids, entries, 2, token_bytes)["content"]
+    assert [c["logprob"] for c in chat] == [-0.5 * k for k in range(len(ids))]
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][1]["logprob"] == -3.0 for c in chat)
+    assert bytes(b for c in chat for b in c["bytes"]).decode("utf-8") == text
+    comp = completion_logprobs(ids, entries, 1, token_bytes, text_offset=7)
+    assert comp["text_offset"][0] == 7 and comp["token_logprobs"] == [c["logprob"] for c in chat]
+    assert all(comp["tokens"][k] in comp["top_logprobs"][k] for k in range(len(ids)))
+
+
 def test_anthropic_request_translates_to_the_chat_path(model):
     from mtplx.server import anthropic
     from mtplx.server.openai import ChatMessage, OpenAIError, encode_chat, parse_request
@@ -255,7 +292,8 @@ def test_anthropic_messages_with_the_anthropic_client(serve_app, client, ref_mod
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg")
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == ref.choices[0].message.content
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
-    assert m.usage.input_tokens == ref.usage.prompt_tokens and m.usage.output_tokens == 20
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == ref.usage.prompt_tokens
+    assert m.usage.output_tokens == 20
     # stop_sequences
     text = m.content[0].text
     stop = next(text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip()
@@ -274,7 +312,7 @@ def test_anthropic_messages_with_the_anthropic_client(serve_app, client, ref_mod
         "content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[2:-3]) == {"content_block_delta"}
     assert final.content[0].text == text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 20
-    assert final.usage.input_tokens == ref.usage.prompt_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == ref.usage.prompt_tokens
     # count_tokens: the prompt the request decodes from
     assert ac.messages.count_tokens(model=MODEL, system=system, messages=turns).input_tokens == \
         ref.usage.prompt_tokens

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..sampling import SamplerConfig
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
 GENERATION_MODES = ("mtp", "ar")
 # A temperature below this decodes greedy (as vLLM's sampling epsilon does).
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -198,7 +199,6 @@ class _GenerationFields(BaseModel):
     metadata: Optional[dict] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
-    logprobs: Optional[Union[bool, int]] = None
     logit_bias: Optional[dict] = None
     # vLLM's sampling extensions: stop_token_ids and ignore_eos act on the row's stop set;
     # min_tokens and repetition_penalty are accepted only at their no-op values (see checks)
@@ -234,8 +234,9 @@ class _GenerationFields(BaseModel):
         if self.n is not None and self.n != 1:
             raise invalid_request(f"n={self.n} is not supported: this server returns exactly one choice (n=1)",
                                   param="n", code="unsupported_value")
-        if self.logprobs not in (None, False, 0):
-            raise invalid_request("logprobs are not supported", param="logprobs", code="unsupported_value")
+        if self.requested_logprobs is not None:
+            raise invalid_request("logprobs are not served yet: the engine does not report the target's token "
+                                  "log-probabilities; omit logprobs", param="logprobs", code="unsupported_value")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
@@ -266,9 +267,17 @@ class ChatCompletionRequest(_GenerationFields):
     tool_choice: Optional[Any] = None
     functions: Optional[list] = None
     response_format: Optional[dict] = None
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = Field(default=None, strict=True)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    @property
+    def requested_logprobs(self) -> Optional[int]:
+        """Alternatives per token asked for (0: the chosen token's log-probability only); None: off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def checks(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs: true", param="top_logprobs")
         self.common_checks()
         if self.tools or self.functions:
             raise invalid_request("tools / function calling are not supported", param="tools",
@@ -295,6 +304,12 @@ class CompletionRequest(_GenerationFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    @property
+    def requested_logprobs(self) -> Optional[int]:
+        """Alternatives per token asked for (0: the chosen token's log-probability only); None: off."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -547,6 +562,79 @@ def models_list(model_ids: Iterable[str], created: int, max_context: Optional[in
             entry["max_model_len"] = int(max_context)
         data.append(entry)
     return {"object": "list", "data": data}
+
+
+# ----------------------------------------------------------------------------------------------
+# Log probabilities in OpenAI's shapes. The engine reports, per emitted token and parallel to the
+# token stream, (logprob, [(alt_id, alt_logprob), ...]): the target's log-softmax at that token and
+# its top alternatives, heaviest first.
+
+
+def _byte_level_alphabet() -> Dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (a printable character per byte), character -> byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    chars, extra = dict(zip(printable, printable)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+class TokenBytes:
+    """A token's exact bytes and its text as logprobs report them. Byte-level BPE tokens map back to
+    their raw bytes (a token holding part of a UTF-8 character has bytes and a U+FFFD text, as the
+    tokenizer decodes it alone); special tokens are their own text."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
+        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._cache: Dict[int, tuple] = {}
+
+    def __call__(self, token_id: int) -> tuple:
+        """(text, bytes) of one token."""
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self._tok.convert_ids_to_tokens(int(token_id))
+            if self._alphabet is not None and token_id not in self._special and piece is not None \
+                    and all(ch in self._alphabet for ch in piece):
+                raw = bytes(self._alphabet[ch] for ch in piece)
+            else:
+                raw = self._tok.decode([int(token_id)]).encode("utf-8")
+            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return hit
+
+
+def chat_logprobs(tokens: Sequence[int], entries: Sequence[tuple], top: int, token_bytes: TokenBytes) -> dict:
+    """A chat choice's (or chunk's) `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def item(token_id, logprob):
+        text, raw = token_bytes(token_id)
+        return {"token": text, "logprob": float(logprob), "bytes": list(raw)}
+
+    content = []
+    for token_id, (logprob, alts) in zip(tokens, entries):
+        content.append({**item(token_id, logprob), "top_logprobs": [item(a, lp) for a, lp in list(alts)[:top]]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: Sequence[int], entries: Sequence[tuple], top: int, token_bytes: TokenBytes,
+                        text_offset: int = 0) -> dict:
+    """A completion choice's (or chunk's) legacy `logprobs`: tokens, token_logprobs, top_logprobs
+    (the chosen token and up to `top` alternatives) and text_offset (each token's start in the
+    completion text, counting the tokens' own texts, from `text_offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, (logprob, alts) in zip(tokens, entries):
+        text = token_bytes(token_id)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(float(logprob))
+        alternatives = {token_bytes(a)[0]: float(lp) for a, lp in list(alts)[:top]}
+        alternatives.setdefault(text, float(logprob))
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
 
 
 def sse(obj: Any) -> bytes:
