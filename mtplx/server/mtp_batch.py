@@ -529,7 +529,7 @@ class MTPBatchGenerationService:
 
             kwargs["session_bank"] = SessionBank(f"{model.model_id}:{model.fingerprint}")
         service = cls(model, {}, batch_wait_s=batch_wait_s, numerics=numerics, **kwargs)
-        if service.mtp_disabled_reason is not None:     # no head: lanes of plain AR rows
+        if service.mtp_disabled_reason is not None and numerics != "b1-exact":   # no head: plain AR lanes
             from ..a3b_mtp_batch import ar_lanes
 
             service.call_on_owner(lambda: service._set_lanes(ar_lanes(model, widths))).result()
@@ -1104,6 +1104,11 @@ class MTPBatchGenerationService:
             if job.cancel_requested():   # the callback failed: stop decoding this job
                 raise SoloCancelled()
 
+        if not job.speculative:      # generation_mode "ar", or a model without an MTP head
+            from ..generation import generate_ar
+
+            return generate_ar(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
+                               seed=job.seed, stop_token_ids=job.stop_token_ids, on_token=on_token)
         return generate_mtpk(self.model, job.prompt_ids, max_tokens=job.max_tokens, sampler=job.sampler,
                              draft_sampler=job.draft_sampler, depth=MTP_DEPTH, seed=job.seed,
                              stop_token_ids=job.stop_token_ids,
