@@ -408,7 +408,7 @@ def test_request_ids_are_the_servers_and_duplicate_client_ids_do_not_collide(ser
         for f in futs:
             f.result()
     assert len(set(ids)) == 2 and "my-id-1" not in ids
-    assert finishes["cancelled"][0] == "cancelled"
+    assert finishes["cancelled"][0] == "stop" and finishes["cancelled"][1]["cancelled"] is True
     assert finishes["kept"][0] in ("stop", "length") and not finishes["kept"][1].get("cancelled")
 
 
