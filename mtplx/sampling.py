@@ -28,6 +28,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 PENALTY_LIMIT = 2.0
+GREEDY_BELOW = 1e-5        # a temperature below this decodes greedy (as vLLM's sampling epsilon)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class SamplerConfig:
         object.__setattr__(self, "top_k", int(self.top_k))
         if self.temperature < 0:
             bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if self.temperature < GREEDY_BELOW:   # logits / 1e-320 overflow to a NaN distribution
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k < 0:

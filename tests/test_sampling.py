@@ -143,6 +143,14 @@ def test_sampler_config_is_hashable_with_mtplx_defaults():
     assert SamplerConfig(temperature=0).is_greedy
 
 
+def test_a_temperature_below_epsilon_decodes_greedy():
+    """logits / 1e-320 would overflow to a NaN distribution that always picks the last id."""
+    cfg = SamplerConfig(temperature=1e-320)
+    assert cfg.is_greedy and cfg == SamplerConfig(temperature=0.0)
+    assert distribution(np.array([0.1, 2.0, 1.0]), cfg).argmax() == 1
+    assert not SamplerConfig(temperature=2e-5).is_greedy
+
+
 def _full_sort_reference(logits, cfg):
     """The rules over the whole vocabulary ranked (weight desc, id asc): the reference."""
     x = np.asarray(logits, dtype=np.float32)

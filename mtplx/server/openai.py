@@ -21,8 +21,6 @@ from ..sampling import SamplerConfig
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 GENERATION_MODES = ("mtp", "ar")
-# A temperature below this decodes greedy (as vLLM's sampling epsilon does).
-GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,8 +423,6 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
             values[name] = v
     if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
         values["top_k"] = 0
-    if values.get("temperature") is not None and values["temperature"] < GREEDY_TEMPERATURE_EPS:
-        values["temperature"] = 0.0   # logits / 1e-320 overflow to a NaN distribution: decode greedy
     try:
         return SamplerConfig(**values)
     except ValueError as exc:
