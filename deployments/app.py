@@ -69,6 +69,8 @@ class AppArgs(BaseModel):
                                                          "replica) when one model step runs longer")
     summary_interval_s: float = Field(10.0, ge=0.0, description="Replica: seconds between cohort summaries in its "
                                                               "log while it has work (0: none)")
+    metrics: bool = Field(True, description="Export the mtplx Ray metrics and log cohort summaries (false: "
+                                            "neither, e.g. to measure what they cost)")
     default_generation_mode: Literal["mtp", "ar"] = "mtp"
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0.0)
@@ -125,7 +127,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
         warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
-        watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s)
+        watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
     # the rows waiting for a window, and requests it is answering 429 (so that overload gets our
     # OpenAI-shaped 429 rather than the proxy's plain 503 queue).
@@ -138,7 +140,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "max_tokens_limit": a.max_tokens_limit, "max_body_bytes": a.max_body_bytes,
         "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file,
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
-        "overload_status": a.overload_status,
+        "overload_status": a.overload_status, "metrics": a.metrics,
     }
     ingress = serve.deployment(
         name=INGRESS_NAME,

@@ -174,7 +174,9 @@ class OpenAIIngress:
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
                        "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0, "rejected_overload": 0,
                        "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0}
-        self._init_metrics()
+        self._metrics = None
+        if cfg.get("metrics", True):
+            self._init_metrics()
         try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
             from .grafana import provision
 

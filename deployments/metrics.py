@@ -164,7 +164,7 @@ class CohortMonitor:
         self._stop.set()
 
     def _run(self) -> None:
-        next_log = time.monotonic() + self.log_every_s
+        next_log, last_error = time.monotonic() + self.log_every_s, None
         while not self._stop.wait(self.sample_s):
             try:
                 self.sample()
@@ -173,8 +173,11 @@ class CohortMonitor:
                     if line:
                         self._log.info(line)
                     next_log = time.monotonic() + self.log_every_s
-            except Exception as exc:   # a monitor bug must not take the replica down; say it once a period
-                self._log.warning("%s: cohort monitor: %s: %s", self.name, type(exc).__name__, exc)
+            except Exception as exc:   # a monitor bug must not take the replica down; say each new one once
+                said = f"{type(exc).__name__}: {exc}"
+                if said != last_error:
+                    self._log.warning("%s: cohort monitor: %s", self.name, said)
+                last_error = said
 
     # -- sampling ----------------------------------------------------------------------------------
 

@@ -179,7 +179,8 @@ class MTPReplica:
                  stream_interval_ms: float = 0.0, blas_threads: Optional[int] = None,
                  numerics: str = "throughput", warmup: bool = True, num_cpus: float = 1.0,
                  niceness: Optional[int] = 0, max_waiting_rows_per_key: int = 64,
-                 retry_after_s: float = 1.0, watchdog_s: float = 120.0, summary_interval_s: float = 10.0):
+                 retry_after_s: float = 1.0, watchdog_s: float = 120.0, summary_interval_s: float = 10.0,
+                 metrics: bool = True):
         from ._proc import renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
@@ -218,7 +219,9 @@ class MTPReplica:
         self._stream_messages = 0
         if warmup:
             self._warmup()
-        self._init_metrics()
+        self._metrics, self._monitor = None, None
+        if metrics:
+            self._init_metrics()
         log.info("mtplx replica %s: %s loaded in %.2fs, lanes %s", self.replica_id, self.model.model_id,
                  self.load_s, self.service.installed_widths)
 
