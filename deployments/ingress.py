@@ -34,13 +34,14 @@ from typing import Any, Dict, List, Optional
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 import mtplx
 from mtplx.server import anthropic
 from mtplx.server import openai as oa
 from mtplx.server.mtp_batch import mtp_batch_compatibility_key
 
+from .live_page import PAGE_HTML, PAGE_PATH
 from .metrics import INGRESS_SERIES, make_metrics, record
 from .router import PIN_KWARG, known_replicas
 
@@ -51,7 +52,8 @@ _CANCEL_ROUTE = re.compile(r"^/v1/mtplx/cancel/(?P<rid>[^/]+)$")
 CLIENT_REQUEST_ID_HEADER = "x-mtplx-request-id"          # a client's own id: metadata, echoed back
 CLIENT_REQUEST_ID_ECHO = "x-mtplx-client-request-id"
 _CLIENT_ID_OK = re.compile(r"^[\x21-\x7e]{1,128}$")     # printable ASCII, no spaces
-OPEN_PATHS = ("/health",)                                # the only routes an API key does not guard
+OPEN_PATHS = ("/health", PAGE_PATH)                      # the only routes an API key does not guard (the live
+                                                         # page holds no data; its snapshot calls carry the key)
 ANTHROPIC_PREFIX = "/v1/messages"                        # routes that answer errors in Anthropic's shape
 
 
@@ -277,6 +279,9 @@ class OpenAIIngress:
             elif path == "/v1/mtplx/snapshot":
                 self._require(method, "GET", path)
                 resp = JSONResponse(await self._snapshot())
+            elif path == PAGE_PATH:
+                self._require(method, "GET", path)
+                resp = HTMLResponse(PAGE_HTML, headers={"Cache-Control": "no-store"})
             elif _CANCEL_ROUTE.match(path):
                 self._require(method, "POST", path)
                 route = "/v1/mtplx/cancel"

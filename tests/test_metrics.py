@@ -299,3 +299,51 @@ def test_prometheus_evaluates_every_dashboard_expression(serve_app, tmp_path):
         feeder.join(120)
     assert proc.returncode is not None
     assert not missing, (missing, (tmp_path / "prometheus.log").read_text()[-2000:])
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None, reason="needs Debian's chromium (headless)")
+def test_live_page_in_headless_chromium(serve_app, tmp_path):
+    """The live page, served without a key and fetching nothing from elsewhere, shows the running
+    lanes, acceptance and tokens/s in headless Chromium while traffic runs; the screenshot is kept
+    in build/test-artifacts/live_page.png."""
+    import shutil
+    import subprocess
+    import threading
+
+    import httpx
+    from conftest import TEST_API_KEY
+
+    url = serve_app.base + "/v1/mtplx/dashboard"
+    page = httpx.get(url, timeout=30)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert not re.search(r"""(src|href|url)\s*[=(]\s*["']?(https?:)?//""", page.text)   # nothing from elsewhere
+    assert httpx.get(serve_app.base + "/v1/mtplx/snapshot", timeout=30).status_code == 401   # the data needs the key
+
+    stop = threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            _traffic_round(serve_app)
+
+    feeder = threading.Thread(target=traffic, daemon=True)
+    feeder.start()
+    chrome = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+              f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900", "--virtual-time-budget=12000"]
+    shot = tmp_path / "live_page.png"
+    try:
+        time.sleep(2)   # rows in flight before the page's first snapshot
+        dom = subprocess.run(chrome + ["--dump-dom", f"{url}#key={TEST_API_KEY}"], capture_output=True, text=True,
+                             timeout=120).stdout
+        subprocess.run(chrome + [f"--screenshot={shot}", f"{url}#key={TEST_API_KEY}"], capture_output=True,
+                       timeout=120, check=True)
+    finally:
+        stop.set()
+        feeder.join(120)
+    assert 'id="status" class="">live' in dom, dom[:2000]
+    assert re.search(r'id="tps">\d+\.\d', dom), dom[:2000]
+    assert "started at width" in dom   # the recent-lanes log saw lanes come
+    assert shot.stat().st_size > 20_000
+    keep = __import__("pathlib").Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
+    keep.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shot, keep / "live_page.png")
