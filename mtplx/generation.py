@@ -32,6 +32,11 @@ class CapacityError(ValueError):
     """prompt + max_tokens does not fit the model's context window."""
 
 
+class KVBudgetError(CapacityError):
+    """prompt + max_tokens needs more decode state (KV, recurrent state) than a server's whole
+    budget for it."""
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]

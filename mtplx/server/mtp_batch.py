@@ -68,6 +68,7 @@ MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the default when
 DEFAULT_WIDTHS = (3, 8)
 DEFAULT_BATCH_WAIT_S = 0.02
 NUMERICS = ("throughput", "b1-exact")
+KV_BUDGET_ENV = "MTPLX_KV_BUDGET_GB"     # decode state all lanes may hold; default: half the memory
 SOLO_ROUTE_ID = "mtp_b1_solo"
 B1_EXACT_ROUTE_ID = "mtp_batch_b1_exact_serial"
 MTP_DEPTH = 1
@@ -83,6 +84,38 @@ class MTPBatchServiceClosed(RuntimeError):
 
 class MTPBatchOwnerFinalizeError(MTPBatchServiceClosed):
     """The owner finalize of a cohort failed: the service is poisoned."""
+
+
+def _default_kv_budget() -> Optional[int]:
+    """MTPLX_KV_BUDGET_GB, else half the machine's memory (None where it cannot be read)."""
+    raw = os.environ.get(KV_BUDGET_ENV, "").strip()
+    if raw:
+        try:
+            return int(float(raw) * 2**30)
+        except ValueError:
+            raise ValueError(f"{KV_BUDGET_ENV}={raw!r} is invalid: a number of GiB") from None
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def row_state_bytes(model) -> tuple:
+    """(bytes per KV position, fixed bytes) of one row's decode state, target and MTP head
+    together, read off a two-token prefill: KV layers grow per position, recurrent (GDN) layers
+    hold a fixed state per row."""
+    from ..generation import prefill
+
+    cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+    prefill(model, [0, 0], cache, mtp_cache)
+    per_position = per_row = 0
+    for layer in list(cache) + list(mtp_cache or []):
+        keys = getattr(layer, "keys", None)
+        if keys is not None:
+            per_position += (keys.nbytes + layer.values.nbytes) // keys.shape[2]
+        else:
+            per_row += sum(a.nbytes for a in (layer.state or []) if a is not None)
+    return per_position, per_row
 
 
 def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus: bool,
@@ -462,8 +495,12 @@ class MTPBatchGenerationService:
     def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
-                 running_lane_cls=None):
+                 running_lane_cls=None, kv_budget_bytes: Optional[int] = None):
         self.model = model
+        # Rows join lanes only while every lane's KV and recurrent state fits this budget; a row
+        # that cannot fit even alone fails with KVBudgetError (see _kv_fits).
+        self.kv_budget_bytes = int(kv_budget_bytes) if kv_budget_bytes is not None else _default_kv_budget()
+        self._row_bytes: Optional[tuple] = None        # (bytes per KV position, fixed bytes per row)
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
         # is unchanged by reuse; see mtplx.prefix_cache).
         self.session_bank = session_bank
@@ -832,7 +869,9 @@ class MTPBatchGenerationService:
 
     def _admit(self, jobs: list) -> None:
         """Jobs leave the queue: b1-exact jobs and lone jobs with a solo runner run alone now;
-        every other job joins its key's running lane (created on first use)."""
+        every other job joins its key's running lane (created on first use) once its decode
+        state fits the budget; until then it stays first in the queue."""
+        deferred = []
         for job in jobs:
             if self.numerics == "b1-exact":
                 self._run_alone(job, b1_exact=True)
@@ -841,6 +880,12 @@ class MTPBatchGenerationService:
             if job.solo_runner is not None and key not in self._running \
                     and sum(1 for j in jobs if j.compatibility_key == key) == 1:
                 self._run_alone(job, b1_exact=False)
+                continue
+            fits = self._kv_fits(job)
+            if fits is None:
+                continue                  # failed: it can never fit
+            if not fits:                  # waits for rows to finish and free their state
+                deferred.append(job)
                 continue
             lane = self._running.get(key)
             if lane is None:
@@ -860,6 +905,53 @@ class MTPBatchGenerationService:
             with self._cond:
                 self._active.add(job)
             job.emit_prefill({"phase": "queued", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
+        if deferred:
+            with self._cond:
+                self._pending.extendleft(reversed(deferred))
+
+    def _kv_fits(self, job: MTPBatchJob) -> Optional[bool]:
+        """Whether every lane's decode state stays within ``kv_budget_bytes`` with this job in its
+        key's lane (a lane holds width x its longest row's prompt + max_tokens of KV, whatever
+        the others need). None when the job fails because it cannot fit even alone."""
+        if self.kv_budget_bytes is None or self.model is None:
+            return True
+        if self._row_bytes is None:
+            self._row_bytes = row_state_bytes(self.model)
+        need = self._row_need(job)
+        alone = self._lane_bytes([need])
+        if alone > self.kv_budget_bytes:
+            from ..generation import KVBudgetError
+
+            job._fail(KVBudgetError(
+                f"prompt ({len(job.prompt_ids)} tokens) + max_tokens ({job.max_tokens}) needs "
+                f"{alone / 2**30:.2f} GiB of decode state, more than the server's budget of "
+                f"{self.kv_budget_bytes / 2**30:.2f} GiB: lower max_tokens or shorten the prompt"))
+            return None
+        total = 0
+        for key, lane in self._running.items():
+            needs = [self._row_need(j) for j in lane.jobs if not j.future.done()]
+            total += self._lane_bytes(needs + [need] if key == job.compatibility_key else needs)
+        if job.compatibility_key not in self._running:
+            total += alone
+        return total <= self.kv_budget_bytes
+
+    @staticmethod
+    def _row_need(job: MTPBatchJob) -> int:
+        from ..a3b_mtp_batch import VERIFY_T
+
+        return len(job.prompt_ids) + job.max_tokens + VERIFY_T
+
+    def _lane_bytes(self, needs: list) -> int:
+        """A lane's decode state for rows of these lengths: the narrowest width that holds them,
+        every row's KV buffer as long as the longest (rounded to the buffer's growth step)."""
+        from ..models.cache import STEP
+
+        if not needs:
+            return 0
+        ladder = sorted({getattr(lane, "width", 1) for lane in self._ladder()}) or [1]
+        width = next((w for w in ladder if w >= len(needs)), ladder[-1])
+        per_position, per_row = self._row_bytes
+        return width * (-(-max(needs) // STEP) * STEP * per_position + per_row)
 
     def _step_next_lane(self) -> None:
         """One cycle of the next key's lane, round robin: no key runs to completion while another
@@ -1146,6 +1238,9 @@ class MTPBatchGenerationService:
                                         if k in getattr(lane, "selfcheck", {})}
                                for w, lane in sorted(self._lanes.items())},
                 "mtp_disabled_reason": self.mtp_disabled_reason,
+                # admission by memory: the budget, and what one row's state costs (None until measured)
+                "kv_budget_bytes": self.kv_budget_bytes,
+                "kv_bytes_per_position": self._row_bytes[0] if self._row_bytes else None,
                 "forced_width": self.forced_width,
                 "numerics": self.numerics,
                 "route_ids": {str(w): lane.route_id for w, lane in sorted(self._lanes.items())},
