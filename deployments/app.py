@@ -71,7 +71,7 @@ class AppArgs(BaseModel):
                                                               "log while it has work (0: none)")
     metrics: bool = Field(True, description="Export the mtplx Ray metrics and log cohort summaries (false: "
                                             "neither, e.g. to measure what they cost)")
-    default_generation_mode: Literal["mtp", "ar"] = "mtp"
+    default_generation_mode: Literal["auto", "mtp", "ar"] = "auto"
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0.0)
     replica_resources: Optional[Dict[str, float]] = Field(

@@ -152,7 +152,7 @@ class OpenAIIngress:
         self.model_aliases = {self.served_model, model_dir.name, str(model_dir), str(cfg.get("model_path") or "")}
         self.model_aliases.discard("")
         self.default_max_tokens = int(cfg.get("default_max_tokens", 512))
-        self.default_mode = cfg.get("default_generation_mode", "mtp")
+        self.default_mode = cfg.get("default_generation_mode", "auto")
         self.stop_wait_s = float(cfg.get("stop_wait_s", 2.0))
         self.max_body_bytes = int(cfg.get("max_body_bytes", 8 * 1024 * 1024))
         self.max_tokens_limit = cfg.get("max_tokens_limit")

@@ -285,7 +285,7 @@ class MTPReplica:
         received_at = time.time()
         jobs, modes = [], []
         for i, row in enumerate(rows):
-            mode = row.get("generation_mode", "mtp")
+            mode = row.get("generation_mode", "auto")
             modes.append(mode)
             job = self._mtp_batch.MTPBatchJob(
                 request_id=row["request_id"], prompt_ids=row["prompt_ids"], max_tokens=row["max_tokens"],
@@ -294,7 +294,7 @@ class MTPReplica:
                 | frozenset(row.get("stop_token_ids") or ()),
                 token_callback=(lambda toks, i=i: buf.push_tokens(i, toks)),
                 compatibility_key=row["compatibility_key"],
-                speculative=mode != "ar",
+                speculative=mode != "ar", adaptive=mode == "auto",
                 cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
                 omit_speculative_bonus=bool(row.get("omit_speculative_bonus", False)),
                 session_id=row.get("session_id"),
@@ -304,7 +304,7 @@ class MTPReplica:
             self._jobs.setdefault(job.request_id, []).append(job)
             job.future.add_done_callback(lambda f, i=i: buf.push_final(i, f))
         self._cohorts_started += 1
-        self._observe("cohorts", 1, {"generation_mode": modes[0] if modes else "mtp"})
+        self._observe("cohorts", 1, {"generation_mode": modes[0] if modes else "auto"})
         self._observe("width", len(jobs))
         yield {"replica": self.replica_id}
         admitted = self._admit_within_limits(jobs)
@@ -409,7 +409,7 @@ class MTPReplica:
         if st.get("decode_tok_s"):
             self._observe("decode_tok_s", float(st["decode_tok_s"]))
         cycles = int(st.get("target_verify_cycles") or 0)
-        if cycles and st.get("generation_mode") == "mtp":
+        if cycles and st.get("generation_mode") in ("mtp", "auto"):
             self._observe("accept_length", 1 + int(st.get("accepted_drafts") or 0) / cycles)
 
     def _error_class(self, job, exc: BaseException) -> dict:

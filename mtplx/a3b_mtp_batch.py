@@ -72,6 +72,7 @@ class A3BMTPBatchRequest:
     session_commit: Optional[Callable[..., None]] = None
     on_result: Optional[Callable[["A3BMTPBatchStreamResult"], None]] = None  # the row's final stream, at its terminal
     speculative: bool = True                            # False: one target token per cycle (plain AR)
+    adaptive: bool = False                              # generation_mode "auto": may step aside from drafting
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -97,6 +98,8 @@ class A3BMTPBatchStreamResult:
     occupancy_sum: int = 0                          # live rows, summed over its cycles
     mean_occupancy: float = 0.0                     # occupancy_sum / cycles
     repetition_stop: Optional[object] = None        # a RepetitionStop when the row stopped on a repeat
+    spec_cycles: int = 0                            # cycles in which this row drafted
+    drafts_skipped: int = 0                         # cycles of a speculative row without a draft
 
 
 @dataclass
@@ -127,6 +130,9 @@ class InstalledA3BMTPBatchLane:
     prefill_chunk: int = PREFILL_CHUNK
     compiled: bool = True                 # mx.compile the cycle's forwards when the caches allow
     _graphs: dict = field(default_factory=dict, repr=False, compare=False)
+    # seconds per step at this width by kind ("mtp": a full cycle, "ar": a plain AR step): measured
+    # at install, then a moving average of the running lanes' own steps
+    step_costs: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------- installation
@@ -157,7 +163,31 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
                 f"lane {lane.route_id} refused to install: failed self-check "
                 f"{', '.join(receipt['failed_checks'])}: {receipt['failures']}", receipt)
         object.__setattr__(lane, "selfcheck", receipt)
+        measure_step_costs(lane)
     return lane
+
+
+def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 3) -> dict:
+    """Seconds per MTP cycle and per plain AR step at the lane's width, measured on this machine:
+    a full lane of greedy rows runs the two kinds alternately (after one of each to warm up) and
+    the medians become `lane.step_costs`, which running lanes then keep current."""
+    running = RunningLane(lane, prefill_budget=None)
+    running.step_plan = lambda i: "ar" if i % 2 else "mtp"
+    prompt = tuple(3 + i % (lane.model.vocab_size - 3) for i in range(16))
+    for b in range(lane.width):
+        running.add(A3BMTPBatchRequest(request_id=f"measure-{b}", prompt_ids=prompt, max_tokens=4 * rounds + 8))
+    running.admit_all()
+    times = {"mtp": [], "ar": []}
+    for i in range(2 * rounds + 2):
+        kind = running.step_plan(i)
+        t0 = time.perf_counter()
+        running._run_step(kind)
+        mx.eval(running.logits_last, running.h_last)
+        if i >= 2:
+            times[kind].append(time.perf_counter() - t0)
+    running.cancel_all()
+    lane.step_costs.update({k: float(np.median(v)) for k, v in times.items()})
+    return dict(lane.step_costs)
 
 
 def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool]) -> InstalledA3BMTPBatchLane:
@@ -334,7 +364,12 @@ class _CycleForwards:
                 H = model.hidden(tokens, tc)
                 return (H, model.logits(H)) + _graph_outputs(tc)
 
-            lane._graphs.update(draft=mx.compile(draft), verify=mx.compile(verify))
+            def ar_step(tokens, offset, *arrays):     # the verify's body over [W, 1]: its own graph
+                tc = _graph_views(kinds, arrays, offset)
+                H = model.hidden(tokens, tc)
+                return (H, model.logits(H)) + _graph_outputs(tc)
+
+            lane._graphs.update(draft=mx.compile(draft), verify=mx.compile(verify), ar=mx.compile(ar_step))
         self._graphs = lane._graphs
 
     def _run(self, name, caches, T, *args):
@@ -364,9 +399,10 @@ class _CycleForwards:
             return self.model.logits(g)[:, 0]
         return self._absorb(ran, self.mtp_caches, h_in.shape[1], 1)[0]
 
-    def verify(self, tokens):
-        """Target hidden [W, 2, H] and logits [W, 2, V] for [primary, draft]."""
-        ran = self._run("verify", self.caches, tokens.shape[1], tokens)
+    def verify(self, tokens, graph: str = "verify"):
+        """Target hidden [W, T, H] and logits [W, T, V]: T = 2 for [primary, draft] (graph
+        "verify"), T = 1 for a plain AR step (graph "ar")."""
+        ran = self._run(graph, self.caches, tokens.shape[1], tokens)
         if ran is None:
             H = self.model.hidden(tokens, self.caches)
             return H, self.model.logits(H)
@@ -379,6 +415,15 @@ class _CycleForwards:
         for c in caches:
             c.absorb_graph(rest, T, offset)
         return out[:n_results]
+
+
+# A row's own drafting policy (`adaptive`, generation_mode "auto"). It reads only the row's own
+# accept/reject outcomes and counts only its own cycles, so a sampled row's draws (which change
+# when it drafts) stay reproducible and independent of its neighbours.
+ROW_ACCEPT_PRIOR = 0.5        # acceptance estimate before its first draft, and on resuming
+ROW_ACCEPT_EMA = 0.3          # weight of each new outcome: two straight rejections from the prior stop it
+ROW_STOP_BELOW = 0.25
+ROW_PROBE_FIRST, ROW_PROBE_MAX = 16, 256   # own cycles before a stopped row drafts once to probe
 
 
 class _LaneRow:
@@ -395,6 +440,41 @@ class _LaneRow:
         self.result = A3BMTPBatchStreamResult(request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
         self.pending: Optional[int] = None
         self.owes_history = False
+        # its own drafting policy (adaptive rows): from its own accept/reject history only
+        self.drafting = True
+        self.accept_est = ROW_ACCEPT_PRIOR
+        self.probe_every = ROW_PROBE_FIRST
+        self.probe_in = 0
+
+    def wants_draft(self) -> bool:
+        """Whether this row drafts in the next MTP cycle: a speculative row always unless it is
+        adaptive and has stopped, in which case only when its own probe is due."""
+        if not self.req.speculative:
+            return False
+        return not self.req.adaptive or self.drafting or self.probe_in <= 0
+
+    def drafted(self, ok: bool) -> None:
+        """After its draft's accept test. A drafting adaptive row stops when its acceptance
+        estimate falls below ROW_STOP_BELOW; a stopped one resumes when its probe is accepted, and
+        otherwise waits twice as long for the next probe."""
+        self.result.spec_cycles += 1
+        if not self.req.adaptive:
+            return
+        if self.drafting:
+            self.accept_est += ROW_ACCEPT_EMA * (float(ok) - self.accept_est)
+            if self.accept_est < ROW_STOP_BELOW:
+                self.drafting, self.probe_in = False, self.probe_every
+        elif ok:
+            self.drafting, self.accept_est, self.probe_every = True, ROW_ACCEPT_PRIOR, ROW_PROBE_FIRST
+        else:
+            self.probe_every = min(2 * self.probe_every, ROW_PROBE_MAX)
+            self.probe_in = self.probe_every
+
+    def skipped(self) -> None:
+        """A live cycle in which this row did not draft."""
+        if self.req.speculative:
+            self.result.drafts_skipped += 1
+            self.probe_in -= 1
 
     @property
     def greedy(self) -> bool:
@@ -532,6 +612,61 @@ class _Admission:
 
 
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
+HISTORY_FLUSH_AT = 16        # AR steps of owed MTP history a lane holds before writing it into the head's KV
+STEP_COST_EMA = 0.1          # weight of a step's measured time in its kind's cost
+
+
+class StepPolicy:
+    """A lane's choice, at each cycle boundary, between an MTP cycle and a plain AR step, where
+    the choice cannot change a row's draws (greedy rows of generation_mode "auto"): an MTP cycle
+    yields live + acceptance x drafting tokens for its cost, an AR step yields live tokens for its
+    own; the lane runs the better by expected tokens/s, switching only past a margin
+    (`hysteresis`), with probes of the other kind (an AR step every `ar_probe_every` MTP cycles
+    to keep its cost current; an MTP cycle after `mtp_probe_first` AR steps, doubling up to
+    `mtp_probe_max` while it does not pay, to notice when it pays again)."""
+
+    def __init__(self, hysteresis: float = 0.05, ar_probe_every: int = 64, mtp_probe_first: int = 16,
+                 mtp_probe_max: int = 256, acceptance_ema: float = 0.3):
+        self.kind = "mtp"                      # the kind it runs between probes
+        self.acceptance: Optional[float] = None   # moving average over drafted rows' outcomes
+        self.hysteresis, self.ar_probe_every = hysteresis, ar_probe_every
+        self.mtp_probe_first, self.mtp_probe_max = mtp_probe_first, mtp_probe_max
+        self.acceptance_ema = acceptance_ema
+        self.mtp_probe_every = mtp_probe_first
+        self.since_probe = 0
+        self.last_gain: Optional[float] = None    # MTP tokens/s over AR tokens/s, at the last choice
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            rate = accepted / drafted
+            a = self.acceptance
+            self.acceptance = rate if a is None else a + self.acceptance_ema * (rate - a)
+
+    def choose(self, costs: dict, live: int, drafting: int) -> str:
+        mtp_s, ar_s = costs.get("mtp"), costs.get("ar")
+        if ar_s is None:
+            return "ar"                         # unmeasured at this width: measure it
+        if mtp_s is None or self.acceptance is None:
+            return "mtp"
+        self.last_gain = (live + self.acceptance * drafting) / mtp_s / (live / ar_s)
+        if self.kind == "mtp" and self.last_gain < 1 - self.hysteresis:
+            self.kind, self.since_probe, self.mtp_probe_every = "ar", 0, self.mtp_probe_first
+        elif self.kind == "ar" and self.last_gain > 1 + self.hysteresis:
+            self.kind, self.since_probe = "mtp", 0
+        self.since_probe += 1
+        every = self.ar_probe_every if self.kind == "mtp" else self.mtp_probe_every
+        if self.since_probe <= every:
+            return self.kind
+        self.since_probe = 0
+        if self.kind == "ar":
+            self.mtp_probe_every = min(2 * self.mtp_probe_every, self.mtp_probe_max)
+        return "ar" if self.kind == "mtp" else "mtp"
+
+    def snapshot(self, costs: dict) -> dict:
+        return {"kind": self.kind, "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
+                "mtp_cycle_s": None if costs.get("mtp") is None else round(costs["mtp"], 6),
+                "ar_step_s": None if costs.get("ar") is None else round(costs["ar"], 6),
+                "mtp_gain": None if self.last_gain is None else round(self.last_gain, 4)}
 
 
 class RunningLane:
@@ -552,7 +687,14 @@ class RunningLane:
     draft], then a per-row decision with the row's own RNG in the solo path's order (primary,
     draft, accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions. Free slots are
     inert (commit 0). A row with `speculative=False` keeps one target token per cycle (plain AR in
-    the same forwards; its output and RNG draws are `generate_ar`'s).
+    the same forwards; its output and RNG draws are `generate_ar`'s), and so does an `adaptive`
+    row that has stopped drafting (`_LaneRow.drafted`).
+
+    When no live row drafts, or the `StepPolicy` finds that an MTP cycle does not pay where that
+    cannot change a row's draws (greedy adaptive rows), the lane runs a plain AR step instead: one
+    target forward [W, 1], no head forward. The head's history entries of those positions are
+    owed: kept as columns (hidden, token) and written into the head's KV in one [W, n] forward
+    before the next MTP cycle, or every HISTORY_FLUSH_AT steps.
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
@@ -583,6 +725,13 @@ class RunningLane:
         self.host_s = 0.0                              # host work in cycles: sampling, accept tests, rows' bookkeeping
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
+        self.draft_log = [] if keep_log else None      # (request id, output position, draft)
+        self.policy = StepPolicy()
+        self.mtp_cycles = self.ar_steps = 0            # of `cycles`, by kind
+        self.last_step: Optional[str] = None
+        self._owed: list = []       # owed head-history columns: (hidden [W, 1, H], token [W], owner mask [W])
+        # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step
+        self.step_plan: Optional[Callable[[int], str]] = None
         # the self-check's hook: inject_drafts(row index, output position) -> draft token or None
         self.inject_drafts: Optional[Callable[[int, int], Optional[int]]] = None
 
@@ -634,8 +783,37 @@ class RunningLane:
         t1 = time.perf_counter()
         self.prefill_s += t1 - t0
         if self.live_rows:
+            kind = self._choose_step()
+            self._run_step(kind)
+            dt = time.perf_counter() - t1
+            self.cycle_s += dt
+            costs, est = self.lane.step_costs, self.lane.step_costs.get(kind)
+            # one slow step (a retrace, a pause) moves the cost by at most 3x the estimate's weight
+            costs[kind] = dt if est is None else est + STEP_COST_EMA * (min(dt, 3 * est) - est)
+
+    def _choose_step(self) -> str:
+        """An MTP cycle or a plain AR step for the next cycle. A row that wants to draft and whose
+        draws the choice would change (sampled, or forced "mtp") gets an MTP cycle; greedy
+        adaptive rows leave it to the cost model."""
+        if self.step_plan is not None:
+            return self.step_plan(self.cycles)
+        live = [r for r in self.rows if r is not None]
+        wanting = [r for r in live if r.wants_draft()]
+        if not wanting:
+            return "ar"
+        if any(not (r.greedy and r.req.adaptive) for r in wanting):
+            return "mtp"
+        return self.policy.choose(self.lane.step_costs, len(live), len(wanting))
+
+    def _run_step(self, kind: str) -> None:
+        # an MTP cycle in which no row drafts is an AR step (and the head's history is owed)
+        if kind == "mtp" and any(r is not None and r.wants_draft() for r in self.rows):
+            self.mtp_cycles += 1
             self._cycle()
-            self.cycle_s += time.perf_counter() - t1
+        else:
+            self.ar_steps += 1
+            self._ar_step()
+        self.last_step = kind
 
     def admit_all(self) -> None:
         """Prefill and merge every waiting row that fits, before any cycle (a sealed cohort)."""
@@ -681,6 +859,7 @@ class RunningLane:
 
     def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
         """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state."""
+        self._write_owed_history()       # its columns are as wide as the old width
         W = lane.width
         index = keep + [None] * (W - len(keep))
         rows = [self.rows[i] if i is not None else None for i in index]
@@ -733,7 +912,7 @@ class RunningLane:
         for layer, per_row in zip(self.mtp_caches, adm.mtp_cache or []):
             layer.put_row(b, per_row)
         if self.lane.compiled:      # KV for the row's whole life now: no retrace while it decodes
-            need = len(adm.row.req.prompt_ids) + adm.row.req.max_tokens + VERIFY_T
+            need = len(adm.row.req.prompt_ids) + adm.row.req.max_tokens + max(VERIFY_T, HISTORY_FLUSH_AT)
             for layer in self.caches + self.mtp_caches:
                 if isinstance(layer, RaggedKVCache):
                     layer.ensure_capacity(need)
@@ -742,6 +921,8 @@ class RunningLane:
         self.h_last[b] = hidden[0]
         self.logits_host = None
         self.hist_tok[b] = 0
+        for _h, _t, owner in self._owed:       # the slot's owed history was its previous row's
+            owner[b] = False
         row = adm.row
         r = row.result
         self.rows[b] = row
@@ -762,21 +943,20 @@ class RunningLane:
         else:
             row.pending = first
 
-    def _injected(self, drafts: np.ndarray, has_pending: np.ndarray) -> np.ndarray:
+    def _injected(self, drafts: np.ndarray, has_pending: np.ndarray, drafting: np.ndarray) -> np.ndarray:
         """Drafts replaced by `inject_drafts` (row index = request id in a sealed cohort); the
         draft guesses the output position after this cycle's primary."""
         for b, row in enumerate(self.rows):
-            if row is not None and row.req.speculative:
+            if drafting[b]:
                 primary_at = len(row.result.tokens) - int(has_pending[b])
                 tok = self.inject_drafts(int(row.req.request_id), primary_at + 1)
                 if tok is not None:
                     drafts[b] = tok
         return drafts
 
-    def _cycle(self) -> None:
-        if self.forwards is None:
-            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, self)
-        caches, mtp_caches, forwards = self.caches, self.mtp_caches, self.forwards
+    def _primaries(self):
+        """Start a step (cycle or AR step): count it for the lane and its live rows, and pick each
+        row's primary token (its pending token, else drawn from its last logits)."""
         rows, W = self.rows, self.width
         self.cycles += 1
         n_live = self.live_rows
@@ -795,16 +975,13 @@ class RunningLane:
         has_pending = np.array([r is not None and r.pending is not None for r in rows])
         pending = np.array([r.pending if r is not None and r.pending is not None else 0 for r in rows],
                            dtype=np.int64)
-        owes = np.array([r is not None and r.owes_history for r in rows])
         greedy = all(r.greedy for r in rows if r is not None)
         logits_host = None if greedy else (self.logits_host if self.logits_host is not None
                                            else to_host(self.logits_last))
-        h_last, hist_h, logits_last = self.h_last, self.hist_h, self.logits_last
-
-        # 1. primary token per row
+        x0_host = None
         if greedy:
             x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
-                          mx.argmax(logits_last, axis=-1).astype(mx.uint32))
+                          mx.argmax(self.logits_last, axis=-1).astype(mx.uint32))
         else:
             t_host = time.perf_counter()
             x0_host = pending.copy()
@@ -813,12 +990,98 @@ class RunningLane:
                     x0_host[b] = sample(row.dist(logits_host[b]), row.rng)
             x0 = mx.array(x0_host, dtype=mx.uint32)
             self.host_s += time.perf_counter() - t_host
+        return active, has_pending, greedy, logits_host, x0, x0_host
 
-        # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)]; no head forward
-        #    when every row is plain AR (a model without a head, or generation_mode "ar")
+    def _write_owed_history(self) -> None:
+        """Write the head-history entries owed by AR steps into the head's KV: one head forward
+        over [W, n] (no logits), each row's entries left-aligned (a row's owed columns are one
+        contiguous run: it joined, or began to owe, at its first), then each row keeps its own
+        count. MTP history is then exactly what consecutive MTP cycles would have written."""
+        cols, self._owed = self._owed, []
+        if not cols or not self.mtp_caches:
+            return
+        owner = np.stack([c[2] for c in cols], axis=1)                  # [W, n]
+        counts = owner.sum(axis=1)
+        if not counts.any():
+            return
+        n = len(cols)
+        first = np.where(counts > 0, owner.argmax(axis=1), 0)
+        idx = np.minimum(first[:, None] + np.arange(n)[None, :], n - 1).astype(np.int32)
+        h = mx.take_along_axis(mx.concatenate([c[0] for c in cols], axis=1), mx.array(idx)[:, :, None], axis=1)
+        t = mx.take_along_axis(mx.stack([c[1] for c in cols], axis=1), mx.array(idx), axis=1)
+        self.model.draft_hidden(h, t, self.mtp_caches)     # lazy: only the layer's keys and values are used
+        commit_rows(self.mtp_caches, n, counts)
+
+    def _ar_step(self) -> None:
+        """One plain AR step for every live row: one target forward over [W, 1] = [primary], no
+        head forward; each row keeps its target's next token (the same draws, in the same order,
+        as a non-drafting row in an MTP cycle: `generate_ar`'s). The head-history entries of these
+        positions (and any entry owed from the last MTP cycle) are kept for `_write_owed_history`."""
+        if self.forwards is None:
+            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, self)
+        rows, W = self.rows, self.width
+        active, has_pending, greedy, _, x0, x0_host = self._primaries()
+        if self.mtp_caches:
+            may_draft = np.array([r is not None and r.req.speculative for r in rows])
+            owes = np.array([r is not None and r.owes_history for r in rows]) & may_draft
+            if owes.any():
+                self._owed.append((self.hist_h, mx.array(self.hist_tok, dtype=mx.uint32), owes))
+            if may_draft.any():
+                self._owed.append((self.h_last, x0, may_draft))
+        for row in rows:
+            if row is not None:
+                row.owes_history = False
+        H, L = self.forwards.verify(x0[:, None], graph="ar")          # [W, 1, Hd], [W, 1, V]
+        if greedy:
+            target_ids = mx.argmax(L[:, 0], axis=-1)
+            mx.eval(x0, target_ids)
+            x0_host, target_ids = np.array(x0), np.array(target_ids)
+        else:
+            L_host = to_host(L[:, 0])
+        t_host = time.perf_counter()
+        keep = np.zeros(W, dtype=np.int64)
+        for b, row in enumerate(rows):
+            if not active[b]:
+                continue
+            if not has_pending[b] and row.emit(int(x0_host[b])):
+                continue
+            row.skipped()
+            tok = int(target_ids[b]) if greedy else sample(row.dist(L_host[b]), row.rng)
+            row.pending, keep[b] = None, 1
+            if not row.emit(tok):
+                row.pending = tok
+        for b, row in enumerate(rows):
+            if active[b] and row.live and row.req.repetition_stop:
+                row.check_repetition()
+            if active[b] and not row.live:
+                keep[b] = 0
+                rows[b] = None
+        if self.keep_log is not None:
+            self.keep_log.extend(int(k) for k, a in zip(keep, active) if a)
+        self.host_s += time.perf_counter() - t_host
+        commit_rows(self.caches, 1, keep)
+        self.h_last, self.logits_last = H, L[:, 0]
+        self.logits_host = None if greedy else L_host
+        if len(self._owed) >= HISTORY_FLUSH_AT:
+            self._write_owed_history()
+
+    def _cycle(self) -> None:
+        if self.forwards is None:
+            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, self)
+        caches, mtp_caches, forwards = self.caches, self.mtp_caches, self.forwards
+        rows, W = self.rows, self.width
+        # -- which rows draft (their own policy), with the history owed by AR steps written first
+        self._write_owed_history()
+        drafting = np.array([r is not None and r.wants_draft() for r in rows])
+        active, has_pending, greedy, logits_host, x0, x0_host = self._primaries()
+        owes = np.array([r is not None and r.owes_history for r in rows])
+        h_last, hist_h = self.h_last, self.hist_h
+
+        # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)] (non-drafting rows
+        #    write their history entries too)
         d = x0
         q_probs = [None] * W                 # sampled rows' draft distributions (None: a point mass)
-        if any(r is not None and r.req.speculative for r in rows):
+        if drafting.any():
             owes_mx = mx.array(owes)
             slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
             slot0_t = mx.where(owes_mx, mx.array(self.hist_tok, dtype=mx.uint32), x0)
@@ -831,8 +1094,8 @@ class RunningLane:
             else:
                 # a greedy draft sampler drafts on the device (q is the point mass on the argmax;
                 # no draw, no wait); the other rows draw theirs on the host from their q
-                coupled = np.array([r is not None and r.req.speculative and r.greedy_draft for r in rows])
-                drawn = [b for b, r in enumerate(rows) if r is not None and r.req.speculative and not coupled[b]]
+                coupled = np.array([drafting[b] and r.greedy_draft for b, r in enumerate(rows)])
+                drawn = [b for b in range(W) if drafting[b] and not coupled[b]]
                 d_host = np.zeros(W, dtype=np.int64)
                 if drawn:
                     q_host = to_host(q_logits)
@@ -846,7 +1109,7 @@ class RunningLane:
                     d = mx.where(mx.array(coupled), mx.argmax(q_logits, axis=-1).astype(mx.uint32), d)
 
         if self.inject_drafts is not None:
-            d = mx.array(self._injected(np.array(d), has_pending), dtype=mx.uint32)
+            d = mx.array(self._injected(np.array(d), has_pending, drafting), dtype=mx.uint32)
 
         # 3. verify: target forward over [W, 2] = [x0, draft]
         H, L = forwards.verify(mx.stack([x0, d], axis=1))   # [W, 2, Hd], [W, 2, V]
@@ -861,13 +1124,15 @@ class RunningLane:
         # 4. per-row decision, same RNG order as the solo path
         t_host = time.perf_counter()
         keep = np.zeros(W, dtype=np.int64)
+        n_drafted = n_accepted = 0
         for b, row in enumerate(rows):
             if not active[b]:
                 continue
             if not has_pending[b] and row.emit(int(x0_host[b])):
                 continue
             r = row.result
-            if not row.req.speculative:       # plain AR: the target's own next token
+            if not drafting[b]:               # plain AR: the target's own next token
+                row.skipped()
                 tok = int(target_ids[b, 0]) if greedy else sample(row.dist(L_host[b, 0]), row.rng)
                 row.pending, row.owes_history, keep[b] = None, False, 1
                 if not row.emit(tok):
@@ -880,6 +1145,10 @@ class RunningLane:
                 q = q_probs[b] if q_probs[b] is not None else Distribution.point(draft, self.model.vocab_size)
                 ok, tok = verify_one_token(row.dist(L_host[b, 0]), q, draft, row.rng)
             row.pending, row.owes_history = None, ok
+            row.drafted(ok)
+            n_drafted, n_accepted = n_drafted + 1, n_accepted + int(ok)
+            if self.draft_log is not None:
+                self.draft_log.append((row.req.request_id, len(r.tokens), draft))
             if ok:
                 self.accepted += 1
                 r.accepted_drafts += 1
@@ -905,6 +1174,7 @@ class RunningLane:
                 rows[b] = None
         if self.keep_log is not None:
             self.keep_log.extend(int(k) for k, a in zip(keep, active) if a)
+        self.policy.observe(n_drafted, n_accepted)
         self.host_s += time.perf_counter() - t_host
 
         # 5. commit: each row keeps 0/1/2 verify positions; last logits/hidden follow

@@ -185,7 +185,7 @@ def test_selfcheck_forces_commits_whatever_the_head(model, monkeypatch):
     monkeypatch.undo()
     real = lane_mod.RunningLane._injected
     monkeypatch.setattr(lane_mod.RunningLane, "_injected",
-                        lambda self, d, p: (real(self, d, p) + 1) % model.vocab_size)   # no draft can match
+                        lambda self, d, p, drafting: (real(self, d, p, drafting) + 1) % model.vocab_size)  # none can match
     with pytest.raises(LaneSelfCheckError, match="commit_keeps") as err:
         install_a3b_mtp_batch_lane(model, 4)
     assert err.value.receipt["failed_checks"] == ["commit_keeps"]

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from mtplx.a3b_mtp_batch import install_a3b_mtp_batch_lane
+from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane, solo_lane
 from mtplx.generation import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchCancelled,
@@ -125,8 +125,12 @@ def test_seed_example_create_job_and_read_stats(model, capsys):
     streamed = [line for line in out if line.startswith("token: [")]
     non_stop = [t for t in result["tokens"] if t != 0]
     assert streamed == [f"token: [{t}]" for t in non_stop]
-    assert result["tokens"] == generate_mtpk(model, [101, 102, 103], 256, SamplerConfig(temperature=0.7),
-                                             SamplerConfig(), seed=42, stop_token_ids={0}).tokens
+    # generation_mode "auto" (the default): the one-row lane's own draws, with the row's drafting
+    # policy (generate_mtpk is a forced "mtp" row of the same lane)
+    alone = generate_a3b_mtp_batch(solo_lane(model), [A3BMTPBatchRequest(
+        request_id="r", prompt_ids=[101, 102, 103], max_tokens=256, sampler=SamplerConfig(temperature=0.7),
+        draft_sampler=SamplerConfig(), seed=42, stop_token_ids={0}, adaptive=True)])
+    assert result["tokens"] == alone.streams[0].tokens and stats["generation_mode"] == "auto"
     assert "Fixed width used: 1" in out
     assert stats["decode_elapsed_s"] > 0 and stats["decode_tok_s"] > 0
     assert service.snapshot()["installed_widths"] == [3, 8]
@@ -279,7 +283,7 @@ def test_submit_cohort_splits_by_key_without_waiting(make_service, prompts):
 
 
 def test_one_job_runs_the_solo_mtp_path(model, service, prompts):
-    j = job(prompts[0], max_tokens=16, sampler=HOT, seed=5)
+    j = job(prompts[0], max_tokens=16, sampler=HOT, seed=5, adaptive=False)    # "mtp": drafts every cycle
     r = service.submit(j).result(TIMEOUT)
     ref = generate_mtpk(model, prompts[0], 16, HOT, seed=5)
     assert r["tokens"] == ref.tokens
@@ -534,7 +538,7 @@ def _check_timing(j, r):
     assert s["decode_tok_s"] == pytest.approx(n / s["decode_elapsed_s"], rel=1e-12)
     assert s["end_to_end_tok_s"] == pytest.approx(n / s["request_elapsed_s"], rel=1e-12)
     assert s["decode_tok_s"] >= s["end_to_end_tok_s"]
-    assert s["finish_reason"] == r["finish_reason"] and s["generation_mode"] == "mtp"
+    assert s["finish_reason"] == r["finish_reason"] and s["generation_mode"] == j.generation_mode == "auto"
 
 
 def test_stats_timing_invariants_and_observability_merge(model, service, prompts, lanes):

@@ -178,7 +178,8 @@ class MTPBatchJob:
                  request_observability: Optional[dict] = None,
                  omit_speculative_bonus: bool = False, session_id: Optional[str] = None,
                  session_restore: Optional[Callable[[], Any]] = None,
-                 session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True):
+                 session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True,
+                 adaptive: bool = True):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -188,9 +189,12 @@ class MTPBatchJob:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.token_callback = token_callback
         self.omit_speculative_bonus = bool(omit_speculative_bonus)
+        self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
+        self.adaptive = bool(adaptive)           # speculative rows: MTP steps aside where it does not pay
         self.compatibility_key = (compatibility_key if compatibility_key is not None else
                                   mtp_batch_compatibility_key(None, self.omit_speculative_bonus,
-                                                              self.sampler, self.draft_sampler))
+                                                              self.sampler, self.draft_sampler,
+                                                              self.generation_mode))
         self.generation_limits = dict(generation_limits or {})
         self.solo_runner = solo_runner
         self.cancel_error = cancel_error or _default_cancel_error
@@ -200,7 +204,6 @@ class MTPBatchJob:
         self.session_id = session_id
         self.session_restore = session_restore
         self.session_commit = session_commit
-        self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
 
         # runtime
         self.future: Future = Future()
@@ -267,6 +270,11 @@ class MTPBatchJob:
         if service is not None:
             service._on_job_cancelled(self)
         return self._fail(self._cancel_exception())
+
+    @property
+    def generation_mode(self) -> str:
+        """"ar" (plain AR), "mtp" (always drafts) or "auto" (drafts where it pays)."""
+        return "ar" if not self.speculative else ("auto" if self.adaptive else "mtp")
 
     def cancel_requested(self) -> bool:
         return self.cancel_event.is_set()
@@ -346,7 +354,7 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
     admitted_s = job.admitted_s if job.admitted_s is not None else cohort.started_s
     n = len(job.tokens)
     prompt_tokens = len(job.prompt_ids)
-    mode, depth = ("mtp", MTP_DEPTH) if job.speculative else ("ar", 0)
+    mode, depth = job.generation_mode, (MTP_DEPTH if job.speculative else 0)
     stats = dict(extra_stats or {})
     stats.update({
         "request_id": job.request_id,
@@ -453,7 +461,8 @@ class _KeyLane:
 _LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
                   "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
                   "admitted": "admissions", "widenings": "widenings", "narrowings": "narrowings",
-                  "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces"}
+                  "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
+                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps"}
 
 
 def _add_lane_counters(stats: dict, running) -> None:
@@ -543,7 +552,7 @@ class MTPBatchGenerationService:
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
             "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
-            "lane_row_cycles": 0, "graph_retraces": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
+            "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
             "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
@@ -1078,7 +1087,7 @@ class MTPBatchGenerationService:
             stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
             on_token=job.emit_token, on_admit=on_admit, on_decode_start=on_decode_start,
             on_terminal=on_terminal, on_result=lambda stream: self._complete_lane_job(job, stream),
-            cancelled=job.cancel_requested, speculative=job.speculative,
+            cancelled=job.cancel_requested, speculative=job.speculative, adaptive=job.adaptive,
             repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
             session_restore=_failsafe(job.session_restore), session_commit=_failsafe(job.session_commit))
 
@@ -1097,7 +1106,10 @@ class MTPBatchGenerationService:
                                 "mtp_batch", self.numerics)
         placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s
         extra = {"admitted_at_cycle": stream.admitted_at_cycle, "lane_mean_occupancy": round(stream.mean_occupancy, 3),
-                 "mtp_disabled_reason": self.mtp_disabled_reason}
+                 "mtp_disabled_reason": self.mtp_disabled_reason,
+                 # how much of its decode drafted (generation_mode "auto" steps aside where MTP does not pay)
+                 "speculated_cycles": stream.spec_cycles, "drafts_skipped": stream.drafts_skipped,
+                 "speculated_cycle_share": round(stream.spec_cycles / max(stream.cycles, 1), 4)}
         if stream.repetition_stop is not None:   # the repeats already streamed; the result drops them
             cut = len(job.tokens) - stream.repetition_stop.trimmed_tokens
             del job.tokens[cut:], job.token_times[cut:]
@@ -1221,7 +1233,13 @@ class MTPBatchGenerationService:
                       "mean_occupancy": round(ln.running.row_cycles / max(ln.running.cycles, 1), 3),
                       # the lane's own counters since it started (periodic summaries and metrics diff them)
                       "serial": ln.serial, "admitted": ln.running.admitted, "row_cycles": ln.running.row_cycles,
-                      "accepted": ln.running.accepted, "rejected": ln.running.rejected}
+                      "accepted": ln.running.accepted, "rejected": ln.running.rejected,
+                      # its step choice: the kind of its last step, counts by kind, the cost model at
+                      # its width and its acceptance estimate (StepPolicy)
+                      "step": ln.running.last_step, "mtp_cycles": ln.running.mtp_cycles,
+                      "ar_steps": ln.running.ar_steps,
+                      "step_policy": ln.running.policy.snapshot(ln.running.lane.step_costs
+                                                                if ln.running.lane is not None else {})}
                      for k, ln in self._running.items()]
             return {
                 "pending": len(self._pending),
@@ -1267,6 +1285,9 @@ class MTPBatchGenerationService:
                 "widenings": s["widenings"],
                 "narrowings": s["narrowings"],
                 "target_verify_cycles": s["target_verify_cycles"],
+                # of the lanes' cycles: MTP cycles and plain AR steps (generation_mode "auto", AR rows)
+                "mtp_cycles": s["mtp_cycles"],
+                "ar_steps": s["ar_steps"],
                 "accepted_draft_tokens": s["accepted_draft_tokens"],
                 "rejected_draft_tokens": s["rejected_draft_tokens"],
                 "solo_runs": s["solo_runs"],

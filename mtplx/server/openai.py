@@ -205,7 +205,7 @@ class _GenerationFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0, strict=True)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
     # mtplx extensions
-    generation_mode: Optional[Literal["mtp", "ar"]] = None
+    generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
     omit_speculative_bonus: bool = False
     session_id: Optional[str] = None
 

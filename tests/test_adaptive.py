@@ -1,0 +1,211 @@
+"""Speculation that steps aside (issue 14): plain AR lane steps beside MTP cycles, the lane's step
+choice, rows that stop drafting, generation_mode "auto". Exactness: greedy equals plain greedy
+whichever steps run; a sampled row's draws depend only on its own history."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import mtplx
+from mtplx.a3b_mtp_batch import (HISTORY_FLUSH_AT, A3BMTPBatchRequest, RunningLane, StepPolicy,
+                                 install_a3b_mtp_batch_lane, solo_lane)
+from mtplx.generation import generate_ar
+from mtplx.sampling import SamplerConfig
+from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+
+GREEDY = SamplerConfig(temperature=0.0)
+COSTS = {"mtp": 1.3, "ar": 1.0}      # a machine where an MTP cycle costs 1.3 AR steps
+SAMPLED = SamplerConfig(temperature=1.0, top_p=0.95, top_k=20)
+TEXTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
+         "for i in range(10):\n", "try:\n    import json", "x"]
+PLANS = {
+    "ar": lambda i: "ar",
+    "alternate": lambda i: "ar" if i % 2 else "mtp",
+    # an AR run longer than HISTORY_FLUSH_AT: owed history is written while AR steps continue
+    "blocks": lambda i: "ar" if 3 <= i < 8 + 2 * HISTORY_FLUSH_AT or 50 <= i < 57 else "mtp",
+    "random": lambda i: ("mtp", "ar")[int(np.random.default_rng(i).integers(2))],
+}
+
+
+@pytest.fixture(scope="module")
+def lane3(model):
+    return install_a3b_mtp_batch_lane(model, 3, selfcheck=False)
+
+
+def _run(ladder, reqs, plan=None, join_at=None, inject=None, costs=None):
+    """Run requests through a running lane; `join_at` {request index: step} adds rows later;
+    `costs` pins the lanes' step costs (a fixed machine for the cost model)."""
+    ladder = ladder if isinstance(ladder, list) else [ladder]
+    running = RunningLane(ladder, keep_log=True)
+    running.step_plan = plan
+    running.inject_drafts = inject
+    join_at = join_at or {}
+    streams = {i: running.add(r) for i, r in enumerate(reqs) if i not in join_at}
+    steps = 0
+    while running.has_work or len(streams) < len(reqs):
+        for i, at in join_at.items():
+            if at == steps:
+                streams[i] = running.add(reqs[i])
+        for ln in ladder if costs else ():
+            ln.step_costs.clear()
+            ln.step_costs.update(costs)
+        running.step()
+        steps += 1
+        assert steps < 1000
+    return running, [streams[i] for i in range(len(reqs))]
+
+
+def _greedy_reqs(model, budgets, **kw):
+    return [A3BMTPBatchRequest(request_id=str(i), prompt_ids=model.tokenizer.encode(TEXTS[i]), sampler=GREEDY,
+                               max_tokens=n, **kw) for i, n in enumerate(budgets)]
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_greedy_equals_plain_ar_whichever_steps_run(model, lane3, plan):
+    reqs = _greedy_reqs(model, (70, 41, 64, 55))
+    refs = [generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens for r in reqs]
+    # row 3 joins mid-run (into an AR run in "blocks"), after row 1 frees its slot
+    running, streams = _run([solo_lane(model), lane3], reqs, PLANS[plan], join_at={3: 12})
+    for i, (s, ref) in enumerate(zip(streams, refs)):
+        assert s.tokens == ref, f"row {i}"
+    assert running.ar_steps > 0 and (plan == "ar") == (running.mtp_cycles == 0)
+    if plan == "ar":
+        assert running.accepted == running.rejected == 0
+        assert all(s.spec_cycles == 0 and s.drafts_skipped == s.cycles for s in streams)
+
+
+def test_history_owed_by_ar_steps_is_what_mtp_cycles_would_have_written(model, lane3):
+    """The head's history after AR steps is exact: every draft made at an output position is the
+    draft an all-MTP run made there (the greedy tokens, hence the history, are the same)."""
+    reqs = _greedy_reqs(model, (70, 41, 64, 55))
+    base, _ = _run([lane3], reqs, lambda i: "mtp", join_at={3: 12})
+    mixed, _ = _run([lane3], reqs, PLANS["blocks"], join_at={3: 12})
+    want = {(rid, pos): d for rid, pos, d in base.draft_log}
+    got = {(rid, pos): d for rid, pos, d in mixed.draft_log}
+    common = sorted(set(want) & set(got))
+    assert len(common) >= 40 and {rid for rid, _ in common} == {"0", "1", "2", "3"}
+    assert [got[k] for k in common] == [want[k] for k in common]
+
+
+def test_hybrid_compiled_lane_mixed_steps_equal_plain_ar(tmp_path):
+    from test_hybrid import _build_weights, _config, _prompts, _write
+
+    m = mtplx.load_model(_write(tmp_path / "qwen3_5", _config("qwen3_5"), _build_weights("qwen3_5")))
+    lane = install_a3b_mtp_batch_lane(m, 3, selfcheck=False, compiled=True)
+    prompts = _prompts(3, lengths=(5, 40, 2))
+    reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=GREEDY, max_tokens=n)
+            for i, (p, n) in enumerate(zip(prompts, (40, 25, 33)))]
+    running, streams = _run([lane], reqs, PLANS["random"])
+    for i, (r, s) in enumerate(zip(reqs, streams)):
+        assert s.tokens == generate_ar(m, r.prompt_ids, r.max_tokens, GREEDY).tokens, f"row {i}"
+    assert running.accepted > 0 and running.ar_steps > 0 and running.graph_retraces == 0
+
+
+def _wrong_until(position_limit, rows=None):
+    """inject_drafts: a draft the target rejects (greedy) at output positions below the limit."""
+    def inject(b, position):
+        if (rows is None or b in rows) and position < position_limit:
+            return 1          # a token id the shipped model never emits in these texts
+        return None
+    return inject
+
+
+def test_row_stops_drafting_while_neighbours_speculate_and_resumes_on_a_probe(model, lane3):
+    reqs = _greedy_reqs(model, (90, 60, 60))
+    reqs = [dataclasses.replace(reqs[0], adaptive=True)] + reqs[1:]     # row 0 "auto", rows 1-2 "mtp"
+    running, streams = _run([lane3], reqs, inject=_wrong_until(40, rows={0}), costs=COSTS)
+    for r, s in zip(reqs, streams):
+        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+    bad, good = streams[0], streams[1:]
+    assert all(s.spec_cycles == s.cycles and s.drafts_skipped == 0 for s in good)
+    drafted_at = sorted(pos for rid, pos, _ in running.draft_log if rid == "0")
+    early = [p for p in drafted_at if p < 40]
+    assert bad.drafts_skipped >= 15 and len(early) <= 4           # two rejections stop it; a probe 16 cycles on
+    assert len([p for p in drafted_at if p >= 40]) >= 10           # an accepted probe: it drafts again
+
+
+def _sampled(i, prompt, seed, n=60, **kw):
+    return A3BMTPBatchRequest(request_id=str(i), prompt_ids=prompt, sampler=SAMPLED, seed=seed, max_tokens=n,
+                              adaptive=True, **kw)
+
+
+def test_sampled_auto_row_depends_only_on_its_own_history(model, lane3):
+    """A sampled "auto" row that stops drafting (its own rejections) and probes again draws the
+    same tokens alone (the lane then runs AR steps) and beside neighbours that keep the lane in
+    MTP cycles, or that run plain AR; and run to run."""
+    p = [model.tokenizer.encode(t) for t in TEXTS]
+    me = _sampled(0, p[0], seed=7, n=80)
+    inject = _wrong_until(30, rows={0})
+    alone_run, alone = _run([solo_lane(model), lane3], [me], inject=inject)
+    again_run, again = _run([solo_lane(model), lane3], [me], inject=inject)
+    drafting_run, beside_drafting = _run([lane3], [me, _sampled(1, p[1], 3, n=80), _sampled(2, p[2], 4, n=80)],
+                                         inject=inject)
+    ar_run, beside_ar = _run([lane3], [me, A3BMTPBatchRequest(request_id="1", prompt_ids=p[3], sampler=SAMPLED,
+                                                              seed=5, max_tokens=30, speculative=False)],
+                             inject=inject, join_at={1: 5})
+    row = alone[0]
+    assert row.tokens == again[0].tokens == beside_drafting[0].tokens == beside_ar[0].tokens
+    assert (row.spec_cycles, row.drafts_skipped) == (beside_drafting[0].spec_cycles, beside_drafting[0].drafts_skipped)
+    assert 0 < row.spec_cycles < row.cycles and alone_run.ar_steps > 0
+    assert drafting_run.mtp_cycles > alone_run.mtp_cycles        # the neighbours kept the lane drafting
+
+
+def test_step_policy_steps_aside_with_hysteresis_and_backing_off_probes():
+    pol = StepPolicy()
+    costs = {"mtp": 1.3, "ar": 1.0}
+    assert StepPolicy().choose({"mtp": 1.3}, 8, 8) == "ar"        # AR cost unknown: measure it
+    assert StepPolicy().choose(costs, 8, 8) == "mtp"              # acceptance unknown: measure it
+    pol.observe(8, 0)                                             # a head that never agrees
+    kinds = [pol.choose(costs, 8, 8) for _ in range(16 + 33 + 65 + 1)]
+    probes = [i for i, k in enumerate(kinds) if k == "mtp"]
+    assert pol.kind == "ar" and probes == [16, 16 + 33, 16 + 33 + 65]   # probe intervals double
+    # hysteresis: a gain within 5% of AR's does not flip it back
+    pol.acceptance = 0.33                                         # gain (1.33 / 1.3) = 1.023
+    assert pol.choose(costs, 8, 8) == "ar" and pol.kind == "ar"
+    pol.acceptance = 0.8                                          # gain 1.38: MTP pays again
+    kinds = [pol.choose(costs, 8, 8) for _ in range(130)]
+    assert pol.kind == "mtp" and [i for i, k in enumerate(kinds) if k == "ar"] == [64, 129]   # AR probes
+    pol.acceptance = 0.3                                          # 1.3 / 1.3: within the margin
+    assert pol.choose(costs, 8, 8) == "mtp"
+    pol.acceptance = 0.2                                          # gain 0.92
+    assert pol.choose(costs, 8, 8) == "ar"
+
+
+def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
+    reqs = _greedy_reqs(model, (80, 80, 80), adaptive=True)
+    running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
+    for r, s in zip(reqs, streams):
+        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+    assert running.mtp_cycles <= 8 and running.ar_steps >= 70 and running.policy.kind == "ar"
+
+
+def test_install_measures_step_costs(model):
+    lane = install_a3b_mtp_batch_lane(model, 3)
+    assert set(lane.step_costs) == {"mtp", "ar"} and all(v > 0 for v in lane.step_costs.values())
+
+
+def test_service_auto_is_the_default_and_reports_its_steps(model):
+    service = MTPBatchGenerationService.for_model(model, widths=(3,), batch_wait_s=0.05)
+    try:
+        ids = [model.tokenizer.encode(t) for t in TEXTS[:3]]
+        jobs = [MTPBatchJob(str(i), p, 40, sampler=GREEDY) for i, p in enumerate(ids)]
+        forced = MTPBatchJob("f", ids[0], 40, sampler=GREEDY, adaptive=False)
+        assert jobs[0].generation_mode == "auto" and forced.generation_mode == "mtp"
+        assert jobs[0].compatibility_key != forced.compatibility_key
+        futures = [service.submit(j) for j in jobs + [forced]]
+        snap = service.snapshot()
+        results = [f.result(timeout=120) for f in futures]
+        for r, p in zip(results, ids + [ids[0]]):
+            st = r["stats"]
+            assert r["tokens"] == generate_ar(model, p, 40, GREEDY).tokens
+            assert st["speculated_cycles"] + st["drafts_skipped"] == st["target_verify_cycles"]
+            assert st["speculated_cycle_share"] == round(st["speculated_cycles"] / st["target_verify_cycles"], 4)
+        assert [r["stats"]["generation_mode"] for r in results] == ["auto"] * 3 + ["mtp"]
+        assert results[-1]["stats"]["drafts_skipped"] == 0
+        for lane in snap["lanes"]:
+            assert set(lane["step_policy"]) == {"kind", "acceptance", "mtp_cycle_s", "ar_step_s", "mtp_gain"}
+        snap = service.snapshot()
+        assert snap["mtp_cycles"] + snap["ar_steps"] == snap["target_verify_cycles"] > 0
+    finally:
+        service.shutdown()
