@@ -167,23 +167,24 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
     return lane
 
 
-def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 3) -> dict:
+def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 3, block: int = 3) -> dict:
     """Seconds per MTP cycle and per plain AR step at the lane's width, measured on this machine:
-    a full lane of greedy rows runs the two kinds alternately (after one of each to warm up) and
-    the medians become `lane.step_costs`, which running lanes then keep current."""
+    a full lane of greedy rows runs blocks of `block` steps of each kind in turn; the first step of
+    a block carries the switch (owed history written, the other kind's lazy commit) and is not
+    counted. The medians become `lane.step_costs`, which running lanes then keep current."""
     running = RunningLane(lane, prefill_budget=None)
-    running.step_plan = lambda i: "ar" if i % 2 else "mtp"
     prompt = tuple(3 + i % (lane.model.vocab_size - 3) for i in range(16))
     for b in range(lane.width):
-        running.add(A3BMTPBatchRequest(request_id=f"measure-{b}", prompt_ids=prompt, max_tokens=4 * rounds + 8))
+        running.add(A3BMTPBatchRequest(request_id=f"measure-{b}", prompt_ids=prompt,
+                                       max_tokens=3 * block * rounds + 8))
     running.admit_all()
     times = {"mtp": [], "ar": []}
-    for i in range(2 * rounds + 2):
-        kind = running.step_plan(i)
+    for i in range(2 * block * rounds):
+        kind = "mtp" if (i // block) % 2 == 0 else "ar"
         t0 = time.perf_counter()
         running._run_step(kind)
         mx.eval(running.logits_last, running.h_last)
-        if i >= 2:
+        if i % block:
             times[kind].append(time.perf_counter() - t0)
     running.cancel_all()
     lane.step_costs.update({k: float(np.median(v)) for k, v in times.items()})
