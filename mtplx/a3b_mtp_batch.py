@@ -167,11 +167,12 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
     return lane
 
 
-def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 3, block: int = 3) -> dict:
+def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 4, block: int = 3) -> dict:
     """Seconds per MTP cycle and per plain AR step at the lane's width, measured on this machine:
-    a full lane of greedy rows runs blocks of `block` steps of each kind in turn; the first step of
-    a block carries the switch (owed history written, the other kind's lazy commit) and is not
-    counted. The medians become `lane.step_costs`, which running lanes then keep current."""
+    a full lane of greedy rows runs blocks of `block` steps of each kind in turn; the first round
+    warms up (first use of each shape), and the first step of a block carries the switch (owed
+    history written, the other kind's lazy commit), so neither is counted. The medians become
+    `lane.step_costs`, which running lanes then keep current."""
     running = RunningLane(lane, prefill_budget=None)
     prompt = tuple(3 + i % (lane.model.vocab_size - 3) for i in range(16))
     for b in range(lane.width):
@@ -184,7 +185,7 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 3, block: i
         t0 = time.perf_counter()
         running._run_step(kind)
         mx.eval(running.logits_last, running.h_last)
-        if i % block:
+        if i % block and i >= 2 * block:
             times[kind].append(time.perf_counter() - t0)
     running.cancel_all()
     lane.step_costs.update({k: float(np.median(v)) for k, v in times.items()})
