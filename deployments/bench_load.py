@@ -35,6 +35,12 @@ identical completion texts between the servers per request index.
 
 Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:load` section of
 `BENCHMARKS.md`.
+
+`--modes auto,mtp,ar` adds, for ours only, every closed-loop arm once per `generation_mode`
+(the modes rotated per arm and run, so none always goes first), and a table of each mode's tok/s
+with the medians of the per-run ratios auto/ar and auto/mtp and the largest drop of auto's tok/s
+from one client count to the next (issue 14's targets: auto >= 0.97x AR where the head never
+agrees, >= 0.98x MTP where it pays, no drop over 5%).
 """
 
 from __future__ import annotations
@@ -561,6 +567,63 @@ def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[float,
     return {"arms": arms, "rows": rows_by_arm, "rates": rates}
 
 
+def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:
+    """Ours only: every closed-loop arm once per generation mode of `plan["modes"]`, in an order
+    rotated per arm and run. Returns {mode: {arm key: summary}}."""
+    out = {m: {} for m in plan["modes"]}
+    for t in plan["temperatures"]:
+        label = _temp_label(t)
+        for j, n in enumerate(plan["clients"]):
+            key = f"{label}/closed-{n}"
+            count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
+            k = (run + j) % len(plan["modes"])
+            for mode in plan["modes"][k:] + plan["modes"][:k]:
+                bodies = [{**request_body(i, t, server.model, True), "generation_mode": mode} for i in range(count)]
+                out[mode][key], _ = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
+                log(f"  {server.kind:4s} {key:18s} {mode:4s} {_brief(out[mode][key])}")
+    return out
+
+
+def summarize_modes(per_run: List[dict]) -> dict:
+    """Per arm: each mode's median tok/s over runs and the medians of the per-run ratios auto/ar
+    and auto/mtp; per temperature, the largest drop of auto's median tok/s from one client count
+    to the next (1 - lowest next/previous ratio)."""
+    runs = [r["ours_modes"] for r in per_run if r.get("ours_modes")]
+    if not runs:
+        return {}
+    modes = list(runs[0])
+    arms = {}
+    for key in runs[0][modes[0]]:
+        entry = {m: median_or_none(r[m][key]["tok_s"] for r in runs) for m in modes}
+        for other in ("ar", "mtp"):
+            if "auto" in modes and other in modes:
+                ratios = [r["auto"][key]["tok_s"] / r[other][key]["tok_s"] for r in runs
+                          if r["auto"][key]["tok_s"] and r[other][key]["tok_s"]]
+                entry[f"auto_over_{other}"] = statistics.median(ratios) if ratios else None
+        arms[key] = entry
+    drops = {}
+    if "auto" in modes:
+        by_temp: Dict[str, list] = {}
+        for key, entry in arms.items():
+            label, arm = key.split("/")
+            by_temp.setdefault(label, []).append((int(arm.split("-")[1]), entry["auto"]))
+        for label, points in by_temp.items():
+            points.sort()
+            steps = [b / a for (_, a), (_, b) in zip(points, points[1:]) if a and b]
+            drops[label] = max(0.0, 1 - min(steps)) if steps else None
+    return {"arms": arms, "auto_largest_drop": drops}
+
+
+def format_modes_table(modes: dict) -> str:
+    lines = ["| arm | auto tok/s | mtp tok/s | ar tok/s | auto/ar | auto/mtp |", "|---|---:|---:|---:|---:|---:|"]
+    for key, e in modes["arms"].items():
+        lines.append(f"| {key} | {_fmt(e.get('auto'), digits=1)} | {_fmt(e.get('mtp'), digits=1)} "
+                     f"| {_fmt(e.get('ar'), digits=1)} | {_fmt(e.get('auto_over_ar'), digits=3)} "
+                     f"| {_fmt(e.get('auto_over_mtp'), digits=3)} |")
+    drops = ", ".join(f"{k} {_fmt(v, 100, 1)}%" for k, v in modes["auto_largest_drop"].items())
+    return "\n".join(lines + ["", f"Largest drop of auto's tok/s from one client count to the next: {drops}."])
+
+
 def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
     """One arm, with lane snapshots around it for our server."""
     before = _snapshot(server.url) if server.kind == "ours" else None
@@ -586,7 +649,7 @@ def _brief(s: dict) -> str:
 def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = (1, 8, 16, 32),
                temperatures: Iterable[float] = (0.0, 0.6), per_client: int = 6, min_requests: int = 12,
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
-               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+               modes: Iterable[str] = (), log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
     import mtplx
 
@@ -600,7 +663,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     plan = {"clients": clients, "temperatures": temperatures, "per_client": per_client,
             "min_requests": min_requests, "open_requests": open_requests, "seed": seed,
-            "capacity_clients": capacity_clients}
+            "capacity_clients": capacity_clients, "modes": list(modes)}
     record = {"bench": "load", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "model": str(model_path) if model_path else "shipped", "runs": runs, "plan": plan,
               "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
@@ -627,6 +690,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
             ours = start_ours(model_path, out_dir / "logs" / f"load-{stamp}-ours-{run}.log", work, ready_timeout_s)
             try:
                 o = run_turn(ours, plan, run, p["rates"], send_seed=True, log=log)
+                if plan["modes"]:
+                    result["ours_modes"] = run_mode_arms(ours, plan, run, log)
             finally:
                 result["ours_stop"] = ours.stop()
             record["ours"] = ours.info
@@ -636,6 +701,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                           loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             record["per_run"].append(result)
     record["summary"] = summarize_runs(record["per_run"])
+    record["modes"] = summarize_modes(record["per_run"])
     record["elapsed_s"] = time.time() - started
     record["artifacts"] = {"json": str(out_dir / f"load-{stamp}.json"),
                            "logs": str(out_dir / "logs" / f"load-{stamp}-*.log")}
@@ -790,6 +856,8 @@ def write_outputs(record: dict, command: str) -> dict:
     png = ROOT / "docs" / "bench_load.png"
     plot(record, png)
     table = format_table(record)
+    if record.get("modes"):
+        table += "\n\nGeneration modes (ours; `--modes`):\n\n" + format_modes_table(record["modes"])
     md = ROOT / "BENCHMARKS.md"
     md.write_text(replace_section(md.read_text() if md.exists() else "", "load",
                                   render_section(record, table, png.relative_to(ROOT).as_posix(), command)))
@@ -799,7 +867,8 @@ def write_outputs(record: dict, command: str) -> dict:
 
 
 def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
-            json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None) -> dict:
+            json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None,
+            modes: Optional[str] = None) -> dict:
     """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
@@ -812,10 +881,13 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
         opts["per_client"] = per_client
     if open_requests:
         opts["open_requests"] = open_requests
+    if modes:
+        opts["modes"] = [m.strip() for m in modes.split(",")]
     record = bench_load(model_dir=model, **opts)
     record["quick"] = quick
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
-        (f" --clients {clients}" if clients else "") + (f" --model {model}" if model else "")
+        (f" --clients {clients}" if clients else "") + (f" --model {model}" if model else "") + \
+        (f" --modes {modes}" if modes else "")
     out = write_outputs(record, command)
     if json_out:
         print(json.dumps(record, default=str), flush=True)
@@ -836,9 +908,10 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
     p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
     p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
+    p.add_argument("--modes", default=None, help="ours only: closed-loop arms once per generation_mode, e.g. auto,mtp,ar")
     a = p.parse_args(argv)
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
-            per_client=a.requests_per_client, open_requests=a.open_requests)
+            per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes)
     return 0
 
 

@@ -38,7 +38,7 @@ def _bench(a):
     if a.what == "load":
         from deployments.bench_load import run_cli
 
-        run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json)
+        run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes)
         return
     if a.what == "soak":
         from deployments.bench_soak import run_cli as run_soak
@@ -93,6 +93,7 @@ def main(argv=None):
                                                         "soak: 100 requests, 15 s of overload")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
+    b.add_argument("--modes", default=None, help="load: ours' closed-loop arms once per generation_mode, e.g. auto,mtp,ar")
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))

@@ -209,3 +209,19 @@ def test_service_auto_is_the_default_and_reports_its_steps(model):
         assert snap["mtp_cycles"] + snap["ar_steps"] == snap["target_verify_cycles"] > 0
     finally:
         service.shutdown()
+
+
+def test_bench_load_mode_arms_summary():
+    from deployments import bench_load as bl
+
+    def run(auto, mtp, ar):
+        return {"ours_modes": {m: {f"greedy/closed-{n}": {"tok_s": v} for n, v in zip((1, 8, 32), vals)}
+                               for m, vals in (("auto", auto), ("mtp", mtp), ("ar", ar))}}
+
+    s = bl.summarize_modes([run((10, 40, 36), (10, 44, 40), (5, 20, 50)), run((12, 40, 38), (10, 40, 38), (6, 40, 38))])
+    one = s["arms"]["greedy/closed-1"]
+    assert (one["auto"], one["mtp"], one["ar"]) == (11, 10, 5.5)
+    assert one["auto_over_ar"] == pytest.approx((2 + 2) / 2) and one["auto_over_mtp"] == pytest.approx((1 + 1.2) / 2)
+    assert s["auto_largest_drop"] == {"greedy": pytest.approx(1 - 37 / 40)}
+    assert "| greedy/closed-8 | 40.0 | 42.0 | 30.0 |" in bl.format_modes_table(s)
+    assert bl.summarize_modes([{"ours": {}}]) == {}
