@@ -163,7 +163,11 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
                 f"lane {lane.route_id} refused to install: failed self-check "
                 f"{', '.join(receipt['failed_checks'])}: {receipt['failures']}", receipt)
         object.__setattr__(lane, "selfcheck", receipt)
+        # what "auto" rows and lanes start from, measured now rather than in a request's time
         measure_step_costs(lane)
+        if not solo_lane(model).step_costs:
+            measure_step_costs(solo_lane(model))
+        draft_acceptance_prior(model)
     return lane
 
 
@@ -422,17 +426,37 @@ class _CycleForwards:
 # A row's own drafting policy (`adaptive`, generation_mode "auto"). It reads only the row's own
 # accept/reject outcomes and counts only its own cycles, so a sampled row's draws (which change
 # when it drafts) stay reproducible and independent of its neighbours.
-ROW_ACCEPT_PRIOR = 0.5        # acceptance estimate before its first draft, and on resuming
+ROW_ACCEPT_PRIOR = 0.5        # acceptance estimate on resuming (it starts at the model's `draft_acceptance_prior`)
 ROW_ACCEPT_EMA = 0.3          # weight of each new outcome: two straight rejections from the prior stop it
 ROW_STOP_BELOW = 0.25
 ROW_PROBE_FIRST, ROW_PROBE_MAX = 16, 256   # own cycles before a stopped row drafts once to probe
+
+
+PRIOR_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively."""\n'
+PRIOR_TOKENS = 48
+
+
+def draft_acceptance_prior(model) -> float:
+    """Where an adaptive row's acceptance estimate starts: the head's greedy acceptance over a
+    fixed text (PRIOR_TEXT, PRIOR_TOKENS tokens through the one-row lane), measured once per
+    loaded model. A constant of the model, so rows stay reproducible and independent of each
+    other; a head that never agrees starts its rows stopped (probing) instead of spending two
+    drafts, and lane cycles, on learning it."""
+    prior = getattr(model, "_draft_acceptance_prior", None)
+    if prior is None:
+        ids = model.tokenizer.encode(PRIOR_TEXT)
+        res = generate_a3b_mtp_batch(solo_lane(model), [A3BMTPBatchRequest(
+            request_id="draft-acceptance-prior", prompt_ids=ids, max_tokens=PRIOR_TOKENS)])
+        drafts = res.accepted_drafts + res.rejected_drafts
+        prior = model._draft_acceptance_prior = res.accepted_drafts / drafts if drafts else ROW_ACCEPT_PRIOR
+    return prior
 
 
 class _LaneRow:
     """One lane row's own state: request, budget, stops, penalties, RNG, output, and what the
     lane looked like while it ran (for its stats)."""
 
-    def __init__(self, req: A3BMTPBatchRequest, vocab: int):
+    def __init__(self, req: A3BMTPBatchRequest, vocab: int, prior: float = ROW_ACCEPT_PRIOR):
         self.req = req
         self.live = True
         self.sampler = req.sampler
@@ -443,10 +467,10 @@ class _LaneRow:
         self.pending: Optional[int] = None
         self.owes_history = False
         # its own drafting policy (adaptive rows): from its own accept/reject history only
-        self.drafting = True
-        self.accept_est = ROW_ACCEPT_PRIOR
+        self.accept_est = prior
+        self.drafting = prior >= ROW_STOP_BELOW
         self.probe_every = ROW_PROBE_FIRST
-        self.probe_in = 0
+        self.probe_in = 0 if self.drafting else ROW_PROBE_FIRST
 
     def wants_draft(self) -> bool:
         """Whether this row drafts in the next MTP cycle: a speculative row always unless it is
@@ -763,7 +787,8 @@ class RunningLane:
     def add(self, req: A3BMTPBatchRequest) -> A3BMTPBatchStreamResult:
         """Queue a row; it joins at a cycle boundary when a slot is free. Returns its stream."""
         _validate_request(self.model, req)
-        row = _LaneRow(req, self.model.vocab_size)
+        prior = draft_acceptance_prior(self.model) if req.speculative and req.adaptive else ROW_ACCEPT_PRIOR
+        row = _LaneRow(req, self.model.vocab_size, prior)
         self.waiting.append(row)
         return row.result
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.a3b_mtp_batch import (HISTORY_FLUSH_AT, A3BMTPBatchRequest, RunningLane, StepPolicy,
-                                 install_a3b_mtp_batch_lane, solo_lane)
+from mtplx.a3b_mtp_batch import (HISTORY_FLUSH_AT, ROW_PROBE_FIRST, A3BMTPBatchRequest, RunningLane, StepPolicy,
+                                 draft_acceptance_prior, install_a3b_mtp_batch_lane, solo_lane)
 from mtplx.generation import generate_ar
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
@@ -102,27 +102,44 @@ def test_hybrid_compiled_lane_mixed_steps_equal_plain_ar(tmp_path):
     assert running.accepted > 0 and running.ar_steps > 0 and running.graph_retraces == 0
 
 
-def _wrong_until(position_limit, rows=None):
-    """inject_drafts: a draft the target rejects (greedy) at output positions below the limit."""
+def _wrong_until(position_limit, rows=None, then=None):
+    """inject_drafts: a draft the target rejects (greedy) at output positions below the limit;
+    from there the token `then` holds at that position, if given (accepted), else the head's."""
     def inject(b, position):
-        if (rows is None or b in rows) and position < position_limit:
+        if rows is not None and b not in rows:
+            return None
+        if position < position_limit:
             return 1          # a token id the shipped model never emits in these texts
-        return None
+        return then[position] if then is not None and position < len(then) else None
     return inject
 
 
 def test_row_stops_drafting_while_neighbours_speculate_and_resumes_on_a_probe(model, lane3):
     reqs = _greedy_reqs(model, (90, 60, 60))
     reqs = [dataclasses.replace(reqs[0], adaptive=True)] + reqs[1:]     # row 0 "auto", rows 1-2 "mtp"
-    running, streams = _run([lane3], reqs, inject=_wrong_until(40, rows={0}), costs=COSTS)
-    for r, s in zip(reqs, streams):
-        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+    refs = [generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens for r in reqs]
+    running, streams = _run([lane3], reqs, inject=_wrong_until(40, rows={0}, then=refs[0]), costs=COSTS)
+    for ref, s in zip(refs, streams):
+        assert s.tokens == ref
     bad, good = streams[0], streams[1:]
     assert all(s.spec_cycles == s.cycles and s.drafts_skipped == 0 for s in good)
     drafted_at = sorted(pos for rid, pos, _ in running.draft_log if rid == "0")
     early = [p for p in drafted_at if p < 40]
-    assert bad.drafts_skipped >= 15 and len(early) <= 4           # two rejections stop it; a probe 16 cycles on
+    # from the model's prior (1.0 on its fixed text) four rejections stop it; a probe 16 cycles on fails
+    assert draft_acceptance_prior(model) == 1.0
+    assert bad.drafts_skipped >= 15 and len(early) <= 5
     assert len([p for p in drafted_at if p >= 40]) >= 10           # an accepted probe: it drafts again
+    assert bad.accepted_drafts == len([p for p in drafted_at if p >= 40])
+
+
+def test_rows_of_a_head_that_never_agrees_start_stopped(model, lane3, monkeypatch):
+    monkeypatch.setattr(model, "_draft_acceptance_prior", 0.0)      # as measured on such a head
+    reqs = _greedy_reqs(model, (40, 40), adaptive=True)
+    running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
+    for r, s in zip(reqs, streams):
+        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+    first = min(pos for _, pos, _ in running.draft_log)
+    assert first > ROW_PROBE_FIRST and running.mtp_cycles <= 2    # no drafts until their first probe
 
 
 def _sampled(i, prompt, seed, n=60, **kw):
@@ -182,7 +199,9 @@ def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
 
 def test_install_measures_step_costs(model):
     lane = install_a3b_mtp_batch_lane(model, 3)
-    assert set(lane.step_costs) == {"mtp", "ar"} and all(v > 0 for v in lane.step_costs.values())
+    for ln in (lane, solo_lane(model)):
+        assert set(ln.step_costs) == {"mtp", "ar"} and all(v > 0 for v in ln.step_costs.values())
+    assert model._draft_acceptance_prior == draft_acceptance_prior(model) == 1.0
 
 
 def test_service_auto_is_the_default_and_reports_its_steps(model):
