@@ -37,7 +37,7 @@ REPLICA_SERIES = {
     "accepted_per_pos": ("counter", "mtplx_spec_decode_num_accepted_tokens_per_pos",
                          "Draft tokens accepted, by draft position", ("position",), None),
     "accept_length": ("histogram", "mtplx_spec_decode_acceptance_length",
-                      "A finished row's tokens per verify cycle (1 + accepted / cycles)", (), ACCEPT_LENGTH_BOUNDARIES),
+                      "A finished row's mean acceptance length (1 + accepted / drafts)", (), ACCEPT_LENGTH_BOUNDARIES),
     # lanes and the queue
     "waiting_rows": ("gauge", "mtplx_waiting_rows",
                      "Rows waiting for a lane slot (prefilling included); lane=queue: not yet at a lane", ("lane",), None),

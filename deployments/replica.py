@@ -408,9 +408,10 @@ class MTPReplica:
             self._observe("tpot", float(st["decode_elapsed_s"]) / (n - 1))
         if st.get("decode_tok_s"):
             self._observe("decode_tok_s", float(st["decode_tok_s"]))
-        cycles = int(st.get("target_verify_cycles") or 0)
-        if cycles and st.get("generation_mode") in ("mtp", "auto"):
-            self._observe("accept_length", 1 + int(st.get("accepted_drafts") or 0) / cycles)
+        accepted = int(st.get("accepted_drafts") or 0)
+        drafts = accepted + int(st.get("rejected_drafts") or 0)
+        if drafts:   # rows that drafted (an auto row's plain AR steps draft nothing and do not count)
+            self._observe("accept_length", 1 + accepted / drafts)
 
     def _error_class(self, job, exc: BaseException) -> dict:
         """A failed row's error event, by class. Only messages written for clients leave this
