@@ -647,12 +647,14 @@ class StepPolicy:
     the choice cannot change a row's draws (greedy rows of generation_mode "auto"): an MTP cycle
     yields live + acceptance x drafting tokens for its cost, an AR step yields live tokens for its
     own; the lane runs the better by expected tokens/s, switching only past a margin
-    (`hysteresis`), with probes of the other kind (an AR step every `ar_probe_every` MTP cycles
-    to keep its cost current; an MTP cycle after `mtp_probe_first` AR steps, doubling up to
-    `mtp_probe_max` while it does not pay, to notice when it pays again)."""
+    (`hysteresis`), with probes of the other kind (`probe_steps` AR steps every `ar_probe_every`
+    MTP cycles to keep its cost current; `probe_steps` MTP cycles after `mtp_probe_first` AR
+    steps, the interval doubling up to `mtp_probe_max` while MTP does not pay, to notice when it
+    pays again). A probe is two steps long because the first step after a switch also pays for
+    the switch (owed history, the other kind's lazy work) and is not counted as a cost."""
 
     def __init__(self, hysteresis: float = 0.05, ar_probe_every: int = 64, mtp_probe_first: int = 16,
-                 mtp_probe_max: int = 256, acceptance_ema: float = 0.3):
+                 mtp_probe_max: int = 256, acceptance_ema: float = 0.3, probe_steps: int = 2):
         self.kind = "mtp"                      # the kind it runs between probes
         self.acceptance: Optional[float] = None   # moving average over drafted rows' outcomes
         self.hysteresis, self.ar_probe_every = hysteresis, ar_probe_every
@@ -660,6 +662,7 @@ class StepPolicy:
         self.acceptance_ema = acceptance_ema
         self.mtp_probe_every = mtp_probe_first
         self.since_probe = 0
+        self.probe_steps, self._probe_left = probe_steps, 0
         self.last_gain: Optional[float] = None    # MTP tokens/s over AR tokens/s, at the last choice
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -676,17 +679,21 @@ class StepPolicy:
             return "mtp"
         self.last_gain = (live + self.acceptance * drafting) / mtp_s / (live / ar_s)
         if self.kind == "mtp" and self.last_gain < 1 - self.hysteresis:
-            self.kind, self.since_probe, self.mtp_probe_every = "ar", 0, self.mtp_probe_first
+            self.kind, self.since_probe, self.mtp_probe_every, self._probe_left = "ar", 0, self.mtp_probe_first, 0
         elif self.kind == "ar" and self.last_gain > 1 + self.hysteresis:
-            self.kind, self.since_probe = "mtp", 0
+            self.kind, self.since_probe, self._probe_left = "mtp", 0, 0
+        other = "ar" if self.kind == "mtp" else "mtp"
+        if self._probe_left:
+            self._probe_left -= 1
+            return other
         self.since_probe += 1
         every = self.ar_probe_every if self.kind == "mtp" else self.mtp_probe_every
         if self.since_probe <= every:
             return self.kind
-        self.since_probe = 0
+        self.since_probe, self._probe_left = 0, self.probe_steps - 1
         if self.kind == "ar":
             self.mtp_probe_every = min(2 * self.mtp_probe_every, self.mtp_probe_max)
-        return "ar" if self.kind == "mtp" else "mtp"
+        return other
 
     def snapshot(self, costs: dict) -> dict:
         return {"kind": self.kind, "acceptance": None if self.acceptance is None else round(self.acceptance, 4),
@@ -810,13 +817,17 @@ class RunningLane:
         t1 = time.perf_counter()
         self.prefill_s += t1 - t0
         if self.live_rows:
-            kind = self._choose_step()
+            kind, previous = self._choose_step(), self.last_step
             self._run_step(kind)
             dt = time.perf_counter() - t1
             self.cycle_s += dt
-            costs, est = self.lane.step_costs, self.lane.step_costs.get(kind)
-            # one slow step (a retrace, a pause) moves the cost by at most 3x the estimate's weight
-            costs[kind] = dt if est is None else est + STEP_COST_EMA * (min(dt, 3 * est) - est)
+            costs, est = self.lane.step_costs, self.lane.step_costs.get(self.last_step)
+            # steady-state costs only: the first step after a switch also pays for the switch.
+            # One slow step (a retrace, a pause) moves the cost by at most 3x the estimate's weight.
+            if est is None:
+                costs[self.last_step] = dt
+            elif self.last_step == previous:
+                costs[self.last_step] = est + STEP_COST_EMA * (min(dt, 3 * est) - est)
 
     def _choose_step(self) -> str:
         """An MTP cycle or a plain AR step for the next cycle. A row that wants to draft and whose

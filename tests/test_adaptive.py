@@ -174,15 +174,15 @@ def test_step_policy_steps_aside_with_hysteresis_and_backing_off_probes():
     assert StepPolicy().choose({"mtp": 1.3}, 8, 8) == "ar"        # AR cost unknown: measure it
     assert StepPolicy().choose(costs, 8, 8) == "mtp"              # acceptance unknown: measure it
     pol.observe(8, 0)                                             # a head that never agrees
-    kinds = [pol.choose(costs, 8, 8) for _ in range(16 + 33 + 65 + 1)]
+    kinds = [pol.choose(costs, 8, 8) for _ in range(118)]
     probes = [i for i, k in enumerate(kinds) if k == "mtp"]
-    assert pol.kind == "ar" and probes == [16, 16 + 33, 16 + 33 + 65]   # probe intervals double
+    assert pol.kind == "ar" and probes == [16, 17, 50, 51, 116, 117]   # two-step probes, intervals doubling
     # hysteresis: a gain within 5% of AR's does not flip it back
     pol.acceptance = 0.33                                         # gain (1.33 / 1.3) = 1.023
     assert pol.choose(costs, 8, 8) == "ar" and pol.kind == "ar"
     pol.acceptance = 0.8                                          # gain 1.38: MTP pays again
-    kinds = [pol.choose(costs, 8, 8) for _ in range(130)]
-    assert pol.kind == "mtp" and [i for i, k in enumerate(kinds) if k == "ar"] == [64, 129]   # AR probes
+    kinds = [pol.choose(costs, 8, 8) for _ in range(132)]
+    assert pol.kind == "mtp" and [i for i, k in enumerate(kinds) if k == "ar"] == [64, 65, 130, 131]   # AR probes
     pol.acceptance = 0.3                                          # 1.3 / 1.3: within the margin
     assert pol.choose(costs, 8, 8) == "mtp"
     pol.acceptance = 0.2                                          # gain 0.92
