@@ -653,7 +653,9 @@ class OpenAIIngress:
         except Exception as exc:
             log.warning("mtplx ingress: snapshot: no model replica answered: %s: %s", type(exc).__name__, exc)
             raise oa.unavailable("no model replica answered", retry_after_s=self.retry_after_s) from None
-        return {"model": self.served_model, "ingress": self.ingress_snapshot(), "replicas": replicas}
+        # time: the server's clock when it answered, so rates between two snapshots need no client clock
+        return {"model": self.served_model, "time": time.time(), "ingress": self.ingress_snapshot(),
+                "replicas": replicas}
 
     def ingress_snapshot(self) -> dict:
         s = dict(self._stats)

@@ -1,9 +1,9 @@
 """The live page at `/v1/mtplx/dashboard`: the server's state at a glance, for users without Grafana.
 
 One self-contained HTML page (no external scripts, styles or fonts: nothing is fetched from
-elsewhere) that polls the snapshot route once a second and draws, from the difference of two
-snapshots: tokens/s, draft acceptance, lane occupancy and waiting rows (numbers and 2-minute
-charts), every running lane of every replica with its rows, and the recent lane events (a lane
+elsewhere) that polls the snapshot route once a second and draws tokens/s, draft acceptance and
+lane occupancy over the last 5 s (from snapshots and the server's clock), waiting rows (numbers
+and 2-minute charts), every running lane of every replica with its rows, and the recent lane events (a lane
 started, changed width, ended). The page itself holds no data, so it is served without an API key;
 its snapshot requests carry the key the user types (kept in the tab's sessionStorage; a
 `#key=...` fragment, which browsers never send to the server, fills it in).
@@ -35,7 +35,7 @@ PAGE_HTML = r"""<!doctype html>
 <main>
 <div id="keybox">This server wants an API key: <input id="key" type="password" size="40"> <button id="setkey">use</button></div>
 <div class="cards">
- <div class="card"><small>tokens/s (all replicas)</small><b id="tps">-</b><canvas id="c_tps"></canvas></div>
+ <div class="card"><small>tokens/s decoded (all replicas)</small><b id="tps">-</b><canvas id="c_tps"></canvas></div>
  <div class="card"><small>draft acceptance</small><b id="acc">-</b><canvas id="c_acc"></canvas></div>
  <div class="card"><small>lane occupancy (live rows per cycle)</small><b id="occ">-</b><canvas id="c_occ"></canvas></div>
  <div class="card"><small>waiting rows (replicas + ingress)</small><b id="wait">-</b><canvas id="c_wait"></canvas></div>
@@ -49,7 +49,7 @@ PAGE_HTML = r"""<!doctype html>
 <script>
 "use strict";
 const HIST = 120, hist = {tps: [], acc: [], occ: [], wait: []};
-let prev = null, prevAt = 0, lanesSeen = new Map(), events = [];
+let win = [], lanesSeen = new Map(), events = [];
 const m = /[#&]key=([^&]+)/.exec(location.hash);
 if (m) { sessionStorage.setItem("mtplx_key", decodeURIComponent(m[1])); history.replaceState(null, "", location.pathname); }
 document.getElementById("setkey").onclick = () => { sessionStorage.setItem("mtplx_key", document.getElementById("key").value); tick(); };
@@ -65,7 +65,8 @@ function draw(name) {
   ctx.stroke();
 }
 function event(text) { events.unshift(new Date().toLocaleTimeString() + "  " + text); events = events.slice(0, 40); $("events").textContent = events.join("\n"); }
-function render(snap, dt) {
+function render(snap) {
+  let dt;
   $("model").textContent = snap.model || "-";
   const reps = replicas(snap);
   $("replicas").textContent = reps.length + " replica" + (reps.length === 1 ? "" : "s");
@@ -73,10 +74,15 @@ function render(snap, dt) {
   const waiting = sum(snap, "waiting_rows") + (ing.rows_waiting || 0);
   $("wait").textContent = waiting; push("wait", waiting);
   $("rows").textContent = sum(snap, "active"); $("done").textContent = sum(snap, "requests_completed") + " finished, " + sum(snap, "requests_cancelled") + " cancelled";
-  if (prev && dt > 0) {
-    const d = k => sum(snap, k) - sum(prev, k);
-    const tps = Math.max(0, d("completion_tokens")) / dt, acc = d("accepted_draft_tokens"), rej = d("rejected_draft_tokens");
-    const cyc = d("lane_cycles"), rc = d("lane_row_cycles");
+  // rates over the last 5 s of server time (one snapshot pair can be too close to show anything)
+  const keys = ["accepted_draft_tokens", "rejected_draft_tokens", "lane_cycles", "lane_row_cycles"];
+  win.push({t: snap.time, v: Object.fromEntries(keys.map(k => [k, sum(snap, k)]))});
+  while (win.length > 2 && snap.time - win[1].t >= 5) win.shift();
+  const old = win[0]; dt = snap.time - old.t;
+  if (win.length > 1 && dt > 0) {
+    const d = k => sum(snap, k) - old.v[k];
+    const acc = d("accepted_draft_tokens"), rej = d("rejected_draft_tokens"), cyc = d("lane_cycles"), rc = d("lane_row_cycles");
+    const tps = Math.max(0, rc + acc) / dt;   // decoded now: a token per live row and cycle, plus accepted drafts
     $("tps").textContent = tps.toFixed(1); push("tps", tps);
     $("acc").textContent = acc + rej > 0 ? (100 * acc / (acc + rej)).toFixed(0) + "%" : "-"; push("acc", acc + rej > 0 ? acc / (acc + rej) : null);
     $("occ").textContent = cyc > 0 ? (rc / cyc).toFixed(2) : "-"; push("occ", cyc > 0 ? rc / cyc : null);
@@ -103,9 +109,9 @@ async function tick() {
   try {
     const r = await fetch(location.pathname.replace(/dashboard\/?$/, "snapshot"), {headers, cache: "no-store"});
     if (r.status === 401) { $("keybox").classList.add("show"); $("status").textContent = "API key needed"; $("status").className = "bad"; return; }
-    const snap = await r.json(), at = performance.now();
+    const snap = await r.json();
     $("keybox").classList.remove("show"); $("status").textContent = "live, " + new Date().toLocaleTimeString(); $("status").className = "";
-    render(snap, prev ? (at - prevAt) / 1000 : 0); prev = snap; prevAt = at;
+    render(snap);
   } catch (e) { $("status").textContent = "unreachable: " + e; $("status").className = "bad"; }
 }
 tick(); setInterval(tick, 1000);

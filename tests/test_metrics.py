@@ -341,7 +341,8 @@ def test_live_page_in_headless_chromium(serve_app, tmp_path):
         stop.set()
         feeder.join(120)
     assert 'id="status" class="">live' in dom, dom[:2000]
-    assert re.search(r'id="tps">\d+\.\d', dom), dom[:2000]
+    tps = re.search(r'id="tps">(\d+\.\d)<', dom)
+    assert tps and float(tps.group(1)) > 0, dom[:3000]   # tokens flowed between two of its snapshots
     assert "started at width" in dom   # the recent-lanes log saw lanes come
     assert shot.stat().st_size > 20_000
     keep = __import__("pathlib").Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
