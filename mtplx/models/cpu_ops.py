@@ -110,14 +110,21 @@ def split_point(spans: np.ndarray, width_span: int):
     return best_cut, np.flatnonzero(spans > best_cut)
 
 
+def _take_rows(x: mx.array, rows: np.ndarray, start: int) -> mx.array:
+    """x[rows, :, start:] by basic slices: a gather on the lane's strided KV view would first copy
+    every row of it."""
+    parts = [x[int(b):int(b) + 1, :, start:] for b in rows]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
 def split_attention(q, k, v, scale: float, mask: mx.array, cut: int, long_rows: np.ndarray) -> mx.array:
     """Attention of a lane whose rows need different spans: all rows over keys [0, cut), the
     long rows over [cut, S) too, merged per row. `mask` is boolean [B, 1, T, S]."""
     B, H, T, D = q.shape
     m, l, o = _softmax_part(_scores(q, k[..., :cut, :], scale, mask[..., :cut], _MASKED), v[..., :cut, :])
     idx = mx.array(long_rows.astype(np.int32))
-    mb, lb, ob = _softmax_part(_scores(q[idx], k[idx][:, :, cut:], scale, mask[idx][..., cut:], _MASKED),
-                               v[idx][:, :, cut:])
+    mb, lb, ob = _softmax_part(_scores(q[idx], _take_rows(k, long_rows, cut), scale, mask[idx][..., cut:], _MASKED),
+                               _take_rows(v, long_rows, cut))
     ma, la, oa = m[idx], l[idx], o[idx]
     top = mx.maximum(ma, mb)
     wa, wb = mx.exp(ma - top), mx.exp(mb - top)
