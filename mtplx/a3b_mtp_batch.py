@@ -5,7 +5,9 @@ any, and the draft entry (h_last, primary)), one target verify forward [B, 2] = 
 then a per-row decision with the row's own RNG in the solo path's order (primary, draft,
 accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions into ragged caches. Rows are
 prefilled one by one at their own length (no padding tokens), then merged. Finished, cancelled
-and padding rows stay in the batch, inert (keep 0), until the cohort drains.
+and padding rows stay in the batch, inert (keep 0), until the cohort drains. Where drafting does
+not pay, a lane runs plain AR steps instead ([B, 1], no head forward; `StepPolicy`) and a row can
+stop drafting on its own (`_LaneRow.drafted`), with greedy output unchanged.
 
 The lane name and route ids follow MTPLX's A3B lane; the lane here is architecture-neutral.
 """
