@@ -43,6 +43,9 @@ REPLICA_SERIES = {
                      "Rows waiting for a lane slot (prefilling included); lane=queue: not yet at a lane", ("lane",), None),
     "live_rows": ("gauge", "mtplx_lane_live_rows", "Rows decoding in a running lane now", ("lane", "width"), None),
     "lane_cycles": ("counter", "mtplx_lane_cycles", "Lane cycles (one verify forward each), by lane width", ("width",), None),
+    "steps": ("counter", "mtplx_lane_steps",
+              "Lane steps by kind: mtp (draft + verify cycles) or ar (plain target steps a lane runs instead)",
+              ("kind",), None),
     "row_cycles": ("counter", "mtplx_lane_row_cycles", "Live rows summed over lane cycles", (), None),
     "cycle_seconds": ("counter", "mtplx_lane_cycle_seconds", "Time spent in lane cycles", (), None),
     "cycle_time": ("histogram", "mtplx_lane_cycle_time_seconds",
@@ -185,7 +188,7 @@ class CohortMonitor:
     def _totals(snap: dict) -> dict:
         keys = ("accepted_draft_tokens", "rejected_draft_tokens", "lane_row_cycles", "admissions",
                 "cycle_seconds_total", "prefill_seconds_total", "completion_tokens", "requests_completed",
-                "requests_failed", "requests_cancelled", "lane_cycles")
+                "requests_failed", "requests_cancelled", "lane_cycles", "mtp_cycles", "ar_steps")
         out = {k: snap.get(k) or 0 for k in keys}
         out["by_width"] = dict(snap.get("fixed_width_histogram") or {})
         return out
@@ -209,6 +212,8 @@ class CohortMonitor:
             grew = c - self._prev["by_width"].get(w, 0)
             if grew > 0:
                 record(m, "lane_cycles", grew, {"width": str(w)})
+        record(m, "steps", d["mtp_cycles"], {"kind": "mtp"})
+        record(m, "steps", d["ar_steps"], {"kind": "ar"})
         record(m, "row_cycles", d["lane_row_cycles"])
         record(m, "admissions", d["admissions"])
         record(m, "cycle_seconds", d["cycle_seconds_total"])

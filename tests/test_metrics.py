@@ -34,7 +34,8 @@ def test_series_names_are_valid_and_follow_vllm():
         assert f"mtplx_{vllm}" in names
     # bounded labels only: nothing keyed by request, path or user text
     tag_keys = {k for table in (REPLICA_SERIES, INGRESS_SERIES) for *_, tags, _ in table.values() for k in tags}
-    assert tag_keys <= {"position", "lane", "width", "generation_mode", "finish_reason", "route", "status", "reason"}
+    assert tag_keys <= {"position", "lane", "width", "kind", "generation_mode", "finish_reason", "route", "status",
+                        "reason"}
     assert [lane_metric_label(x) for x in ("t0.7/t0.7", "t0.123456/omit_bonus", "ar/greedy", "greedy/greedy",
                                            "t0.6/greedy", "warmup")] == \
         ["sampled", "sampled/omit_bonus", "ar/greedy", "greedy", "sampled/greedy", "default"]
@@ -125,6 +126,7 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     assert total("drafts") == total("draft_tokens") == accepted + rejected
     assert total("lane_cycles") == after["lane_cycles"] - before["lane_cycles"]
     assert total("row_cycles") == after["lane_row_cycles"] - before["lane_row_cycles"]
+    assert total("steps") == sum(after[k] - before[k] for k in ("mtp_cycles", "ar_steps")) > 0
     assert total("admissions") == 3
     assert calls["cycle_time"] and all(0 < v < 5 for v, _ in calls["cycle_time"])
     live = [(v, dict(tags)) for v, tags in calls["live_rows"]]
