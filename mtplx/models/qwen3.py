@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
-from .cpu_ops import RMSNorm, attention
+from .cpu_ops import attention
 
 MODEL_TYPES = ("qwen3",)
 
@@ -52,11 +52,10 @@ class Attention(qwen3.Attention):
 
 
 def _use_cpu_ops(module: nn.Module) -> None:
-    """Our attention and RMSNorm classes for mlx-lm's (same weights, same parameters)."""
-    swaps = {qwen3.Attention: Attention, nn.RMSNorm: RMSNorm}
+    """Our attention class for mlx-lm's (same weights, same projections)."""
     for m in module.modules():
-        if type(m) in swaps:
-            m.__class__ = swaps[type(m)]
+        if type(m) is qwen3.Attention:
+            m.__class__ = Attention
 
 
 def prepare_target(target: nn.Module) -> None:
