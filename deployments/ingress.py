@@ -142,6 +142,7 @@ class OpenAIIngress:
         self.model_dir = model_dir
         self.meta: Optional[dict] = None
         self.tokenizer = None
+        self.token_bytes: Optional[oa.TokenBytes] = None      # each token's text and bytes, for logprobs
         self._model_lock = asyncio.Lock()
         source = cfg.get("tokenizer_source", "auto")
         if source == "local" or (source == "auto" and (model_dir / "config.json").is_file()):
@@ -189,6 +190,7 @@ class OpenAIIngress:
     def _load_model_files(self, model_dir: Path) -> None:
         self.meta = load_model_metadata(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        self.token_bytes = oa.TokenBytes(self.tokenizer)
 
     async def _ensure_model(self) -> None:
         if self.tokenizer is not None:
@@ -463,6 +465,7 @@ class OpenAIIngress:
             "session_id": req.session_id, "compatibility_key": key,
             # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
             "stop_token_ids": sorted(set(req.stop_token_ids or ())), "ignore_eos": bool(req.ignore_eos),
+            "logprobs": req.requested_logprobs,      # None, or the alternatives per token (0-20)
         }
 
     async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, rid: str,
@@ -555,9 +558,10 @@ class OpenAIIngress:
                         if row.get("departed"):   # cancelled while its call was on the way
                             self._send_cancel(rid, msg["replica"])
                     continue
+                logprobs = msg.get("lp") or {}
                 for i, toks in (msg.get("t") or {}).items():
                     if i not in done:
-                        queue.put_nowait((slots[i], ("tokens", toks)))
+                        queue.put_nowait((slots[i], ("tokens", toks, logprobs.get(i))))
                 for i, fin in (msg.get("f") or {}).items():
                     if i in done:
                         continue
@@ -709,6 +713,10 @@ class _RowRun:
         self.model = ingress.served_model
         self.detok = oa.IncrementalDetokenizer(ingress.tokenizer)
         self.stops = oa.StopStringMatcher(req.stop_strings())
+        self.logprobs = req.requested_logprobs         # None, or the alternatives per token
+        self._lp_tokens: List[int] = []                # tokens (and entries) not yet sent with text
+        self._lp_entries: list = []
+        self._text_offset = 0                          # completions' text_offset of the next token
         self.n_tokens = 0
         self.finished = False
         self.final: Optional[dict] = None
@@ -782,12 +790,18 @@ class _RowRun:
                 return   # after a stop string the caller drains the cancelled row (bounded)
 
     def _apply(self, event) -> str:
-        kind, payload = event
+        kind, payload = event[0], event[1]
         if kind == "tokens":
             if self.first_tokens_at is None:
                 self.first_tokens_at = time.time()
             if self.stops.stopped:
                 return ""
+            if self.logprobs is not None:
+                if event[2] is None or len(event[2]) != len(payload):   # a bug of ours, never a short answer
+                    log.error("mtplx ingress: request %s asked for logprobs; the replica sent %s entries for %d "
+                              "tokens", self.rid, None if event[2] is None else len(event[2]), len(payload))
+                    raise oa.internal_error(self.rid)
+                return self._apply_with_logprobs(payload, event[2])
             self.n_tokens += len(payload)
             text = self.stops.push(self.detok.push(payload))
             if self.stops.stopped:
@@ -803,6 +817,32 @@ class _RowRun:
         # error
         self.finished = True
         raise self._row_error(payload)
+
+    def _apply_with_logprobs(self, tokens: List[int], entries: list) -> str:
+        """Tokens one at a time, each with its log-probability entry, so that the entries stop at
+        the token that completed a stop string."""
+        text = ""
+        for token, entry in zip(tokens, entries):
+            self.n_tokens += 1
+            self._lp_tokens.append(token)
+            self._lp_entries.append(entry)
+            text += self.stops.push(self.detok.push([token]))
+            if self.stops.stopped:
+                self.ing.cancel_row(self.row, "stop_string")
+                break
+        return text
+
+    def _take_logprobs(self) -> Optional[dict]:
+        """The `logprobs` of the tokens received since the last call (None when not asked for)."""
+        if self.logprobs is None:
+            return None
+        tokens, entries = self._lp_tokens, self._lp_entries
+        self._lp_tokens, self._lp_entries = [], []
+        if self.kind == "chat":
+            return oa.chat_logprobs(tokens, entries, self.logprobs, self.ing.token_bytes)
+        out = oa.completion_logprobs(tokens, entries, self.logprobs, self.ing.token_bytes, self._text_offset)
+        self._text_offset += sum(len(t) for t in out["tokens"])
+        return out
 
     def _row_error(self, payload: dict) -> oa.OpenAIError:
         """A row's error event (from the replica or the cohort driver) as the client's error. Only
@@ -905,7 +945,8 @@ class _RowRun:
             return anthropic.message_response(self.rid, self.model, text, self.finish_reason, self.stops.matched,
                                               usage, stats)
         build = oa.chat_response if self.kind == "chat" else oa.completion_response
-        return build(self.rid, self.created, self.model, text, self.finish_reason, usage, stats, self.stop_reason)
+        return build(self.rid, self.created, self.model, text, self.finish_reason, usage, stats, self.stop_reason,
+                     self._take_logprobs())
 
     # -- streaming ---------------------------------------------------------------------------------
 
@@ -923,16 +964,18 @@ class _RowRun:
 
     def _chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False, **extra):
         stop_reason = self.stop_reason if finish_reason else None
+        logprobs = None if role else self._take_logprobs()
         if self.kind == "chat":
             delta = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            chunk = oa.chat_chunk(self.rid, self.created, self.model, delta, finish_reason, stop_reason, **extra)
+            chunk = oa.chat_chunk(self.rid, self.created, self.model, delta, finish_reason, stop_reason, logprobs,
+                                  **extra)
         else:
             chunk = oa.completion_chunk(self.rid, self.created, self.model, text or "", finish_reason, stop_reason,
-                                        **extra)
+                                        logprobs, **extra)
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk

@@ -77,6 +77,7 @@ class _CohortBuffer:
         self._loop = loop
         self._lock = threading.Lock()
         self._tokens: Dict[int, List[int]] = {}
+        self._logprobs: Dict[int, list] = {}          # row -> entries parallel to its tokens (if asked)
         self._finals: Dict[int, Any] = {}
         self.first_token_at: Dict[int, float] = {}   # row -> wall clock of its first token
         self.sent: Dict[int, int] = {}               # row -> tokens already handed to the stream
@@ -103,12 +104,14 @@ class _CohortBuffer:
         self.event.set()
         self.urgent_event.set()
 
-    def push_tokens(self, row: int, tokens) -> None:
+    def push_tokens(self, row: int, tokens, logprobs=None) -> None:
         with self._lock:
             if row not in self.first_token_at:
                 self.first_token_at[row] = time.time()
             pending = self._tokens.setdefault(row, [])
             pending.extend(int(t) for t in tokens)
+            if logprobs is not None:
+                self._logprobs.setdefault(row, []).extend(logprobs)
             self._wake_locked(urgent=self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS)
 
     def push_final(self, row: int, outcome) -> None:
@@ -124,8 +127,10 @@ class _CohortBuffer:
             return bool(self._finals) or any(self.sent.get(r, 0) < URGENT_TOKENS for r in self._tokens)
 
     def take(self):
+        """(tokens, log-probability entries, finals) handed over since the last take."""
         with self._lock:
             tokens, self._tokens = self._tokens, {}
+            logprobs, self._logprobs = self._logprobs, {}
             finals, self._finals = self._finals, {}
             for r, toks in tokens.items():
                 self.sent[r] = self.sent.get(r, 0) + len(toks)
@@ -133,7 +138,7 @@ class _CohortBuffer:
             self._urgent_pending = False
             self.event.clear()
             self.urgent_event.clear()
-        return tokens, finals
+        return tokens, logprobs, finals
 
 
 def _public_result(result: dict) -> dict:
@@ -292,7 +297,8 @@ class MTPReplica:
                 sampler=row["sampler"], draft_sampler=row.get("draft_sampler"), seed=row["seed"],
                 stop_token_ids=(frozenset() if row.get("ignore_eos") else self.model.eos_token_ids)
                 | frozenset(row.get("stop_token_ids") or ()),
-                token_callback=(lambda toks, i=i: buf.push_tokens(i, toks)),
+                token_callback=(lambda toks, lps=None, i=i: buf.push_tokens(i, toks, lps)),
+                logprobs=row.get("logprobs"),
                 compatibility_key=row["compatibility_key"],
                 speculative=mode != "ar", adaptive=mode == "auto",
                 cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
@@ -324,7 +330,7 @@ class MTPReplica:
                             await asyncio.wait_for(buf.urgent_event.wait(), delay)
                         except asyncio.TimeoutError:
                             pass
-                tokens, finals = buf.take()
+                tokens, logprobs, finals = buf.take()
                 last_sent = time.perf_counter()
                 msg: Dict[str, Any] = {}
                 if tokens:
@@ -334,6 +340,8 @@ class MTPReplica:
                         if i not in first_token_seen:
                             first_token_seen.add(i)
                             self._observe("ttft", now - started)
+                if logprobs:
+                    msg["lp"] = logprobs
                 if finals:
                     msg["f"] = {i: self._final(jobs[i], modes[i], fut) for i, fut in finals.items()}
                     for i, fin in msg["f"].items():

@@ -14,6 +14,7 @@ The lane name and route ids follow MTPLX's A3B lane; the lane here is architectu
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,6 +75,9 @@ class A3BMTPBatchRequest:
     session_commit: Optional[Callable[..., None]] = None
     on_result: Optional[Callable[["A3BMTPBatchStreamResult"], None]] = None  # the row's final stream, at its terminal
     speculative: bool = True                            # False: one target token per cycle (plain AR)
+    # Log-probabilities: None off; k >= 0 reports, per emitted token, the target's log-softmax at it
+    # and its k heaviest alternatives, as on_token(token, (logprob, ((id, logprob), ...))).
+    logprobs: Optional[int] = None
     adaptive: bool = False                              # generation_mode "auto": may step aside from drafting
 
     def __post_init__(self):
@@ -100,6 +104,7 @@ class A3BMTPBatchStreamResult:
     occupancy_sum: int = 0                          # live rows, summed over its cycles
     mean_occupancy: float = 0.0                     # occupancy_sum / cycles
     repetition_stop: Optional[object] = None        # a RepetitionStop when the row stopped on a repeat
+    logprobs: list = field(default_factory=list)    # per token, when requested: (logprob, alternatives)
     spec_cycles: int = 0                            # cycles in which this row drafted
     drafts_skipped: int = 0                         # cycles of a speculative row without a draft
 
@@ -532,14 +537,19 @@ class _LaneRow:
         except Exception:  # a client's callback never breaks the lane
             pass
 
-    def emit(self, token: int) -> bool:
-        """Record a token; returns True when the row has finished."""
+    def emit(self, token: int, logprob: Optional[tuple] = None) -> bool:
+        """Record a token (and its log-probability entry, when the row asked); returns True when the
+        row has finished."""
         r = self.result
         r.tokens.append(token)
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
         try:
-            self.req.on_token(token)
+            if self.req.logprobs is None:
+                self.req.on_token(token)
+            else:
+                r.logprobs.append(logprob)
+                self.req.on_token(token, logprob)
         except Exception:
             self.finish("cancelled")
             return True
@@ -555,6 +565,7 @@ class _LaneRow:
         if hit is not None:
             self.result.repetition_stop = hit
             del self.result.tokens[len(self.result.tokens) - hit.trimmed_tokens:]
+            del self.result.logprobs[len(self.result.tokens):]
             self.finish("stop")
 
     def cancelled(self) -> bool:
@@ -562,6 +573,32 @@ class _LaneRow:
             return bool(self.req.cancelled())
         except Exception:  # a broken callback cancels its own row only
             return True
+
+
+# A token more than this many nats below a row's heaviest adds under e^-30 of the heaviest's weight
+# to the normalizer: below float32 rounding even summed over a 248k vocabulary.
+LOGPROB_GAP = 30.0
+
+
+def logprob_entry(logits_row: np.ndarray, token: int, k: int) -> tuple:
+    """(log-probability of `token`, its `k` heaviest alternatives as ((id, log-probability), ...))
+    under one float32 logits row [V]: the log-softmax's normalizer from the tokens within
+    LOGPROB_GAP nats of the heaviest only, so a row costs two passes over the vocabulary."""
+    x = logits_row
+    top = float(x.max())
+    near = np.flatnonzero(x >= top - LOGPROB_GAP)
+    lse = top + math.log(float(np.exp(x[near].astype(np.float64) - top).sum()))
+    if near.size < k:      # fewer than k tokens that close to the heaviest: rank the whole row
+        near = np.argpartition(-x, k - 1)[:k]
+    elif near.size > 8 * k:
+        near = near[np.argpartition(-x[near], k - 1)[:k]] if k else near[:0]
+    heaviest = near[np.argsort(-x[near], kind="stable")][:k]
+    return float(x[token]) - lse, tuple((int(i), float(x[i]) - lse) for i in heaviest)
+
+
+def _host_logprob(logits_row, token: int, k: Optional[int]) -> Optional[tuple]:
+    """A row's entry for `token` under one logits row (an MLX or host array); None when off."""
+    return None if k is None else logprob_entry(to_host(logits_row), token, k)
 
 
 def solo_lane(model) -> InstalledA3BMTPBatchLane:
@@ -978,7 +1015,7 @@ class RunningLane:
         # The first token comes from the prefill's logits: emit it now rather than after a cycle
         # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
         first = int(mx.argmax(logits).item()) if row.greedy else sample(row.dist(to_host(logits)), row.rng)
-        if row.emit(first):
+        if row.emit(first, _host_logprob(logits, first, row.req.logprobs)):
             self.rows[b] = None
         else:
             row.pending = first
@@ -1078,17 +1115,20 @@ class RunningLane:
             x0_host, target_ids = np.array(x0), np.array(target_ids)
         else:
             L_host = to_host(L[:, 0])
+        lp_host = (L_host if not greedy else to_host(L[:, 0])) if any(
+            r is not None and r.req.logprobs is not None for r in rows) else None
         t_host = time.perf_counter()
         keep = np.zeros(W, dtype=np.int64)
         for b, row in enumerate(rows):
             if not active[b]:
                 continue
-            if not has_pending[b] and row.emit(int(x0_host[b])):
+            if not has_pending[b] and row.emit(int(x0_host[b]), _host_logprob(
+                    self.logits_last[b], int(x0_host[b]), row.req.logprobs)):
                 continue
             row.skipped()
             tok = int(target_ids[b]) if greedy else sample(row.dist(L_host[b]), row.rng)
             row.pending, keep[b] = None, 1
-            if not row.emit(tok):
+            if not row.emit(tok, None if row.req.logprobs is None else logprob_entry(lp_host[b], tok, row.req.logprobs)):
                 row.pending = tok
         for b, row in enumerate(rows):
             if active[b] and row.live and row.req.repetition_stop:
@@ -1160,6 +1200,14 @@ class RunningLane:
         else:
             L_host = to_host(L)
             d_host = np.array(d)
+        # log-probabilities from the verify logits on the host (a greedy lane's are read only when
+        # one of its rows asked for them)
+        lp_host = (L_host if not greedy else to_host(L)) if any(
+            r is not None and r.req.logprobs is not None for r in rows) else None
+
+        def entry(b, j, tok):      # row b's log-probability entry for token `tok` at verify position j
+            k = rows[b].req.logprobs
+            return None if k is None else logprob_entry(lp_host[b, j], tok, k)
 
         # 4. per-row decision, same RNG order as the solo path
         t_host = time.perf_counter()
@@ -1168,14 +1216,15 @@ class RunningLane:
         for b, row in enumerate(rows):
             if not active[b]:
                 continue
-            if not has_pending[b] and row.emit(int(x0_host[b])):
+            if not has_pending[b] and row.emit(int(x0_host[b]), _host_logprob(
+                    self.logits_last[b], int(x0_host[b]), row.req.logprobs)):
                 continue
             r = row.result
             if not drafting[b]:               # plain AR: the target's own next token
                 row.skipped()
                 tok = int(target_ids[b, 0]) if greedy else sample(row.dist(L_host[b, 0]), row.rng)
                 row.pending, row.owes_history, keep[b] = None, False, 1
-                if not row.emit(tok):
+                if not row.emit(tok, entry(b, 0, tok)):
                     row.pending = tok
                 continue
             draft = int(d_host[b])
@@ -1192,18 +1241,18 @@ class RunningLane:
             if ok:
                 self.accepted += 1
                 r.accepted_drafts += 1
-                if row.emit(tok):
+                if row.emit(tok, entry(b, 0, tok)):
                     continue
                 keep[b] = 2
                 if not row.req.omit_speculative_bonus and len(r.tokens) < row.req.max_tokens:
                     bonus = int(target_ids[b, 1]) if greedy else sample(row.dist(L_host[b, 1]), row.rng)
-                    if not row.emit(bonus):
+                    if not row.emit(bonus, entry(b, 1, bonus)):
                         row.pending = bonus
             else:
                 self.rejected += 1
                 r.rejected_drafts += 1
                 keep[b] = 1
-                if not row.emit(tok):
+                if not row.emit(tok, entry(b, 0, tok)):
                     row.pending = tok
             self.hist_tok[b] = draft
         for b, row in enumerate(rows):

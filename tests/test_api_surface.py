@@ -70,14 +70,13 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
         parse_request(cls, json.dumps({**base, field: {"min_tokens": 0, "repetition_penalty": 1.0}[field]}).encode())
 
 
-def test_logprobs_fields_are_validated_and_refused_until_the_engine_reports_them():
+def test_logprobs_fields_are_validated():
     from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
 
     chat = {"messages": [{"role": "user", "content": "x"}]}
     cases = [(ChatCompletionRequest, {**chat, "top_logprobs": 3}, "top_logprobs"),        # without logprobs
              (ChatCompletionRequest, {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-             (ChatCompletionRequest, {**chat, "logprobs": True}, "logprobs"),
-             (CompletionRequest, {"prompt": "x", "logprobs": 2}, "logprobs"),
+             (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs"),
              (CompletionRequest, {"prompt": "x", "logprobs": True}, "logprobs")]
     for cls, body, param in cases:
         with pytest.raises(OpenAIError) as exc:
@@ -85,6 +84,8 @@ def test_logprobs_fields_are_validated_and_refused_until_the_engine_reports_them
         assert exc.value.status == 400 and exc.value.param == param, (body, exc.value.message)
     assert parse_request(ChatCompletionRequest, json.dumps({**chat, "logprobs": False}).encode()).requested_logprobs \
         is None
+    assert parse_request(ChatCompletionRequest, json.dumps({**chat, "logprobs": True}).encode()).requested_logprobs == 0
+    assert parse_request(CompletionRequest, json.dumps({"prompt": "x", "logprobs": 5}).encode()).requested_logprobs == 5
 
 
 def test_logprobs_shapes_carry_each_tokens_exact_bytes(model):
@@ -328,3 +329,92 @@ def test_anthropic_messages_with_the_anthropic_client(serve_app, client, ref_mod
     with pytest.raises(anthropic.AuthenticationError) as exc:
         bad_key.messages.create(model=MODEL, messages=turns, max_tokens=4)
     assert exc.value.body["error"]["type"] == "authentication_error"
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probabilities: the target's own, at every emitted token (accepted drafts included)
+
+
+def _target_logprobs(model, prompt_ids, tokens, k):
+    """(logprob of each token, its top-k logprobs) from one plain forward over prompt + tokens."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = np.array(model.target(mx.array([list(prompt_ids) + list(tokens[:-1])]))[0].astype(mx.float32),
+                      dtype=np.float64)[len(prompt_ids) - 1:]
+    top = logits.max(-1, keepdims=True)
+    lp = logits - (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))
+    return [(lp[i, t], np.sort(lp[i])[::-1][:k]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("width,steps", [(1, "mtp"), (3, "mtp"), (3, "alternate")])
+def test_lane_logprobs_are_the_targets_own(model, width, steps):
+    """Every emitted token's entry (drafts accepted or not, bonus tokens, AR steps' tokens) equals
+    the log-softmax of one plain forward over the prompt and the output."""
+    from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane, solo_lane
+    from mtplx.sampling import SamplerConfig
+
+    lane = solo_lane(model) if width == 1 else install_a3b_mtp_batch_lane(model, width=width)
+
+    def decode(reqs):      # a running lane: MTP cycles only, or alternating with plain AR steps
+        running = RunningLane([lane])
+        running.step_plan = (lambda i: "ar" if i % 2 else "mtp") if steps == "alternate" else (lambda i: "mtp")
+        streams = [running.add(r) for r in reqs]
+        while running.has_work:
+            running.step()
+        assert running.accepted > 0 and (running.ar_steps > 0) == (steps == "alternate")
+        return streams
+
+    prompts = [PROMPT, "import os\n", "class Stack:\n    def __init__(self):\n"][:width]
+    ids = [list(model.tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    seen = {}
+    samplers = [SamplerConfig(temperature=0.0)] if width == 1 else [SamplerConfig(temperature=0.0),
+                                                                    SamplerConfig(temperature=0.8, top_k=0, top_p=1.0)]
+    for sampler in samplers:
+        reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=tuple(p), max_tokens=24, sampler=sampler, seed=i,
+                                   logprobs=4 - i, on_token=lambda t, e, i=i: seen.setdefault(i, []).append((t, e)))
+                for i, p in enumerate(ids)]
+        seen.clear()
+        for i, stream in enumerate(decode(reqs)):     # accepted drafts among the tokens checked
+            assert [t for t, _ in seen[i]] == stream.tokens and [e for _, e in seen[i]] == stream.logprobs
+            for (lp, alts), (ref_lp, ref_top) in zip(stream.logprobs, _target_logprobs(model, ids[i], stream.tokens,
+                                                                                      4 - i)):
+                assert abs(lp - ref_lp) < 1e-4 and len(alts) == 4 - i
+                assert all(abs(a[1] - r) < 1e-4 for a, r in zip(alts, ref_top))
+                if sampler.is_greedy and alts:
+                    assert alts[0][1] == lp
+
+
+@RAY_MARK
+def test_logprobs_through_chat_and_completions(client, ref_model):
+    tok = ref_model.tokenizer
+    msgs = [{"role": "user", "content": PROMPT}]
+    ids = _chat_ids(ref_model, PROMPT)
+    tokens = _greedy(ref_model, ids, 16).tokens
+    ref = _target_logprobs(ref_model, ids, tokens, 3)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(tokens) == r.usage.completion_tokens
+    for c, (ref_lp, ref_top) in zip(content, ref):
+        assert abs(c.logprob - ref_lp) < 1e-4 and len(c.top_logprobs) == 3
+        assert all(abs(t.logprob - float(v)) < 1e-4 for t, v in zip(c.top_logprobs, ref_top))
+        assert c.top_logprobs[0].logprob == c.logprob          # greedy: the heaviest token
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == \
+        tok.decode(tokens, skip_special_tokens=False)
+    # streaming: the same entries, spread over the chunks
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]     # values: a lane's own rounding
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+    # completions: the legacy shape
+    cids = list(tok.encode(PROMPT, add_special_tokens=False))
+    ctokens = _greedy(ref_model, cids, 12).tokens
+    cref = _target_logprobs(ref_model, cids, ctokens, 2)
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2).choices[0]
+    lp = c.logprobs
+    assert "".join(lp.tokens) == c.text and len(lp.tokens) == len(ctokens)
+    assert all(abs(a - b) < 1e-4 for a, (b, _) in zip(lp.token_logprobs, cref))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) >= 2 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))

@@ -175,7 +175,7 @@ class MTPBatchJob:
                  cancel_error: Optional[Callable[["MTPBatchJob"], BaseException]] = None, *,
                  prefill_callback: Optional[Callable[[dict], None]] = None,
                  cancel_event: Optional[threading.Event] = None,
-                 request_observability: Optional[dict] = None,
+                 request_observability: Optional[dict] = None, logprobs: Optional[int] = None,
                  omit_speculative_bonus: bool = False, session_id: Optional[str] = None,
                  session_restore: Optional[Callable[[], Any]] = None,
                  session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True,
@@ -188,6 +188,9 @@ class MTPBatchJob:
         self.seed = int(seed) if seed is not None else secrets.randbits(63)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.token_callback = token_callback
+        # None: off; k >= 0: each streamed token comes with the target's (logprob, k alternatives),
+        # as token_callback([token], [entry]) (lane rows only: b1-exact serves them in its lanes)
+        self.logprobs = None if logprobs is None else int(logprobs)
         self.omit_speculative_bonus = bool(omit_speculative_bonus)
         self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
         self.adaptive = bool(adaptive)           # speculative rows: MTP steps aside where it does not pay
@@ -225,8 +228,9 @@ class MTPBatchJob:
 
     # -- streaming ---------------------------------------------------------------------------
 
-    def emit_token(self, token: int) -> None:
-        """Record a committed token (stop tokens included); forward non-stop tokens as ``[token]``.
+    def emit_token(self, token: int, logprob: Optional[tuple] = None) -> None:
+        """Record a committed token (stop tokens included); forward non-stop tokens as ``[token]``
+        (with ``[logprob]``, its log-probability entry, when the job asked for them).
 
         A no-op once the job is cancelled. A raising ``token_callback`` cancels this job and fails
         its future with that exception; it never raises into the driver.
@@ -239,7 +243,10 @@ class MTPBatchJob:
         if self.token_callback is None or token in self.stop_token_ids:
             return
         try:
-            self.token_callback([token])
+            if self.logprobs is None:
+                self.token_callback([token])
+            else:
+                self.token_callback([token], [logprob])
         except Exception as exc:  # row-local: the cohort and its peers never see it
             self.callback_error = exc
             self.cancel_event.set()
@@ -882,11 +889,11 @@ class MTPBatchGenerationService:
         state fits the budget; until then it stays first in the queue."""
         deferred = []
         for job in jobs:
-            if self.numerics == "b1-exact":
-                self._run_alone(job, b1_exact=True)
+            if self.numerics == "b1-exact" and (job.logprobs is None or not self._lanes):
+                self._run_alone(job, b1_exact=True)      # (log-probabilities come from lanes)
                 continue
             key = job.compatibility_key
-            if job.solo_runner is not None and key not in self._running \
+            if job.solo_runner is not None and job.logprobs is None and key not in self._running \
                     and sum(1 for j in jobs if j.compatibility_key == key) == 1:
                 self._run_alone(job, b1_exact=False)
                 continue
@@ -1085,7 +1092,8 @@ class MTPBatchGenerationService:
             request_id=job.request_id, prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
             draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
             stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
-            on_token=job.emit_token, on_admit=on_admit, on_decode_start=on_decode_start,
+            on_token=job.emit_token, logprobs=job.logprobs, on_admit=on_admit,
+            on_decode_start=on_decode_start,
             on_terminal=on_terminal, on_result=lambda stream: self._complete_lane_job(job, stream),
             cancelled=job.cancel_requested, speculative=job.speculative, adaptive=job.adaptive,
             repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),

@@ -232,9 +232,6 @@ class _GenerationFields(BaseModel):
         if self.n is not None and self.n != 1:
             raise invalid_request(f"n={self.n} is not supported: this server returns exactly one choice (n=1)",
                                   param="n", code="unsupported_value")
-        if self.requested_logprobs is not None:
-            raise invalid_request("logprobs are not served yet: the engine does not report the target's token "
-                                  "log-probabilities; omit logprobs", param="logprobs", code="unsupported_value")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
@@ -500,40 +497,43 @@ def openai_finish_reason(engine_reason: Optional[str]) -> str:
 
 
 def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
-                  stats: Optional[dict], stop_reason: Union[int, str, None] = None) -> dict:
+                  stats: Optional[dict], stop_reason: Union[int, str, None] = None,
+                  logprobs: Optional[dict] = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                     "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}],
         "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: Optional[str] = None,
-               stop_reason: Union[int, str, None] = None, **extra) -> dict:
+               stop_reason: Union[int, str, None] = None, logprobs: Optional[dict] = None, **extra) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "system_fingerprint": None,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     chunk.update(extra)
     return chunk
 
 
 def completion_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
-                        stats: Optional[dict], stop_reason: Union[int, str, None] = None) -> dict:
+                        stats: Optional[dict], stop_reason: Union[int, str, None] = None,
+                        logprobs: Optional[dict] = None) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                      "stop_reason": stop_reason}],
         "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
     }
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: Optional[str] = None,
-                     stop_reason: Union[int, str, None] = None, **extra) -> dict:
+                     stop_reason: Union[int, str, None] = None, logprobs: Optional[dict] = None,
+                     **extra) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
              "system_fingerprint": None,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     chunk.update(extra)
     return chunk
