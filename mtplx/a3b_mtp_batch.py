@@ -1115,15 +1115,13 @@ class RunningLane:
             x0_host, target_ids = np.array(x0), np.array(target_ids)
         else:
             L_host = to_host(L[:, 0])
-        lp_host = (L_host if not greedy else to_host(L[:, 0])) if any(
-            r is not None and r.req.logprobs is not None for r in rows) else None
+        lp_host = self._logprob_logits(L[:, 0], None if greedy else L_host)
         t_host = time.perf_counter()
         keep = np.zeros(W, dtype=np.int64)
         for b, row in enumerate(rows):
             if not active[b]:
                 continue
-            if not has_pending[b] and row.emit(int(x0_host[b]), _host_logprob(
-                    self.logits_last[b], int(x0_host[b]), row.req.logprobs)):
+            if not has_pending[b] and self._emit_primary(b, row, int(x0_host[b])):
                 continue
             row.skipped()
             tok = int(target_ids[b]) if greedy else sample(row.dist(L_host[b]), row.rng)
@@ -1144,6 +1142,18 @@ class RunningLane:
         self.logits_host = None if greedy else L_host
         if len(self._owed) >= HISTORY_FLUSH_AT:
             self._write_owed_history()
+
+    def _emit_primary(self, b: int, row: _LaneRow, token: int) -> bool:
+        """Emit row b's primary token (not yet emitted: it came from last step's logits); True
+        when the row finished on it."""
+        return row.emit(token, _host_logprob(self.logits_last[b], token, row.req.logprobs))
+
+    def _logprob_logits(self, logits: mx.array, host: Optional[np.ndarray]):
+        """This step's logits on the host for logprob entries, only when a row asked for them
+        (a sampled step already has them: `host`)."""
+        if not any(r is not None and r.req.logprobs is not None for r in self.rows):
+            return None
+        return host if host is not None else to_host(logits)
 
     def _cycle(self) -> None:
         if self.forwards is None:
@@ -1202,8 +1212,7 @@ class RunningLane:
             d_host = np.array(d)
         # log-probabilities from the verify logits on the host (a greedy lane's are read only when
         # one of its rows asked for them)
-        lp_host = (L_host if not greedy else to_host(L)) if any(
-            r is not None and r.req.logprobs is not None for r in rows) else None
+        lp_host = self._logprob_logits(L, None if greedy else L_host)
 
         def entry(b, j, tok):      # row b's log-probability entry for token `tok` at verify position j
             k = rows[b].req.logprobs
@@ -1216,8 +1225,7 @@ class RunningLane:
         for b, row in enumerate(rows):
             if not active[b]:
                 continue
-            if not has_pending[b] and row.emit(int(x0_host[b]), _host_logprob(
-                    self.logits_last[b], int(x0_host[b]), row.req.logprobs)):
+            if not has_pending[b] and self._emit_primary(b, row, int(x0_host[b])):
                 continue
             r = row.result
             if not drafting[b]:               # plain AR: the target's own next token
