@@ -79,6 +79,9 @@ class A3BMTPBatchRequest:
     # and its k heaviest alternatives, as on_token(token, (logprob, ((id, logprob), ...))).
     logprobs: Optional[int] = None
     adaptive: bool = False                              # generation_mode "auto": may step aside from drafting
+    # Rows of one request (n > 1) with the same prompt: the first of them to finish its prefill
+    # gives its prefill to the others queued in the lane (one prefill for all of them).
+    prefill_group: Optional[object] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -107,6 +110,7 @@ class A3BMTPBatchStreamResult:
     logprobs: list = field(default_factory=list)    # per token, when requested: (logprob, alternatives)
     spec_cycles: int = 0                            # cycles in which this row drafted
     drafts_skipped: int = 0                         # cycles of a speculative row without a draft
+    shared_prefill: bool = False                    # took a sibling row's prefill (same prefill_group)
 
 
 @dataclass
@@ -675,6 +679,18 @@ class _Admission:
         self.fed += n
         return n
 
+    def shared_with(self, row: _LaneRow) -> "_Admission":
+        """A finished admission for `row`, a sibling with the same prompt: this prefill's state,
+        as its own would be (the lane copies a row's caches into its slot, so both may read them)."""
+        try:
+            row.req.on_admit()
+        except Exception:
+            pass
+        sib = _Admission(self.model, row, self.chunk)
+        sib.cache, sib.mtp_cache, sib.out = self.cache, self.mtp_cache, self.out
+        row.result.cached_tokens, row.result.shared_prefill = self.row.result.cached_tokens, True
+        return sib
+
 
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
 HISTORY_FLUSH_AT = 16        # AR steps of owed MTP history a lane holds before writing it into the head's KV
@@ -792,6 +808,7 @@ class RunningLane:
         self.row_cycles = self.peak_rows = 0            # live rows: summed over cycles, most in one
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
+        self.shared_prefills = 0                       # rows admitted with a sibling's prefill (n > 1)
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
         self.host_s = 0.0                              # host work in cycles: sampling, accept tests, rows' bookkeeping
@@ -980,6 +997,30 @@ class RunningLane:
             if adm.out is not None:
                 self.admitting.popleft()
                 self._place(adm)
+                self._place_siblings(adm)
+
+    def _place_siblings(self, adm: _Admission) -> None:
+        """Rows of adm's prefill group that have not started their own prefill take its prefill
+        instead, as far as free slots go (the rest prefill on their own when a slot frees)."""
+        group = adm.row.req.prefill_group
+        if group is None:
+            return
+
+        def sibling(row):
+            return row.req.prefill_group == group and row.req.prompt_ids == adm.row.req.prompt_ids
+
+        for other in [a for a in self.admitting if a.steps is None and sibling(a.row)]:
+            if None not in self.rows:
+                return
+            self.admitting.remove(other)
+            self.shared_prefills += 1
+            self._place(adm.shared_with(other.row))
+        for row in [r for r in self.waiting if sibling(r)]:
+            if None not in self.rows:
+                return
+            self.waiting.remove(row)
+            self.shared_prefills += 1
+            self._place(adm.shared_with(row))
 
     def _place(self, adm: _Admission) -> None:
         self._ensure_state(adm)

@@ -418,3 +418,55 @@ def test_logprobs_through_chat_and_completions(client, ref_model):
     assert all(abs(a - b) < 1e-4 for a, (b, _) in zip(lp.token_logprobs, cref))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(len(top) >= 2 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
+
+
+# ------------------------------------------------------------------------------------------------
+# n > 1: rows of one lane sharing one prefill
+
+
+def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
+    """n jobs of one prefill group run as rows of one lane after ONE prefill of the prompt; greedy
+    rows equal plain greedy AR, sampled rows follow their own seeds whatever their neighbours."""
+    import mtplx.a3b_mtp_batch as lane_mod
+    from mtplx.sampling import SamplerConfig
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+
+    prefills = []
+    real_start = lane_mod.start_prefill
+
+    def counting(model_, prompt, *a, **k):
+        prefills.append(len(prompt))
+        return real_start(model_, prompt, *a, **k)
+
+    monkeypatch.setattr(lane_mod, "start_prefill", counting)
+    prompt = list(model.tokenizer.encode(PROMPT, add_special_tokens=False))
+    sampled = SamplerConfig(temperature=0.9, top_p=0.95)
+
+    def group(name, sampler, seeds):
+        return [MTPBatchJob(request_id=name, prompt_ids=prompt, max_tokens=24, sampler=sampler, seed=s,
+                            stop_token_ids=model.eos_token_ids, compatibility_key=(name,), prefill_group=name)
+                for s in seeds]
+
+    service = MTPBatchGenerationService.for_model(model, widths=(3,))
+    try:
+        def run(jobs):
+            prefills.clear()
+            outs = [f.result(timeout=300) for f in service.submit_cohort(jobs)]
+            return outs, len(prefills)
+
+        greedy, n_prefills = run(group("g", SamplerConfig(temperature=0.0), [0, 1, 2]))
+        ref = _greedy(model, prompt, 24).tokens
+        assert n_prefills == 1
+        assert [o["tokens"] for o in greedy] == [ref] * 3
+        assert sorted(o["stats"]["shared_prefill"] for o in greedy) == [False, True, True]
+        assert service.snapshot()["shared_prefills"] >= 2
+
+        first, n_prefills = run(group("s1", sampled, [7, 8, 9]))
+        again, _ = run(group("s2", sampled, [7, 8, 9]))
+        other, _ = run(group("s3", sampled, [8, 100, 200]))
+        assert n_prefills == 1
+        assert [o["tokens"] for o in first] == [o["tokens"] for o in again]      # reproducible
+        assert first[1]["tokens"] == other[0]["tokens"]          # seed 8 whatever its neighbours
+        assert len({tuple(o["tokens"]) for o in first}) > 1      # the seed streams differ
+    finally:
+        service.shutdown(timeout_s=10)

@@ -179,7 +179,7 @@ class MTPBatchJob:
                  omit_speculative_bonus: bool = False, session_id: Optional[str] = None,
                  session_restore: Optional[Callable[[], Any]] = None,
                  session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True,
-                 adaptive: bool = True):
+                 adaptive: bool = True, prefill_group: Optional[Hashable] = None):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -207,6 +207,8 @@ class MTPBatchJob:
         self.session_id = session_id
         self.session_restore = session_restore
         self.session_commit = session_commit
+        # jobs of one request (n > 1, same prompt) that share one prefill in their lane
+        self.prefill_group = prefill_group
 
         # runtime
         self.future: Future = Future()
@@ -467,7 +469,8 @@ class _KeyLane:
 # stats once; a snapshot adds the live lanes' current values).
 _LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
                   "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
-                  "admitted": "admissions", "widenings": "widenings", "narrowings": "narrowings",
+                  "admitted": "admissions", "shared_prefills": "shared_prefills", "widenings": "widenings",
+                  "narrowings": "narrowings",
                   "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
                   "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps"}
 
@@ -559,7 +562,7 @@ class MTPBatchGenerationService:
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
             "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
-            "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
+            "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
             "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
@@ -1096,6 +1099,7 @@ class MTPBatchGenerationService:
             on_decode_start=on_decode_start,
             on_terminal=on_terminal, on_result=lambda stream: self._complete_lane_job(job, stream),
             cancelled=job.cancel_requested, speculative=job.speculative, adaptive=job.adaptive,
+            prefill_group=job.prefill_group,
             repetition_stop=bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
             session_restore=_failsafe(job.session_restore), session_commit=_failsafe(job.session_commit))
 
@@ -1117,7 +1121,8 @@ class MTPBatchGenerationService:
                  "mtp_disabled_reason": self.mtp_disabled_reason,
                  # how much of its decode drafted (generation_mode "auto" steps aside where MTP does not pay)
                  "speculated_cycles": stream.spec_cycles, "drafts_skipped": stream.drafts_skipped,
-                 "speculated_cycle_share": round(stream.spec_cycles / max(stream.cycles, 1), 4)}
+                 "speculated_cycle_share": round(stream.spec_cycles / max(stream.cycles, 1), 4),
+                 "shared_prefill": stream.shared_prefill}
         if stream.repetition_stop is not None:   # the repeats already streamed; the result drops them
             cut = len(job.tokens) - stream.repetition_stop.trimmed_tokens
             del job.tokens[cut:], job.token_times[cut:]
@@ -1284,6 +1289,7 @@ class MTPBatchGenerationService:
                 "lane_row_cycles": s["lane_row_cycles"],
                 "mean_lane_occupancy": round(s["lane_row_cycles"] / max(s["target_verify_cycles"], 1), 3),
                 "admissions": s["admissions"],
+                "shared_prefills": s["shared_prefills"],     # admissions that took a sibling's prefill (n > 1)
                 # compiled cycle graphs traced again at a new shape (a KV buffer grew, which the
                 # lane avoids by sizing a row's KV for prompt + max_tokens when it joins)
                 "graph_retraces": s["graph_retraces"],
