@@ -291,6 +291,60 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+
+def render_report(record: dict, image: str) -> str:
+    """The `bench:http` section of BENCHMARKS.md (see mtplx.bench_report)."""
+    from mtplx.bench_report import machine_line
+
+    t = record["lone_ttft"]
+    threads = record["blas_threads"]
+    lines = ["## bench http: the Ray Serve path vs the in-process service", "",
+             f"`{record['command']}`, {record['date']}, {record['elapsed_s'] / 60:.1f} min. Model: {record['model']}.",
+             machine_line(record["machine"]), "",
+             f"Greedy chat rows of {record['max_tokens']} tokens at most (eos stops them; both arms decode the same "
+             "tokens): the in-process service's `submit_cohort` vs the same rows as concurrent",
+             "`/v1/chat/completions` requests through a local `serve run` of the app (streaming SSE, and plain JSON);",
+             f"{record['rounds']} round(s), arms alternating with a {record['settle_s']:.1f} s pause between them; "
+             f"tok/s from each arm's wall time, medians over rounds. BLAS threads: replica {threads['replica']}, "
+             f"in-process {threads['in_process']}.",
+             "",
+             "| rows | in-process tok/s | HTTP SSE tok/s | SSE/in-process | HTTP JSON tok/s | JSON/in-process "
+             "| TTFT in-process / SSE ms | same token counts |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for case in ("cohort", "two_rows"):
+        c = record.get(case)
+        if c:
+            lines.append(f"| {c['rows']} | {c['inproc_tok_s_median']:.1f} | {c['http_stream_tok_s_median']:.1f} "
+                         f"| {c['ratio_stream']:.2f} | {c['http_json_tok_s_median']:.1f} | {c['ratio_json']:.2f} "
+                         f"| {1000 * c['inproc_ttft_s_median']:.0f} / {1000 * c['http_ttft_s_median']:.0f} "
+                         f"| {'yes' if c['same_token_counts'] else '**no**'} |")
+    lines += ["",
+              f"A lone request ({len(t['http_s'])} rounds, medians): time to first token through HTTP "
+              f"{1000 * t['http_median_s']:.1f} ms, in-process `submit` (the service's own gather window) "
+              f"{1000 * t['inproc_submit_median_s']:.1f} ms: {t['overhead_ms_vs_submit']:.1f} ms of HTTP overhead "
+              f"(target <= 30); against `submit_cohort` (no window) {1000 * t['inproc_submit_cohort_median_s']:.1f} ms.",
+              "", f"![bench http]({image})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(record: dict, path) -> None:
+    """Aggregate tok/s per arm and row count; lone-request time to first token per arm."""
+    from mtplx.bench_report import grouped_bars, pyplot, save_figure
+
+    plt = pyplot()
+    fig, (ax_tok, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    cases = [record[c] for c in ("cohort", "two_rows") if record.get(c)]
+    grouped_bars(ax_tok, [f"{c['rows']} rows" for c in cases], {
+        "in-process": [c["inproc_tok_s_median"] for c in cases],
+        "HTTP SSE": [c["http_stream_tok_s_median"] for c in cases],
+        "HTTP JSON": [c["http_json_tok_s_median"] for c in cases]}, "tok/s (all rows)", "aggregate throughput")
+    t = record["lone_ttft"]
+    grouped_bars(ax_ttft, ["lone request"], {
+        "in-process submit_cohort": [1000 * t["inproc_submit_cohort_median_s"]],
+        "in-process submit": [1000 * t["inproc_submit_median_s"]],
+        "HTTP SSE": [1000 * t["http_median_s"]]}, "ms", "time to first token", digits=1)
+    save_figure(fig, path, record)
+
 def main(argv=None) -> int:
     import argparse
 

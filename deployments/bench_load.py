@@ -49,7 +49,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import random
 import shutil
 import signal
@@ -62,6 +61,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
+
+from mtplx.bench_report import machine_info, replace_section
 
 from ._proc import free_port
 
@@ -651,8 +652,6 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
                modes: Iterable[str] = (), log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
-    import mtplx
-
     started = time.time()
     clients = sorted(set(int(c) for c in clients))
     temperatures = list(temperatures)
@@ -669,8 +668,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
               "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
                                       for n in clients}, "open": open_requests},
               "open_loop": {"load_fraction": OPEN_LOOP_LOAD, "capacity_clients": capacity_clients},
-              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                          "runtime": mtplx.runtime_info()},
+              "machine": machine_info(),
               "per_run": []}
     with tempfile.TemporaryDirectory(prefix="mtplx-bench-load-") as tmp:
         work = Path(tmp)
@@ -795,20 +793,6 @@ def plot(record: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def replace_section(text: str, name: str, body: str) -> str:
-    """`text` with the block between `<!-- bench:name -->` and `<!-- /bench:name -->` replaced by
-    `body` (appended when absent); everything outside the markers is kept."""
-    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{start}\n{body.strip()}\n{end}"
-    i = text.find(start)
-    j = text.find(end, i + len(start)) if i >= 0 else -1
-    if i >= 0 and j >= 0:
-        return text[:i] + block + text[j + len(end):]
-    if not text.strip():
-        text = "# Benchmarks\n"
-    return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
 def render_section(record: dict, table: str, image: str, command: str) -> str:

@@ -10,6 +10,9 @@ ratios from the same run, report medians).
           graphs compiled vs eager; forward costs [B,1]/[B,2]; ms and host ms per B8 cycle, and a
           sampled B8 cycle against a greedy one run beside it (`b8_cycle_vs_greedy`).
   Both report, for hybrid (GDN) models, capture-commit vs a plain verify forward.
+
+Each bench (and `service`, `http`) also has a report: `render_*` writes its section of
+BENCHMARKS.md, `plot_*` its chart (`mtplx.bench_report.write_report` puts them in place).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import List
 
 import mlx.core as mx
 import numpy as np
 
 from .a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from .bench_report import grouped_bars, machine_line, pyplot, save_figure
 from .generation import generate_ar, generate_mtpk
 from .sampling import SamplerConfig
 
@@ -128,7 +133,7 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
 
 def _child_bench(args, env_extra) -> dict:
     env = dict(os.environ, **env_extra)
-    cmd = [sys.executable, "-m", "mtplx.cli", "bench", *args, "--json", "--no-child"]
+    cmd = [sys.executable, "-m", "mtplx.cli", "bench", *args, "--json", "--no-child", "--no-report"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         return {"error": res.stderr[-500:]}
@@ -326,3 +331,150 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
     if capture:
         out["capture_commit"] = capture
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports: each bench's section of BENCHMARKS.md and its chart (written by mtplx.bench_report)
+
+
+def _cell(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _header(record: dict, title: str) -> List[str]:
+    return [f"## bench {record['bench']}: {title}", "",
+            f"`{record['command']}`, {record['date']}, {record['elapsed_s'] / 60:.1f} min. Model: {record['model']}.",
+            machine_line(record["machine"]), ""]
+
+
+def render_solo(record: dict, image: str) -> str:
+    o = record["options"]
+    lines = _header(record, "AR vs MTP, one request at a time") + [
+        f"{o['prompts']} prompts x {o['tokens']} tokens, {o['rounds']} round(s); the arms (our AR, our MTP, and for",
+        "greedy mlx-lm's `generate_step`) alternate prompt by prompt; figures are medians over rounds, MTP/AR",
+        "the median of per-round ratios. Ceiling: (1 + acceptance) x ms per AR step / ms per MTP cycle.",
+        "",
+        "| sampler | AR tok/s | MTP tok/s | MTP/AR | mlx-lm AR tok/s | MTP/mlx-lm | acceptance | tokens/verify "
+        "| ms/AR step | ms/MTP cycle | ceiling |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("greedy", "t0.6"):
+        r = record[name]
+        lines.append(f"| {name} | {r['ar_tok_s']:.1f} | {r['mtp_tok_s']:.1f} | {r['speedup']:.2f} "
+                     f"| {_cell(r.get('mlx_lm_ar_tok_s'))} | {_cell(r.get('speedup_vs_mlx_lm_ar'), 2)} "
+                     f"| {r['acceptance']:.3f} | {r['tokens_per_verify']:.2f} | {r['ms_per_ar_step']:.2f} "
+                     f"| {r['ms_per_mtp_cycle']:.2f} | {r['ceiling']:.2f} |")
+    lines += ["", "Target forward, ms: " + ", ".join(f"{k} {v}" for k, v in record["forward_ms"].items()) + "."]
+    off = record.get("blas_off")
+    if off and "greedy" in off:
+        lines.append(f"With the reference BLAS (`MTPLX_BLAS=off`, 2 prompts x 32 tokens, 1 round, a child process): "
+                     f"greedy AR {off['greedy']['ar_tok_s']:.1f}, MTP {off['greedy']['mtp_tok_s']:.1f} tok/s.")
+    elif off:
+        lines.append(f"The reference-BLAS child run failed: {off.get('error', '')[-200:]!r}.")
+    if record.get("capture_commit"):
+        lines.append("Capture-commit vs a plain verify forward: " +
+                     ", ".join(f"{k} {v}" for k, v in record["capture_commit"].items()) + ".")
+    return "\n".join(lines + ["", f"![bench solo]({image})"]) + "\n"
+
+
+def plot_solo(record: dict, path) -> None:
+    plt = pyplot()
+    fig, (ax_tok, ax_ms) = plt.subplots(1, 2, figsize=(11, 4.2))
+    samplers = ["greedy", "t0.6"]
+    grouped_bars(ax_tok, samplers, {
+        "our AR": [record[s]["ar_tok_s"] for s in samplers],
+        "our MTP": [record[s]["mtp_tok_s"] for s in samplers],
+        "mlx-lm AR": [record[s].get("mlx_lm_ar_tok_s") for s in samplers]}, "tok/s", "decode throughput, one request")
+    grouped_bars(ax_ms, samplers, {
+        "ms per AR step": [record[s]["ms_per_ar_step"] for s in samplers],
+        "ms per MTP cycle": [record[s]["ms_per_mtp_cycle"] for s in samplers]}, "ms", "cost of one step", digits=2)
+    save_figure(fig, path, record)
+
+
+LANE_ARMS = {   # arm -> what it decodes
+    "serial_ar": "8 rows one after another, solo AR",
+    "serial_mtp": "8 rows one after another, solo MTP",
+    "b8_8rows": "8 rows in the B8 lane",
+    "b8_8rows_other_mode": "8 rows in the B8 lane, cycle graphs compiled/eager the other way",
+    "mlx_lm_batch_8rows": "8 rows in mlx-lm's BatchGenerator (AR)",
+    "b8_8rows_greedy": "8 greedy rows in the B8 lane, beside the sampled arm",
+    "b3_3rows": "3 rows in the B3 lane",
+    "b8_3rows": "3 rows in the B8 lane",
+    "b2_2rows": "2 rows in the B2 lane",
+    "serial_mtp_2rows": "2 rows one after another, solo MTP",
+}
+
+
+def render_lane(record: dict, image: str) -> str:
+    o = record["options"]
+    lines = _header(record, "rows decoded together in a lane") + [
+        f"{o['tokens']} tokens a row, {o['rounds']} round(s); every arm runs once per round, in turn; figures are",
+        "medians over rounds. tok/s: all rows' tokens / decode time; ms/cycle and host ms/cycle (time the",
+        "host spends outside the device's work) for lane arms.",
+        "",
+        "| arm | greedy tok/s | greedy ms/cycle | greedy host ms/cycle | t0.6 tok/s | t0.6 ms/cycle | t0.6 host ms/cycle |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, what in LANE_ARMS.items():
+        g, s = record["greedy"].get(arm, {}), record["t0.6"].get(arm, {})
+        if not g and not s:
+            continue
+        lines.append(f"| {what} | {_cell(g.get('tok_s'))} | {_cell(g.get('ms_per_cycle'), 2)} "
+                     f"| {_cell(g.get('host_ms_per_cycle'), 2)} | {_cell(s.get('tok_s'))} "
+                     f"| {_cell(s.get('ms_per_cycle'), 2)} | {_cell(s.get('host_ms_per_cycle'), 2)} |")
+    g, s = record["greedy"], record["t0.6"]
+    lines += ["",
+              f"B8 lane vs serial solo MTP: greedy {g['b8_vs_serial_mtp']:.2f}x, t0.6 {s['b8_vs_serial_mtp']:.2f}x. "
+              f"B8 vs mlx-lm's BatchGenerator (greedy): {g['b8_vs_mlx_lm_batch']:.2f}x. "
+              f"Compiled vs eager B8 (greedy): {g['b8_compiled_vs_eager']:.2f}x. "
+              f"A sampled B8 cycle costs {s['b8_cycle_vs_greedy']:.2f}x a greedy one. "
+              f"B2 vs serial solo MTP at 2 rows: greedy {g['b2_vs_serial_mtp_2rows']:.2f}x; "
+              f"B3 vs B8 at 3 rows: greedy {g['b3_vs_b8_at_3rows']:.2f}x.",
+              "",
+              "Target forward, ms: " + ", ".join(f"{k} {v}" for k, v in record["forward_ms"].items()) + "."]
+    if record.get("capture_commit"):
+        lines.append("Capture-commit vs a plain verify forward: " +
+                     ", ".join(f"{k} {v}" for k, v in record["capture_commit"].items()) + ".")
+    return "\n".join(lines + ["", f"![bench lane]({image})"]) + "\n"
+
+
+def plot_lane(record: dict, path) -> None:
+    plt = pyplot()
+    fig, (ax8, ax_few) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [3, 2]})
+    eight = ["serial_ar", "serial_mtp", "mlx_lm_batch_8rows", "b8_8rows"]
+    few = ["serial_mtp_2rows", "b2_2rows", "b3_3rows", "b8_3rows"]
+    labels = {"serial_ar": "serial AR", "serial_mtp": "serial MTP", "mlx_lm_batch_8rows": "mlx-lm batch",
+              "b8_8rows": "B8 lane", "serial_mtp_2rows": "2 serial MTP", "b2_2rows": "B2, 2 rows",
+              "b3_3rows": "B3, 3 rows", "b8_3rows": "B8, 3 rows"}
+    for ax, arms, title in ((ax8, eight, "8 rows"), (ax_few, few, "2-3 rows")):
+        grouped_bars(ax, [labels[a] for a in arms],
+                     {s: [record[s].get(a, {}).get("tok_s") for a in arms] for s in ("greedy", "t0.6")},
+                     "tok/s (all rows)", title)
+    save_figure(fig, path, record)
+
+
+def render_service(record: dict, image: str) -> str:
+    lines = _header(record, "the service's overhead over the lane driver") + [
+        f"One greedy cohort of {record['n_prompts']} rows (budgets {record['budgets'][0]}-{record['budgets'][-1]} tokens, "
+        f"{record['completion_tokens']} in all, stop tokens off) in the B{record['fixed_width']} lane: the driver called",
+        f"directly on the model-owner thread vs {record['n_prompts']} concurrent `submit`s through the service "
+        f"(gather window {record['batch_wait_s'] * 1000:.0f} ms);",
+        f"{record['rounds']} round(s), arms alternating; tok/s from the median wall time.",
+        "",
+        "| direct tok/s | service tok/s | overhead | same tokens |",
+        "|---:|---:|---:|---|",
+        f"| {record['direct_tok_s']:.1f} | {record['service_tok_s']:.1f} | {record['overhead_pct']:.1f}% "
+        f"| {'yes' if record['identical_tokens'] else '**no**'} |",
+    ]
+    return "\n".join(lines + ["", f"![bench service]({image})"]) + "\n"
+
+
+def plot_service(record: dict, path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    total = record["completion_tokens"]
+    rounds = [f"round {i + 1}" for i in range(len(record["direct_wall_s"]))]
+    grouped_bars(ax, rounds, {"driver, direct": [total / w for w in record["direct_wall_s"]],
+                              "through the service": [total / w for w in record["service_wall_s"]]},
+                 "tok/s (all rows)", f"{record['n_prompts']} greedy rows, B{record['fixed_width']} lane")
+    save_figure(fig, path, record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 
 def _generate(a):
@@ -34,6 +35,7 @@ def _generate(a):
 def _bench(a):
     import mtplx
     from mtplx import bench
+    from mtplx.bench_report import machine_info, new_record, write_report
 
     if a.what == "load":
         from deployments.bench_load import run_cli
@@ -47,23 +49,39 @@ def _bench(a):
         if not all(record["checks"].values()):
             sys.exit(1)
         return
+    machine, started = machine_info(), time.time()
     if a.what == "http":
-        from deployments.bench_http import bench_http
+        from deployments import bench_http
 
-        result = bench_http(model_path=a.model)
+        result = bench_http.bench_http(model_path=a.model, n_rows=a.prompts, max_tokens=a.tokens or 256,
+                                       rounds=a.rounds)
+        render, plot = bench_http.render_report, bench_http.plot_report
+        options = {"rows": a.prompts, "tokens": a.tokens or 256, "rounds": a.rounds}
     else:
         model = mtplx.load_model(a.model)
         if a.what == "solo":
-            result = bench.bench_solo(model, tokens=a.tokens or 128, n_prompts=a.prompts, rounds=a.rounds,
+            options = {"prompts": a.prompts, "tokens": a.tokens or 128, "rounds": a.rounds}
+            result = bench.bench_solo(model, tokens=options["tokens"], n_prompts=a.prompts, rounds=a.rounds,
                                       blas_off_child=not a.no_child)
+            render, plot = bench.render_solo, bench.plot_solo
         elif a.what == "lane":
-            result = bench.bench_lane(model, tokens=a.tokens or 256, rounds=a.rounds)
+            options = {"tokens": a.tokens or 256, "rounds": a.rounds}
+            result = bench.bench_lane(model, tokens=options["tokens"], rounds=a.rounds)
+            render, plot = bench.render_lane, bench.plot_lane
         else:
             from mtplx.server.mtp_batch import bench_service_overhead
 
-            result = bench_service_overhead(model)
-    result = {"bench": a.what, "runtime": mtplx.runtime_info(), "model": a.model or "shipped", **result}
-    print(json.dumps(result) if a.json else json.dumps(result, indent=2))
+            budgets = {"min_tokens": a.tokens // 2, "max_tokens": a.tokens} if a.tokens else {}
+            options = {"prompts": a.prompts, "rounds": a.rounds, **budgets}
+            result = bench_service_overhead(model, n_prompts=a.prompts, rounds=a.rounds, **budgets)
+            render, plot = bench.render_service, bench.plot_service
+    record = new_record(a.what, result, a.command_line, a.model or "shipped", options, machine,
+                        time.time() - started)
+    if not a.no_report:
+        artifacts = write_report(record, render, plot)
+        print(f"JSON: {artifacts['json']}\nchart: {artifacts['png']}\nsection: {artifacts['markdown']}",
+              file=sys.stderr, flush=True)
+    print(json.dumps(record, default=str) if a.json else json.dumps(record, indent=2, default=str))
 
 
 def main(argv=None):
@@ -85,10 +103,12 @@ def main(argv=None):
     b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak"))
     b.add_argument("--model", default=None)
     b.add_argument("--tokens", type=int, default=None)
-    b.add_argument("--prompts", type=int, default=8)
+    b.add_argument("--prompts", type=int, default=8, help="solo: prompts; service, http: rows of the cohort")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--json", action="store_true", help="one JSON line")
     b.add_argument("--no-child", action="store_true", help="skip the BLAS-off child run")
+    b.add_argument("--no-report", action="store_true",
+                   help="solo/lane/service/http: print only; no JSON record, chart or BENCHMARKS.md section")
     b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests; "
                                                         "soak: 100 requests, 15 s of overload")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
@@ -98,6 +118,7 @@ def main(argv=None):
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
     a = ap.parse_args(argv)
+    a.command_line = " ".join(["mtplx", *(sys.argv[1:] if argv is None else argv)])
     a.func(a)
 
 
