@@ -1,7 +1,10 @@
 """Checkpoints of real shape (bf16 and 4-bit, 151,936- and 248,320-token vocabularies, tied and
 untied, heads that agree often, never, or not at all), written by `mtplx.synthetic`: every route
-decodes them greedy (exactly plain greedy) and sampled (reproducibly), and the lane installs on a
-head that never agrees."""
+decodes them greedy (exactly plain greedy) and sampled (reproducibly), the lane installs on a
+head that never agrees, and the served app (on the session's Ray Serve) answers chat and /health
+on them."""
+
+import json
 
 import mlx.core as mx
 import pytest
@@ -141,3 +144,87 @@ def test_a_checkpoint_without_a_head_serves_plain_ar(models):
     finally:
         serial.shutdown(timeout_s=30)
     assert r["tokens"] == results[2]["tokens"] and r["stats"]["generation_mode"] == "ar"
+
+
+@pytest.fixture(scope="module")
+def served(models, serve_app):
+    """Two more applications on the session's Ray Serve (tests/conftest.py): the tied bf16
+    151,936-token checkpoint with its agreeing head, and the one without a head, each under its
+    own route prefix, with one B3 lane (no CPU reserved: the session's app holds the cluster's)."""
+    import httpx
+    from ray import serve
+
+    from deployments import build_app
+
+    apps = {"mtp": "qwen3_bf16_tied", "nohead": "qwen3_bf16_nohead"}
+    for prefix, name in apps.items():
+        serve.run(build_app({"model_path": str(models[name].path), "widths": [3], "replica_num_cpus": 0,
+                             "warmup": False, "default_max_tokens": 24}),
+                  name=f"real-shape-{prefix}", route_prefix=f"/real-shape-{prefix}")
+    clients = {p: httpx.Client(base_url=f"{serve_app.base}/real-shape-{p}", timeout=300) for p in apps}
+    try:
+        yield clients
+    finally:
+        for prefix, c in clients.items():
+            c.close()
+            serve.delete(f"real-shape-{prefix}")
+
+
+def _chat_ids(model, content):
+    from mtplx.server.openai import ChatMessage, encode_chat
+
+    return encode_chat(model.tokenizer, [ChatMessage(role="user", content=content)])
+
+
+def _chat(client, model, **body):
+    r = client.post("/v1/chat/completions", json={"model": model.path.name, "max_tokens": 24,
+                                                   "messages": [{"role": "user", "content": "def fibonacci(n):"}],
+                                                   **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _expected_greedy(model, n=24):
+    out = generate_ar(model, _chat_ids(model, "def fibonacci(n):"), n, GREEDY, stop_token_ids=model.eos_token_ids)
+    return model.tokenizer.decode([t for t in out.tokens if t not in model.eos_token_ids])
+
+
+@pytest.mark.ray
+def test_real_shape_checkpoint_serves_over_http(models, served):
+    """The HTTP route on a bf16 checkpoint of a real vocabulary: greedy chat is plain greedy
+    decoding (MTP cycles drafting with the agreeing head, and the default generation mode,
+    streamed), a seeded sampled chat repeats itself, and /health reports the model and its lane."""
+    m, c = models["qwen3_bf16_tied"], served["mtp"]
+    expected = _expected_greedy(m)
+    greedy = _chat(c, m, temperature=0, generation_mode="mtp")
+    assert greedy["choices"][0]["message"]["content"] == expected
+    assert greedy["mtplx_stats"]["accepted_drafts"] > 0
+    with c.stream("POST", "/v1/chat/completions", json={
+            "model": m.path.name, "max_tokens": 24, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "def fibonacci(n):"}]}) as r:
+        assert r.status_code == 200
+        pieces = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p.get("choices")) == expected
+    sampled = [_chat(c, m, temperature=0.7, top_p=0.95, seed=5) for _ in range(2)]
+    assert sampled[0]["choices"][0]["message"]["content"] == sampled[1]["choices"][0]["message"]["content"]
+    assert sampled[0]["usage"]["completion_tokens"] >= 1
+    health = c.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == m.path.name
+    (replica,) = health["replicas"].values()
+    assert replica["ok"] and replica["model_id"] == m.model_id and replica["installed_widths"] == [3]
+
+
+@pytest.mark.ray
+def test_a_checkpoint_without_a_head_serves_ar_over_http(models, served):
+    """No head: the served app starts, decodes greedy chat as plain greedy, says why in every
+    result, and /health reports the model with no lane installed for drafting."""
+    m, c = models["qwen3_bf16_nohead"], served["nohead"]
+    greedy = _chat(c, m, temperature=0)
+    assert greedy["choices"][0]["message"]["content"] == _expected_greedy(m)
+    stats = greedy["mtplx_stats"]
+    assert stats["generation_mode"] == "ar" and "no mtp" in stats["mtp_disabled_reason"]
+    assert _chat(c, m, temperature=0.7, seed=1)["usage"]["completion_tokens"] >= 1
+    health = c.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == m.path.name
+    (replica,) = health["replicas"].values()
+    assert replica["ok"] and replica["model_id"] == m.model_id
