@@ -474,12 +474,52 @@ class OpenAIIngress:
         row["http_received_at"] = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         self._check_overload()      # tokenizing a long prompt may have taken a while
+        n = req.requested_n
+        if n > 1:
+            return await self._generate_choices(kind, req, row, n, t0, client_id)
         run = _RowRun(self, row, req, kind, t0, client_id)
         if req.stream:
             first = await run.start()   # errors before the first token still get a status code
             return StreamingResponse(run.sse(first), media_type="text/event-stream",
                                      headers={"cache-control": "no-cache"})
         body = await run.complete()
+        return JSONResponse(body)
+
+    @property
+    def max_choices(self) -> int:
+        """The most choices (n) one request may ask for: its rows must fit one batch window (so
+        that they reach one replica together and share one prefill) and the rows waiting here."""
+        return min(self.max_batch_size, self.max_waiting_rows)
+
+    async def _generate_choices(self, kind: str, req, row: dict, n: int, t0: float,
+                                client_id: Optional[str]) -> Response:
+        """n > 1: n rows of one prefill group, choice i sampling with seed + i; the replica's lane
+        prefills the prompt once for all of them."""
+        if n > self.max_choices:
+            raise oa.invalid_request(f"n={n} is above this server's limit of {self.max_choices} choices per "
+                                     f"request (its batch window holds {self.max_batch_size} rows)",
+                                     param="n", code="invalid_value")
+        rid = row["request_id"]
+        # each row its own id (a stop string cancels its row only); a cancel of rid reaches the group
+        rows = [dict(row, request_id=f"{rid}-{i}", seed=(row["seed"] + i) % (2 ** 64), prefill_group=rid)
+                for i in range(n)]
+        runs = [_RowRun(self, r, req, kind, t0, client_id) for r in rows]
+        for run in runs:
+            run.rid = rid        # the response's id
+        try:
+            if req.stream:
+                firsts = await asyncio.gather(*(run.start() for run in runs))
+                return StreamingResponse(_choices_sse(runs, firsts), media_type="text/event-stream",
+                                         headers={"cache-control": "no-cache"})
+            bodies = await asyncio.gather(*(run.complete() for run in runs))
+        except BaseException:
+            for run in runs:
+                if not run.finished:
+                    run._depart()
+            raise
+        body = dict(bodies[0])
+        body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+        body["usage"], body["mtplx_stats"] = _choices_usage_and_stats(runs)
         return JSONResponse(body)
 
     # Rows waiting here for a replica (the backpressure bound): counted from admission until their
@@ -725,6 +765,8 @@ class _RowRun:
         self.first_tokens_at: Optional[float] = None
         self._queue: Optional[asyncio.Queue] = None
         self._pump_task: Optional[asyncio.Task] = None
+        self.usage: Optional[dict] = None               # set when the stream's finish chunk is built
+        self.stats: Optional[dict] = None
 
     # -- events ----------------------------------------------------------------------------------
     #
@@ -939,7 +981,7 @@ class _RowRun:
         finally:
             if not self.finished:   # the client went away (task cancelled) or we failed
                 self._depart()
-        usage, stats = self._usage_and_stats()
+        self.usage, self.stats = usage, stats = self._usage_and_stats()
         text = "".join(pieces)
         if self.kind == "anthropic":
             return anthropic.message_response(self.rid, self.model, text, self.finish_reason, self.stops.matched,
@@ -980,40 +1022,52 @@ class _RowRun:
             chunk["usage"] = None
         return chunk
 
+    async def chunks(self, first: Optional[str]):
+        """The row's stream chunks up to its finish chunk (then `self.usage`, `self.stats` are
+        set); a failure ends them with the error's body (a dict with "error")."""
+        try:
+            if self.kind == "chat":
+                yield self._chunk("", role=True)
+            if first:
+                self._mark_text()
+                yield self._chunk(first)
+            try:
+                if first is not None:
+                    async for text in self._iter:
+                        self._mark_text()
+                        yield self._chunk(text)
+                if self.stops.stopped and not self.final:
+                    await self._drain_after_stop()
+            except oa.OpenAIError as exc:
+                yield exc.body()
+                return
+            self.usage, self.stats = self._usage_and_stats()
+            final = self._chunk(None if self.kind == "chat" else "", self.finish_reason, mtplx_stats=self.stats)
+            if self.kind == "chat":
+                final["choices"][0]["delta"] = {}
+            yield final
+        finally:
+            if not self.finished:   # disconnect mid-stream: cancel this row only
+                self._depart()
+
     async def sse(self, first: Optional[str]):
         if self.kind == "anthropic":
             async for data in self._anthropic_sse(first):
                 yield data
             return
-        try:
-            if self.kind == "chat":
-                yield oa.sse(self._chunk("", role=True))
-            if first:
-                self._mark_text()
-                yield oa.sse(self._chunk(first))
-            try:
-                if first is not None:
-                    async for text in self._iter:
-                        self._mark_text()
-                        yield oa.sse(self._chunk(text))
-                if self.stops.stopped and not self.final:
-                    await self._drain_after_stop()
-            except oa.OpenAIError as exc:
-                yield oa.sse(exc.body())
+        async for chunk in self.chunks(first):
+            yield oa.sse(chunk)
+            if "error" in chunk:
                 yield oa.SSE_DONE
                 return
-            usage, stats = self._usage_and_stats()
-            obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-            final = self._chunk(None if self.kind == "chat" else "", self.finish_reason, mtplx_stats=stats)
-            if self.kind == "chat":
-                final["choices"][0]["delta"] = {}
-            yield oa.sse(final)
-            if self.req.include_usage:
-                yield oa.sse(oa.usage_chunk(self.rid, self.created, self.model, obj, usage, stats))
-            yield oa.SSE_DONE
-        finally:
-            if not self.finished:   # disconnect mid-stream: cancel this row only
-                self._depart()
+        if self.req.include_usage:
+            yield oa.sse(oa.usage_chunk(self.rid, self.created, self.model, self.stream_object, self.usage,
+                                        self.stats))
+        yield oa.SSE_DONE
+
+    @property
+    def stream_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
     async def _anthropic_sse(self, first: Optional[str]):
         """The same row as `sse`, framed as Anthropic's message stream events."""
@@ -1038,6 +1092,57 @@ class _RowRun:
         finally:
             if not self.finished:   # disconnect mid-stream: cancel this row only
                 self._depart()
+
+
+def _choices_usage_and_stats(runs: List[_RowRun]):
+    """usage and mtplx_stats of an n > 1 request: the prompt counted once, the completions summed;
+    the first choice's stats with every choice's own under "choices", and how many rows took the
+    shared prefill rather than their own ("shared_prefill_rows")."""
+    usages, stats = [run.usage for run in runs], [run.stats for run in runs]
+    completion = sum(u["completion_tokens"] for u in usages)
+    usage = oa.usage(usages[0]["prompt_tokens"], completion,
+                     usages[0].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+    merged = dict(stats[0], n=len(runs), choices=list(stats),
+                  shared_prefill_rows=sum(bool(s.get("shared_prefill")) for s in stats))
+    return usage, merged
+
+
+async def _choices_sse(runs: List[_RowRun], firsts: list):
+    """The streams of an n > 1 request's choices, interleaved as their chunks come (each chunk
+    carries its choice's index); one usage chunk at the end when asked for."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, run, first):
+        try:
+            async for chunk in run.chunks(first):
+                for choice in chunk.get("choices", ()):
+                    choice["index"] = i
+                queue.put_nowait(chunk)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, run, first))
+             for i, (run, first) in enumerate(zip(runs, firsts))]
+    try:
+        ended = 0
+        while ended < len(runs):
+            chunk = await queue.get()
+            if chunk is None:
+                ended += 1
+                continue
+            yield oa.sse(chunk)
+            if "error" in chunk:
+                yield oa.SSE_DONE
+                return
+        run = runs[0]
+        if run.req.include_usage:
+            usage, stats = _choices_usage_and_stats(runs)
+            yield oa.sse(oa.usage_chunk(run.rid, run.created, run.model, run.stream_object, usage, stats))
+        yield oa.SSE_DONE
+    finally:
+        for t in tasks:      # the client went away (or a choice failed): the others' rows end too
+            if not t.done():
+                t.cancel()
 
 
 _END = object()

@@ -141,6 +141,11 @@ class _CohortBuffer:
         return tokens, logprobs, finals
 
 
+def _cancel_keys(job) -> set:
+    """The ids a cancel finds a job by: its own, and its request's (the rows of n > 1 choices)."""
+    return {job.request_id} | ({job.prefill_group} if job.prefill_group is not None else set())
+
+
 def _public_result(result: dict) -> dict:
     """The part of a service result dict the ingress needs (no token list: it was streamed)."""
     stats = dict(result.get("stats") or {})
@@ -303,11 +308,12 @@ class MTPReplica:
                 speculative=mode != "ar", adaptive=mode == "auto",
                 cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
                 omit_speculative_bonus=bool(row.get("omit_speculative_bonus", False)),
-                session_id=row.get("session_id"),
+                session_id=row.get("session_id"), prefill_group=row.get("prefill_group"),
                 request_observability={"replica_id": self.replica_id})
             jobs.append(job)
         for i, job in enumerate(jobs):
-            self._jobs.setdefault(job.request_id, []).append(job)
+            for key in _cancel_keys(job):
+                self._jobs.setdefault(key, []).append(job)
             job.future.add_done_callback(lambda f, i=i: buf.push_final(i, f))
         self._cohorts_started += 1
         self._observe("cohorts", 1, {"generation_mode": modes[0] if modes else "auto"})
@@ -358,14 +364,15 @@ class MTPReplica:
             for job in jobs:
                 if not job.future.done():
                     job.cancel()
-                lst = self._jobs.get(job.request_id)
-                if lst is not None:
-                    try:
-                        lst.remove(job)
-                    except ValueError:
-                        pass
-                    if not lst:
-                        self._jobs.pop(job.request_id, None)
+                for key in _cancel_keys(job):
+                    lst = self._jobs.get(key)
+                    if lst is not None:
+                        try:
+                            lst.remove(job)
+                        except ValueError:
+                            pass
+                        if not lst:
+                            self._jobs.pop(key, None)
 
     def _admit_within_limits(self, jobs: list) -> list:
         """The jobs that fit their key's bound on waiting rows; the others fail at once with
@@ -452,7 +459,7 @@ class MTPReplica:
         snap.update({"replica_id": self.replica_id, "node_id": self.node_id, "model_id": self.model.model_id,
                      "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
                      "rss_bytes": _rss_bytes(), "mlx_memory": self._mlx_memory(),
-                     "live_requests": len(self._jobs), "overload_rejections": self._overload_rejections,
+                     "live_requests": len({j.request_id for lst in self._jobs.values() for j in lst}), "overload_rejections": self._overload_rejections,
                      "max_waiting_rows_per_key": self.max_waiting_rows_per_key})
         return snap
 

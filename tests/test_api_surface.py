@@ -470,3 +470,43 @@ def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
         assert len({tuple(o["tokens"]) for o in first}) > 1      # the seed streams differ
     finally:
         service.shutdown(timeout_s=10)
+
+
+def test_n_and_best_of_are_validated():
+    from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for cls, body, param in [(ChatCompletionRequest, {**chat, "n": 0}, "n"),
+                             (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+                             (CompletionRequest, {"prompt": "x", "best_of": 2}, "best_of")]:
+        with pytest.raises(OpenAIError) as exc:
+            parse_request(cls, json.dumps(body).encode())
+        assert exc.value.status == 400 and exc.value.param == param
+    assert parse_request(CompletionRequest, json.dumps({"prompt": "x", "n": 3, "best_of": 3}).encode()).requested_n == 3
+
+
+@RAY_MARK
+def test_n_choices_through_chat_and_completions(client, ref_model):
+    import openai
+
+    ids = _chat_ids(ref_model, PROMPT)
+    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens, skip_special_tokens=True)
+    msgs = [{"role": "user", "content": PROMPT}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [ref] * 3            # greedy: identical choices
+    stats = r.model_extra["mtplx_stats"]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(
+        s["completion_tokens"] for s in stats["choices"])
+    assert stats["n"] == 3 and stats["shared_prefill_rows"] == 2
+    # sampled, streamed: choice i is the n=1 request with seed + i
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(n=2, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    for i in (0, 1):
+        assert texts[i] == client.completions.create(**dict(kw, seed=11 + i)).choices[0].text
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(n=1000, **kw)
+    assert exc.value.body["param"] == "n"

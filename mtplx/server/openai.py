@@ -191,7 +191,8 @@ class _GenerationFields(BaseModel):
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(default=None, strict=True)
+    # choices: rows of one lane after one shared prefill; choice i samples with seed + i
+    n: Optional[int] = Field(default=None, ge=1, strict=True)
     user: Optional[str] = None
     # OpenAI bookkeeping fields with no effect on generation: accepted, not acted on
     metadata: Optional[dict] = None
@@ -229,9 +230,6 @@ class _GenerationFields(BaseModel):
         return v
 
     def common_checks(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise invalid_request(f"n={self.n} is not supported: this server returns exactly one choice (n=1)",
-                                  param="n", code="unsupported_value")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
@@ -246,6 +244,10 @@ class _GenerationFields(BaseModel):
             raise invalid_request(f"repetition_penalty={self.repetition_penalty:g} is not supported; use "
                                   f"presence_penalty / frequency_penalty, and send 1.0 or omit it",
                                   param="repetition_penalty", code="unsupported_value")
+
+    @property
+    def requested_n(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -297,7 +299,7 @@ class ChatCompletionRequest(_GenerationFields):
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, List[int], List[str], List[List[int]]]
     echo: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(default=None, ge=1, strict=True)
     suffix: Optional[str] = None
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
 
@@ -320,8 +322,10 @@ class CompletionRequest(_GenerationFields):
         self.common_checks()
         if self.echo:
             raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
-        if self.best_of not in (None, 1):
-            raise invalid_request("best_of is not supported", param="best_of", code="unsupported_value")
+        if self.best_of is not None and self.best_of != self.requested_n:
+            raise invalid_request(f"best_of={self.best_of} with n={self.requested_n} is not supported: this server "
+                                  f"returns every choice it generates (best_of must equal n, or be omitted)",
+                                  param="best_of", code="unsupported_value")
         if self.suffix:
             raise invalid_request("suffix is not supported", param="suffix", code="unsupported_value")
 
