@@ -510,3 +510,34 @@ def test_n_choices_through_chat_and_completions(client, ref_model):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(n=1000, **kw)
     assert exc.value.body["param"] == "n"
+
+
+@pytest.mark.parametrize("head", ["agree", "none"])
+def test_b1_exact_serves_logprobs_in_the_one_row_lane(tmp_path, head):
+    """numerics b1-exact installs no lane; a job asking for logprobs decodes in the one-row lane the
+    solo path decodes through: the same tokens as the solo path, with the target's own entries
+    (a checkpoint without an MTP head included: its rows decode plain AR)."""
+    import mtplx
+    from mtplx.sampling import SamplerConfig
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.synthetic import write_checkpoint
+
+    m = mtplx.load_model(write_checkpoint(tmp_path / head, head=head, vocab=4096))
+    prompt = list(m.tokenizer.encode(PROMPT, add_special_tokens=False))
+    service = MTPBatchGenerationService.for_model(m, numerics="b1-exact")
+    try:
+        entries = []
+        job = MTPBatchJob(request_id="lp", prompt_ids=prompt, max_tokens=12, sampler=SamplerConfig(temperature=0.0),
+                          logprobs=2, token_callback=lambda toks, lps: entries.extend(lps),
+                          speculative=m.mtp is not None, stop_token_ids=frozenset())
+        out = service.submit(job).result(timeout=300)
+        plain = service.submit(MTPBatchJob(request_id="plain", prompt_ids=prompt, max_tokens=12,
+                                           sampler=SamplerConfig(temperature=0.0), speculative=m.mtp is not None,
+                                           stop_token_ids=frozenset())).result(timeout=300)
+        assert out["tokens"] == plain["tokens"] == _greedy(m, prompt, 12, ()).tokens
+        ref = _target_logprobs(m, prompt, out["tokens"], 2)
+        assert len(entries) == len(ref)
+        for (lp, alts), (ref_lp, ref_top) in zip(entries, ref):
+            assert abs(lp - ref_lp) < 1e-4 and [round(v, 4) for _, v in alts] == [round(float(v), 4) for v in ref_top]
+    finally:
+        service.shutdown(timeout_s=10)

@@ -189,7 +189,7 @@ class MTPBatchJob:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.token_callback = token_callback
         # None: off; k >= 0: each streamed token comes with the target's (logprob, k alternatives),
-        # as token_callback([token], [entry]) (lane rows only: b1-exact serves them in its lanes)
+        # as token_callback([token], [entry]) (lane rows only: b1-exact serves them in its one-row lane)
         self.logprobs = None if logprobs is None else int(logprobs)
         self.omit_speculative_bonus = bool(omit_speculative_bonus)
         self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
@@ -669,6 +669,8 @@ class MTPBatchGenerationService:
         lane) up to the widest installed lane within ``max_cohort_rows``."""
         from ..a3b_mtp_batch import solo_lane
 
+        if self.numerics == "b1-exact":     # rows asking for logprobs: one at a time, in the one-row
+            return [solo_lane(self.model)]  # lane the solo path decodes through (its numerics)
         lanes = [self._lanes[w] for w in sorted(self._lanes) if w <= self.max_cohort_rows]
         if self.forced_width is not None:
             return [ln for ln in lanes if ln.width >= self.forced_width]
@@ -892,8 +894,8 @@ class MTPBatchGenerationService:
         state fits the budget; until then it stays first in the queue."""
         deferred = []
         for job in jobs:
-            if self.numerics == "b1-exact" and (job.logprobs is None or not self._lanes):
-                self._run_alone(job, b1_exact=True)      # (log-probabilities come from lanes)
+            if self.numerics == "b1-exact" and job.logprobs is None:
+                self._run_alone(job, b1_exact=True)      # (log-probabilities come from a lane: below)
                 continue
             key = job.compatibility_key
             if job.solo_runner is not None and job.logprobs is None and key not in self._running \
