@@ -212,15 +212,18 @@ def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optio
     return InstalledA3BMTPBatchLane(
         model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
-        compiled=_default_compile(model) if compiled is None else bool(compiled))
+        compiled=_default_compile(model, width) if compiled is None else bool(compiled))
 
 
-def _default_compile(model) -> bool:
-    """Compiled cycle graphs for models with recurrent (GDN) layers, whose capture forward is many
-    small operations; eager for attention-only models. A compiled graph has fixed shapes, so its
-    attention reads the whole KV buffer, while an eager forward reads each cohort's live span:
-    measured on the shipped model (2-core CPU, B8, closed-loop mixed prompt lengths) eager served
-    429 tok/s against 364 compiled, and within 2% at short contexts. MTPLX_MTP_BATCH_COMPILE=0/1
+def _default_compile(model, width: int) -> bool:
+    """Compiled cycle graphs for the one-row lane and for models with recurrent (GDN) layers, whose
+    capture forward is many small operations; eager for wider lanes of attention-only models. A
+    compiled graph has fixed shapes, so its attention reads the whole KV buffer, sized for the rows'
+    whole lives, while an eager forward reads each cohort's live span: measured on the shipped
+    model (2-core CPU, B8, closed-loop mixed prompt lengths) eager served 429 tok/s against 364
+    compiled. One row's buffer is its own prompt + max_tokens, and there the per-operation cost
+    that compiling removes dominates: the one-row lane served the bench prompts and budgets
+    1.2-1.4x faster compiled (requests alternating in one process). MTPLX_MTP_BATCH_COMPILE=0/1
     overrides."""
     import os
 
@@ -229,7 +232,7 @@ def _default_compile(model) -> bool:
         return env.strip().lower() not in ("0", "off", "false", "no")
     from .models.recurrent_cache import RecurrentCache
 
-    return any(isinstance(c, RecurrentCache) for c in model.make_cache())
+    return width == 1 or any(isinstance(c, RecurrentCache) for c in model.make_cache())
 
 
 # Greedy parity tolerance by the dtype the model computes in. fp32: exact. bf16/fp16: batched
@@ -438,7 +441,10 @@ class _CycleForwards:
 # accept/reject outcomes and counts only its own cycles, so a sampled row's draws (which change
 # when it drafts) stay reproducible and independent of its neighbours.
 ROW_ACCEPT_PRIOR = 0.5        # acceptance estimate on resuming (it starts at the model's `draft_acceptance_prior`)
-ROW_ACCEPT_EMA = 0.3          # weight of each new outcome: two straight rejections from the prior stop it
+# weight of each new outcome. Rejections come in bursts (a new identifier, a line's end): at 0.3 a
+# burst of four stopped rows whose acceptance stayed ~0.7 (and a stopped row waits 16+ cycles for
+# its probe); at 0.1 it takes 14 straight rejections from the prior 1.0.
+ROW_ACCEPT_EMA = 0.1
 ROW_STOP_BELOW = 0.25
 ROW_PROBE_FIRST, ROW_PROBE_MAX = 16, 256   # own cycles before a stopped row drafts once to probe
 
@@ -694,7 +700,8 @@ class _Admission:
 
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
 HISTORY_FLUSH_AT = 16        # AR steps of owed MTP history a lane holds before writing it into the head's KV
-STEP_COST_EMA = 0.1          # weight of a step's measured time in its kind's cost
+STEP_COST_EMA = 0.25         # weight of a pair of steps' measured times in their kinds' costs
+COST_PAIR_WITHIN = 3         # steps apart a counted step of each kind may be to make a pair
 
 
 class StepPolicy:
@@ -708,8 +715,8 @@ class StepPolicy:
     pays again). A probe is two steps long because the first step after a switch also pays for
     the switch (owed history, the other kind's lazy work) and is not counted as a cost."""
 
-    def __init__(self, hysteresis: float = 0.05, ar_probe_every: int = 64, mtp_probe_first: int = 16,
-                 mtp_probe_max: int = 256, acceptance_ema: float = 0.3, probe_steps: int = 2):
+    def __init__(self, hysteresis: float = 0.05, ar_probe_every: int = 256, mtp_probe_first: int = 16,
+                 mtp_probe_max: int = 256, acceptance_ema: float = 0.1, probe_steps: int = 2):
         self.kind = "mtp"                      # the kind it runs between probes
         self.acceptance: Optional[float] = None   # moving average over drafted rows' outcomes
         self.hysteresis, self.ar_probe_every = hysteresis, ar_probe_every
@@ -819,6 +826,7 @@ class RunningLane:
         self.mtp_cycles = self.ar_steps = 0            # of `cycles`, by kind
         self.last_step: Optional[str] = None
         self._owed: list = []       # owed head-history columns: (hidden [W, 1, H], token [W], owner mask [W])
+        self._counted: dict = {}    # kind -> (cycle, seconds, lane) of its last counted step not yet in a pair
         # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step
         self.step_plan: Optional[Callable[[int], str]] = None
         # the self-check's hook: inject_drafts(row index, output position) -> draft token or None
@@ -877,13 +885,31 @@ class RunningLane:
             self._run_step(kind)
             dt = time.perf_counter() - t1
             self.cycle_s += dt
-            costs, est = self.lane.step_costs, self.lane.step_costs.get(self.last_step)
-            # steady-state costs only: the first step after a switch also pays for the switch.
-            # One slow step (a retrace, a pause) moves the cost by at most 3x the estimate's weight.
-            if est is None:
-                costs[self.last_step] = dt
-            elif self.last_step == previous:
-                costs[self.last_step] = est + STEP_COST_EMA * (min(dt, 3 * est) - est)
+            self._measured(previous, dt)
+
+    def _measured(self, previous: Optional[str], dt: float) -> None:
+        """Keep the width's step costs current from this step's time: steady-state steps only (the
+        first step after a switch also pays for the switch), and in pairs: a counted step of each
+        kind within COST_PAIR_WITHIN steps updates both costs at once, so the ratio the StepPolicy
+        compares is measured under one load. (Kept current only while its kind runs, each cost drifts
+        with the machine's load while the other's stays stale: a one-row lane whose head drafted
+        at 0.9, with MTP cycles costing 1.2x AR steps, stepped aside to AR steps.)
+        One slow step (a retrace, a pause) moves a cost by at most half its weight."""
+        kind, costs = self.last_step, self.lane.step_costs
+        other = "ar" if kind == "mtp" else "mtp"
+        if kind not in costs:
+            costs[kind] = dt
+            return
+        if kind != previous:
+            return
+        seen = self._counted.pop(other, None)
+        if seen is None or seen[2] is not self.lane or self.cycles - seen[0] > COST_PAIR_WITHIN:
+            self._counted[kind] = (self.cycles, dt, self.lane)
+            return
+        self._counted.pop(kind, None)
+        for k, t in ((kind, dt), (other, seen[1])):
+            est = costs[k]
+            costs[k] = est + STEP_COST_EMA * (min(max(t, est / 1.5), 1.5 * est) - est)
 
     def _choose_step(self) -> str:
         """An MTP cycle or a plain AR step for the next cycle. A row that wants to draft and whose
@@ -897,6 +923,11 @@ class RunningLane:
             return "ar"
         if any(not (r.greedy and r.req.adaptive) for r in wanting):
             return "mtp"
+        if self.policy.acceptance is None:
+            # from the model's prior, as its rows start: a lane starts with each request at one
+            # client, and estimated from its first outcome alone, one rejected first draft sent it
+            # to 16 + 32 AR steps (the acceptance then climbing back one weighted outcome a probe)
+            self.policy.acceptance = draft_acceptance_prior(self.model)
         return self.policy.choose(self.lane.step_costs, len(live), len(wanting))
 
     def _run_step(self, kind: str) -> None:
@@ -905,6 +936,7 @@ class RunningLane:
             self.mtp_cycles += 1
             self._cycle()
         else:
+            kind = "ar"             # its time is an AR step's
             self.ar_steps += 1
             self._ar_step()
         self.last_step = kind
@@ -969,6 +1001,17 @@ class RunningLane:
             self.caches = self.mtp_caches = None
         self.lane, self.rows = lane, rows
         self.forwards = self.logits_host = None
+        self._reserve_for_life([r for r in rows if r is not None])
+
+    def _reserve_for_life(self, rows: list) -> None:
+        """A compiled lane's KV buffers sized now for these rows' whole lives, so its graphs are not
+        traced again while they decode."""
+        if not self.lane.compiled or not rows or self.caches is None:
+            return
+        need = max(len(r.req.prompt_ids) + r.req.max_tokens for r in rows) + max(VERIFY_T, HISTORY_FLUSH_AT)
+        for layer in self.caches + self.mtp_caches:
+            if isinstance(layer, RaggedKVCache):
+                layer.ensure_capacity(need)
 
     def _ensure_state(self, adm: _Admission) -> None:
         """Empty lane state at the current width, shaped like this first row's."""
@@ -1029,11 +1072,7 @@ class RunningLane:
             layer.put_row(b, per_row)
         for layer, per_row in zip(self.mtp_caches, adm.mtp_cache or []):
             layer.put_row(b, per_row)
-        if self.lane.compiled:      # KV for the row's whole life now: no retrace while it decodes
-            need = len(adm.row.req.prompt_ids) + adm.row.req.max_tokens + max(VERIFY_T, HISTORY_FLUSH_AT)
-            for layer in self.caches + self.mtp_caches:
-                if isinstance(layer, RaggedKVCache):
-                    layer.ensure_capacity(need)
+        self._reserve_for_life([adm.row])
         logits, hidden = adm.out
         self.logits_last[b] = logits
         self.h_last[b] = hidden[0]

@@ -125,9 +125,9 @@ def test_row_stops_drafting_while_neighbours_speculate_and_resumes_on_a_probe(mo
     assert all(s.spec_cycles == s.cycles and s.drafts_skipped == 0 for s in good)
     drafted_at = sorted(pos for rid, pos, _ in running.draft_log if rid == "0")
     early = [p for p in drafted_at if p < 40]
-    # from the model's prior (1.0 on its fixed text) four rejections stop it; a probe 16 cycles on fails
+    # from the model's prior (1.0 on its fixed text) fourteen rejections stop it; a probe 16 cycles on fails
     assert draft_acceptance_prior(model) == 1.0
-    assert bad.drafts_skipped >= 15 and len(early) <= 5
+    assert bad.drafts_skipped >= 15 and len(early) <= 15
     assert len([p for p in drafted_at if p >= 40]) >= 10           # an accepted probe: it drafts again
     assert bad.accepted_drafts == len([p for p in drafted_at if p >= 40])
 
@@ -181,12 +181,44 @@ def test_step_policy_steps_aside_with_hysteresis_and_backing_off_probes():
     pol.acceptance = 0.33                                         # gain (1.33 / 1.3) = 1.023
     assert pol.choose(costs, 8, 8) == "ar" and pol.kind == "ar"
     pol.acceptance = 0.8                                          # gain 1.38: MTP pays again
-    kinds = [pol.choose(costs, 8, 8) for _ in range(132)]
-    assert pol.kind == "mtp" and [i for i, k in enumerate(kinds) if k == "ar"] == [64, 65, 130, 131]   # AR probes
+    kinds = [pol.choose(costs, 8, 8) for _ in range(516)]
+    assert pol.kind == "mtp" and [i for i, k in enumerate(kinds) if k == "ar"] == [256, 257, 514, 515]   # AR probes
     pol.acceptance = 0.3                                          # 1.3 / 1.3: within the margin
     assert pol.choose(costs, 8, 8) == "mtp"
     pol.acceptance = 0.2                                          # gain 0.92
     assert pol.choose(costs, 8, 8) == "ar"
+
+
+def test_early_rejections_keep_a_greedy_auto_row_and_its_lane_drafting(model):
+    """A burst of rejections, the first draft's included, is not low acceptance: the row's estimate
+    and the lane's start from the model's prior and weigh each outcome 0.1, so neither the row
+    stops nor the lane steps aside (a lane starts with each request at one client)."""
+    reqs = _greedy_reqs(model, (60,), adaptive=True)
+    running, streams = _run([solo_lane(model)], reqs, inject=_wrong_until(5), costs=COSTS)
+    assert streams[0].tokens == generate_ar(model, reqs[0].prompt_ids, 60, GREEDY).tokens
+    assert running.rejected >= 4 and running.accepted > 0
+    assert running.ar_steps == 0 and streams[0].drafts_skipped == 0
+
+
+def test_step_costs_move_in_pairs_measured_under_one_load(model):
+    """A kind's cost moves only beside a fresh cost of the other kind: a load that slows the
+    machine while MTP cycles run does not make them look dearer than the (stale) AR step."""
+    lane = install_a3b_mtp_batch_lane(model, 3, selfcheck=False)
+    lane.step_costs.update({"mtp": 1.3, "ar": 1.0})
+    running = RunningLane(lane)
+    running.lane = lane
+
+    def step(kind, seconds):
+        previous, running.last_step = running.last_step, kind
+        running.cycles += 1
+        running._measured(previous, seconds)
+
+    for _ in range(50):
+        step("mtp", 2.6)                          # twice as slow from here on
+    assert lane.step_costs == {"mtp": 1.3, "ar": 1.0}
+    for kind in ("ar", "ar", "mtp", "mtp"):      # an AR probe: its counted step pairs with an MTP one
+        step(kind, 2.6 if kind == "mtp" else 2.0)
+    assert lane.step_costs["ar"] > 1.0 and lane.step_costs["mtp"] / lane.step_costs["ar"] == pytest.approx(1.3)
 
 
 def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
@@ -194,7 +226,8 @@ def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
     for r, s in zip(reqs, streams):
         assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
-    assert running.mtp_cycles <= 8 and running.ar_steps >= 70 and running.policy.kind == "ar"
+    # from the prior 1.0, fourteen straight rejections bring the rows' and the lane's estimates low
+    assert running.mtp_cycles <= 16 and running.ar_steps >= 60 and running.policy.kind == "ar"
 
 
 def test_install_measures_step_costs(model):
