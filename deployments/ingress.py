@@ -944,7 +944,9 @@ class _RowRun:
             stats["client_request_id"] = self.client_id
         if self.stops.stopped:
             stats["stop_string_matched"] = True
-            stats["finish_reason"] = "stop"
+        # the client sees OpenAI's reason everywhere; the engine's (e.g. "cancelled") stays beside it
+        stats["engine_finish_reason"] = fin.get("finish_reason")
+        stats["finish_reason"] = self.finish_reason
         build = anthropic.usage if self.kind == "anthropic" else oa.usage
         return build(prompt_tokens, completion, fin.get("cached_tokens", 0)), stats
 

@@ -499,6 +499,7 @@ def test_n_choices_through_chat_and_completions(client, ref_model):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(
         s["completion_tokens"] for s in stats["choices"])
     assert stats["n"] == 3 and stats["shared_prefill_rows"] == 2
+    assert [s["finish_reason"] for s in stats["choices"]] == [c.finish_reason for c in r.choices]
     # sampled, streamed: choice i is the n=1 request with seed + i
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, seed=11)
     texts = {0: "", 1: ""}
@@ -541,3 +542,36 @@ def test_b1_exact_serves_logprobs_in_the_one_row_lane(tmp_path, head):
             assert abs(lp - ref_lp) < 1e-4 and [round(v, 4) for _, v in alts] == [round(float(v), 4) for v in ref_top]
     finally:
         service.shutdown(timeout_s=10)
+
+
+@RAY_MARK
+def test_cancelled_choices_report_openais_finish_reason_in_stats(serve_app, http):
+    """A cancel of an n = 2 request's id reaches both rows; every client-visible finish reason,
+    mtplx_stats' included, is OpenAI's (the engine's "cancelled" stays as engine_finish_reason)."""
+    import httpx
+
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 400, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    finals, usage_stats, n_chunks = {}, None, 0
+    with httpx.Client(base_url=serve_app.base, timeout=120, headers=serve_app.headers) as c:
+        with c.stream("POST", "/v1/completions", json=body) as resp:
+            rid = resp.headers["x-mtplx-request-id"]
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                n_chunks += 1
+                if n_chunks == 4:
+                    r = http.post(f"/v1/mtplx/cancel/{rid}")
+                    assert r.status_code == 200 and r.json()["rows"] == 2, r.text
+                obj = json.loads(line[6:])
+                for ch in obj["choices"]:
+                    if ch["finish_reason"]:
+                        finals[ch["index"]] = (ch["finish_reason"], obj["mtplx_stats"])
+                if not obj["choices"]:
+                    usage_stats = obj["mtplx_stats"]
+    assert sorted(finals) == [0, 1]
+    for reason, stats in finals.values():
+        assert reason == stats["finish_reason"] == "stop"
+        assert stats["engine_finish_reason"] == "cancelled" and stats["cancelled"] is True
+        assert stats["completion_tokens"] < 400
+    assert all(s["finish_reason"] == "stop" for s in usage_stats["choices"])
