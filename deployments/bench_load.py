@@ -41,6 +41,10 @@ Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:loa
 with the medians of the per-run ratios auto/ar and auto/mtp and the largest drop of auto's tok/s
 from one client count to the next (issue 14's targets: auto >= 0.97x AR where the head never
 agrees, >= 0.98x MTP where it pays, no drop over 5%).
+
+`--logprobs K` adds, for ours only, every closed-loop arm with and without `logprobs: K` (the
+order alternated per arm and run), and a table of both tok/s and the median of the per-run ratios
+with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
 """
 
 from __future__ import annotations
@@ -585,6 +589,44 @@ def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[st
     return out
 
 
+def run_logprob_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:
+    """Ours only: every closed-loop arm without and with `logprobs: plan["logprobs"]`, the order
+    alternated per arm and run. Returns {"off" | "on": {arm key: summary}}."""
+    out = {"off": {}, "on": {}}
+    for t in plan["temperatures"]:
+        label = _temp_label(t)
+        for j, n in enumerate(plan["clients"]):
+            key = f"{label}/closed-{n}"
+            count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
+            for arm in (("off", "on") if (run + j) % 2 == 0 else ("on", "off")):
+                extra = {"logprobs": plan["logprobs"]} if arm == "on" else {}
+                bodies = [{**request_body(i, t, server.model, True), **extra} for i in range(count)]
+                out[arm][key], _ = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
+                log(f"  {server.kind:4s} {key:18s} logprobs {arm:3s} {_brief(out[arm][key])}")
+    return out
+
+
+def summarize_logprobs(per_run: List[dict]) -> dict:
+    """Per arm: median tok/s without and with logprobs, and the median of the per-run ratios."""
+    runs = [r["ours_logprobs"] for r in per_run if r.get("ours_logprobs")]
+    arms = {}
+    for key in (runs[0]["off"] if runs else ()):
+        ratios = [r["on"][key]["tok_s"] / r["off"][key]["tok_s"] for r in runs
+                  if r["on"][key]["tok_s"] and r["off"][key]["tok_s"]]
+        arms[key] = {"off": median_or_none(r["off"][key]["tok_s"] for r in runs),
+                     "on": median_or_none(r["on"][key]["tok_s"] for r in runs),
+                     "on_over_off": statistics.median(ratios) if ratios else None}
+    return arms
+
+
+def format_logprobs_table(arms: dict) -> str:
+    lines = ["| arm | tok/s without | tok/s with logprobs | with/without |", "|---|---:|---:|---:|"]
+    for key, e in arms.items():
+        lines.append(f"| {key} | {_fmt(e['off'], digits=1)} | {_fmt(e['on'], digits=1)} "
+                     f"| {_fmt(e['on_over_off'], digits=3)} |")
+    return "\n".join(lines)
+
+
 def summarize_modes(per_run: List[dict]) -> dict:
     """Per arm: each mode's median tok/s over runs and the medians of the per-run ratios auto/ar
     and auto/mtp; per temperature, the largest drop of auto's median tok/s from one client count
@@ -650,7 +692,7 @@ def _brief(s: dict) -> str:
 def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = (1, 8, 16, 32),
                temperatures: Iterable[float] = (0.0, 0.6), per_client: int = 6, min_requests: int = 12,
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
-               modes: Iterable[str] = (), log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+               modes: Iterable[str] = (), logprobs: Optional[int] = None, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
     started = time.time()
     clients = sorted(set(int(c) for c in clients))
@@ -662,7 +704,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     plan = {"clients": clients, "temperatures": temperatures, "per_client": per_client,
             "min_requests": min_requests, "open_requests": open_requests, "seed": seed,
-            "capacity_clients": capacity_clients, "modes": list(modes)}
+            "capacity_clients": capacity_clients, "modes": list(modes), "logprobs": logprobs}
     record = {"bench": "load", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "model": str(model_path) if model_path else "shipped", "runs": runs, "plan": plan,
               "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
@@ -690,6 +732,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                 o = run_turn(ours, plan, run, p["rates"], send_seed=True, log=log)
                 if plan["modes"]:
                     result["ours_modes"] = run_mode_arms(ours, plan, run, log)
+                if plan["logprobs"] is not None:
+                    result["ours_logprobs"] = run_logprob_arms(ours, plan, run, log)
             finally:
                 result["ours_stop"] = ours.stop()
             record["ours"] = ours.info
@@ -700,6 +744,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
             record["per_run"].append(result)
     record["summary"] = summarize_runs(record["per_run"])
     record["modes"] = summarize_modes(record["per_run"])
+    record["logprobs"] = summarize_logprobs(record["per_run"])
     record["elapsed_s"] = time.time() - started
     record["artifacts"] = {"json": str(out_dir / f"load-{stamp}.json"),
                            "logs": str(out_dir / "logs" / f"load-{stamp}-*.log")}
@@ -842,6 +887,9 @@ def write_outputs(record: dict, command: str) -> dict:
     table = format_table(record)
     if record.get("modes"):
         table += "\n\nGeneration modes (ours; `--modes`):\n\n" + format_modes_table(record["modes"])
+    if record.get("logprobs"):
+        table += (f"\n\nLogprobs (ours; `--logprobs {record['plan']['logprobs']}`):\n\n"
+                  + format_logprobs_table(record["logprobs"]))
     md = ROOT / "BENCHMARKS.md"
     md.write_text(replace_section(md.read_text() if md.exists() else "", "load",
                                   render_section(record, table, png.relative_to(ROOT).as_posix(), command)))
@@ -852,7 +900,7 @@ def write_outputs(record: dict, command: str) -> dict:
 
 def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
             json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None,
-            modes: Optional[str] = None) -> dict:
+            modes: Optional[str] = None, logprobs: Optional[int] = None) -> dict:
     """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
@@ -867,11 +915,13 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
         opts["open_requests"] = open_requests
     if modes:
         opts["modes"] = [m.strip() for m in modes.split(",")]
+    if logprobs is not None:
+        opts["logprobs"] = logprobs
     record = bench_load(model_dir=model, **opts)
     record["quick"] = quick
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
         (f" --clients {clients}" if clients else "") + (f" --model {model}" if model else "") + \
-        (f" --modes {modes}" if modes else "")
+        (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "")
     out = write_outputs(record, command)
     if json_out:
         print(json.dumps(record, default=str), flush=True)
@@ -893,9 +943,12 @@ def main(argv=None) -> int:
     p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
     p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
     p.add_argument("--modes", default=None, help="ours only: closed-loop arms once per generation_mode, e.g. auto,mtp,ar")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="ours only: closed-loop arms without and with logprobs: K, alternated")
     a = p.parse_args(argv)
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
-            per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes)
+            per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
+            logprobs=a.logprobs)
     return 0
 
 

@@ -575,3 +575,17 @@ def test_cancelled_choices_report_openais_finish_reason_in_stats(serve_app, http
         assert stats["engine_finish_reason"] == "cancelled" and stats["cancelled"] is True
         assert stats["completion_tokens"] < 400
     assert all(s["finish_reason"] == "stop" for s in usage_stats["choices"])
+
+
+def test_bench_load_logprobs_arms_summary():
+    """`bench load --logprobs K`: per arm, median tok/s without and with, and the median ratio."""
+    from deployments import bench_load as bl
+
+    def run(off, on):
+        return {"ours_logprobs": {"off": {"greedy/closed-8": {"tok_s": off}},
+                                  "on": {"greedy/closed-8": {"tok_s": on}}}}
+
+    s = bl.summarize_logprobs([run(100, 95), run(120, 96), run(110, 99)])
+    assert s["greedy/closed-8"] == {"off": 110, "on": 96, "on_over_off": 0.9}
+    assert "| greedy/closed-8 | 110.0 | 96.0 | 0.900 |" in bl.format_logprobs_table(s)
+    assert bl.summarize_logprobs([{"ours": {}}]) == {}
