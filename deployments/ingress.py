@@ -474,9 +474,8 @@ class OpenAIIngress:
         row["http_received_at"] = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         self._check_overload()      # tokenizing a long prompt may have taken a while
-        n = req.requested_n
-        if n > 1:
-            return await self._generate_choices(kind, req, row, n, t0, client_id)
+        if req.requested_rows > 1:
+            return await self._generate_choices(kind, req, row, t0, client_id)
         run = _RowRun(self, row, req, kind, t0, client_id)
         if req.stream:
             first = await run.start()   # errors before the first token still get a status code
@@ -491,18 +490,22 @@ class OpenAIIngress:
         that they reach one replica together and share one prefill) and the rows waiting here."""
         return min(self.max_batch_size, self.max_waiting_rows)
 
-    async def _generate_choices(self, kind: str, req, row: dict, n: int, t0: float,
-                                client_id: Optional[str]) -> Response:
-        """n > 1: n rows of one prefill group, choice i sampling with seed + i; the replica's lane
-        prefills the prompt once for all of them."""
-        if n > self.max_choices:
-            raise oa.invalid_request(f"n={n} is above this server's limit of {self.max_choices} choices per "
+    async def _generate_choices(self, kind: str, req, row: dict, t0: float, client_id: Optional[str]) -> Response:
+        """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
+        replica's lane prefills the prompt once for all of them. best_of > n: the n rows of highest
+        cumulative log-probability are the choices (vLLM's semantics; the rows report their
+        log-probabilities whether or not the client asked for them)."""
+        n, m = req.requested_n, req.requested_rows
+        if m > self.max_choices:
+            param = "n" if m == n else "best_of"
+            raise oa.invalid_request(f"{param}={m} is above this server's limit of {self.max_choices} rows per "
                                      f"request (its batch window holds {self.max_batch_size} rows)",
-                                     param="n", code="invalid_value")
+                                     param=param, code="invalid_value")
         rid = row["request_id"]
+        logprobs = row["logprobs"] if row["logprobs"] is not None or m == n else 0
         # each row its own id (a stop string cancels its row only); a cancel of rid reaches the group
-        rows = [dict(row, request_id=f"{rid}-{i}", seed=(row["seed"] + i) % (2 ** 64), prefill_group=rid)
-                for i in range(n)]
+        rows = [dict(row, request_id=f"{rid}-{i}", seed=(row["seed"] + i) % (2 ** 64), prefill_group=rid,
+                     logprobs=logprobs) for i in range(m)]
         runs = [_RowRun(self, r, req, kind, t0, client_id) for r in rows]
         for run in runs:
             run.rid = rid        # the response's id
@@ -517,9 +520,10 @@ class OpenAIIngress:
                 if not run.finished:
                     run._depart()
             raise
-        body = dict(bodies[0])
-        body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
-        body["usage"], body["mtplx_stats"] = _choices_usage_and_stats(runs)
+        chosen = sorted(range(m), key=lambda i: -runs[i].cumulative_logprob)[:n] if m > n else list(range(n))
+        body = dict(bodies[chosen[0]])
+        body["choices"] = [dict(bodies[i]["choices"][0], index=k) for k, i in enumerate(chosen)]
+        body["usage"], body["mtplx_stats"] = _choices_usage_and_stats(runs, chosen)
         return JSONResponse(body)
 
     # Rows waiting here for a replica (the backpressure bound): counted from admission until their
@@ -757,6 +761,7 @@ class _RowRun:
         self._lp_tokens: List[int] = []                # tokens (and entries) not yet sent with text
         self._lp_entries: list = []
         self._text_offset = 0                          # completions' text_offset of the next token
+        self.cumulative_logprob = 0.0                  # of the tokens received with entries (best_of)
         self.n_tokens = 0
         self.finished = False
         self.final: Optional[dict] = None
@@ -844,6 +849,8 @@ class _RowRun:
                               "tokens", self.rid, None if event[2] is None else len(event[2]), len(payload))
                     raise oa.internal_error(self.rid)
                 return self._apply_with_logprobs(payload, event[2])
+            if event[2]:      # a best_of row: entries the client did not ask for
+                self.cumulative_logprob += sum(e[0] for e in event[2])
             self.n_tokens += len(payload)
             text = self.stops.push(self.detok.push(payload))
             if self.stops.stopped:
@@ -868,6 +875,7 @@ class _RowRun:
             self.n_tokens += 1
             self._lp_tokens.append(token)
             self._lp_entries.append(entry)
+            self.cumulative_logprob += entry[0]
             text += self.stops.push(self.detok.push([token]))
             if self.stops.stopped:
                 self.ing.cancel_row(self.row, "stop_string")
@@ -1096,16 +1104,21 @@ class _RowRun:
                 self._depart()
 
 
-def _choices_usage_and_stats(runs: List[_RowRun]):
-    """usage and mtplx_stats of an n > 1 request: the prompt counted once, the completions summed;
-    the first choice's stats with every choice's own under "choices", and how many rows took the
-    shared prefill rather than their own ("shared_prefill_rows")."""
+def _choices_usage_and_stats(runs: List[_RowRun], chosen: Optional[List[int]] = None):
+    """usage and mtplx_stats of a request of several rows (`chosen`: the rows returned, in order;
+    all by default): the prompt counted once, every row's completion summed; the first choice's
+    stats with each choice's own under "choices", and how many rows took the shared prefill rather
+    than their own ("shared_prefill_rows"); with best_of, each row's cumulative log-probability."""
+    chosen = list(range(len(runs))) if chosen is None else chosen
     usages, stats = [run.usage for run in runs], [run.stats for run in runs]
     completion = sum(u["completion_tokens"] for u in usages)
     usage = oa.usage(usages[0]["prompt_tokens"], completion,
                      usages[0].get("prompt_tokens_details", {}).get("cached_tokens", 0))
-    merged = dict(stats[0], n=len(runs), choices=list(stats),
+    merged = dict(stats[chosen[0]], n=len(chosen), choices=[stats[i] for i in chosen],
                   shared_prefill_rows=sum(bool(s.get("shared_prefill")) for s in stats))
+    if len(chosen) < len(runs):
+        merged.update(best_of=len(runs), cumulative_logprobs=[run.cumulative_logprob for run in runs],
+                      chosen_rows=chosen)
     return usage, merged
 
 

@@ -477,12 +477,14 @@ def test_n_and_best_of_are_validated():
 
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for cls, body, param in [(ChatCompletionRequest, {**chat, "n": 0}, "n"),
-                             (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
-                             (CompletionRequest, {"prompt": "x", "best_of": 2}, "best_of")]:
+                             (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+                             (CompletionRequest, {"prompt": "x", "best_of": 2, "stream": True}, "best_of")]:
         with pytest.raises(OpenAIError) as exc:
             parse_request(cls, json.dumps(body).encode())
         assert exc.value.status == 400 and exc.value.param == param
-    assert parse_request(CompletionRequest, json.dumps({"prompt": "x", "n": 3, "best_of": 3}).encode()).requested_n == 3
+    req = parse_request(CompletionRequest, json.dumps({"prompt": "x", "n": 2, "best_of": 3}).encode())
+    assert (req.requested_n, req.requested_rows) == (2, 3)
+    assert parse_request(ChatCompletionRequest, json.dumps({**chat, "n": 3}).encode()).requested_rows == 3
 
 
 @RAY_MARK
@@ -511,6 +513,14 @@ def test_n_choices_through_chat_and_completions(client, ref_model):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(n=1000, **kw)
     assert exc.value.body["param"] == "n"
+    # best_of: the row (seed + i) of highest cumulative log-probability is the choice
+    best = client.completions.create(best_of=3, **kw)
+    rows = [client.completions.create(logprobs=0, **dict(kw, seed=11 + i)).choices[0] for i in range(3)]
+    top = max(rows, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [top.text] and best.choices[0].logprobs is None
+    stats = best.model_extra["mtplx_stats"]
+    assert stats["best_of"] == 3 and stats["n"] == 1
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in rows)
 
 
 @pytest.mark.parametrize("head", ["agree", "none"])

@@ -250,6 +250,10 @@ class _GenerationFields(BaseModel):
         return self.n or 1
 
     @property
+    def requested_rows(self) -> int:
+        return self.requested_n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -322,9 +326,10 @@ class CompletionRequest(_GenerationFields):
         self.common_checks()
         if self.echo:
             raise invalid_request("echo is not supported", param="echo", code="unsupported_value")
-        if self.best_of is not None and self.best_of != self.requested_n:
-            raise invalid_request(f"best_of={self.best_of} with n={self.requested_n} is not supported: this server "
-                                  f"returns every choice it generates (best_of must equal n, or be omitted)",
+        if self.best_of is not None and self.best_of < self.requested_n:
+            raise invalid_request(f"best_of={self.best_of} must be at least n={self.requested_n}", param="best_of")
+        if self.best_of is not None and self.best_of > self.requested_n and self.stream:
+            raise invalid_request("best_of above n cannot be streamed (the best choices are known only at the end)",
                                   param="best_of", code="unsupported_value")
         if self.suffix:
             raise invalid_request("suffix is not supported", param="suffix", code="unsupported_value")
@@ -332,6 +337,11 @@ class CompletionRequest(_GenerationFields):
     @property
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
+
+    @property
+    def requested_rows(self) -> int:
+        """Rows generated: best_of (the n of highest cumulative log-probability are returned), or n."""
+        return self.best_of or self.requested_n
 
     @property
     def max_tokens_param(self) -> str:
