@@ -302,6 +302,35 @@ def test_widen_b3_to_b8_mid_flight_then_narrow(model, lanes):
     assert streams[0].fixed_width == 8 and streams[0].mean_occupancy < streams[0].real_width
 
 
+def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model, lanes):
+    """Three rows decode in an eager B3; the two short ones end and the long one narrows into the
+    compiled one-row lane, its KV reserved for its whole life then: no graph is traced again while
+    it decodes past the eager lane's buffer, and every row is exact. Then two rows join it and it
+    widens back (state carried over from the compiled lane)."""
+    solo = lane_mod.solo_lane(model)
+    assert solo.compiled and not lanes[3].compiled
+    prompts = _prompts(model, 5)
+    budgets = [300, 12, 14, 20, 25]
+    running = lane_mod.RunningLane([solo, lanes[3]], narrow_after=2)
+    streams = [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[:3], budgets[:3]))]
+    running.step()
+    assert running.width == 3
+    while running.width != 1:
+        eager_capacity = running.caches[0].keys.shape[2]
+        running.step()
+    assert eager_capacity < len(prompts[0]) + budgets[0] <= running.caches[0].keys.shape[2]
+    _steps(running, 3)
+    retraces = running.graph_retraces
+    _steps(running, 150)
+    assert running.width == 1 and running.graph_retraces == retraces
+    streams += [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[3:], budgets[3:]), 3)]
+    running.step()
+    assert running.width == 3 and running.widenings == 1
+    _drain(running)
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+
+
 def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes):
     from mtplx.a3b_mtp_batch import solo_lane
     from mtplx.generation import generate_mtpk
