@@ -41,6 +41,9 @@ def machine_line(machine: dict) -> str:
     rt = machine["runtime"]
     load = machine.get("loadavg")
     load_txt = f"; load average at start {'/'.join(f'{x:.1f}' for x in load)}" if load else ""
+    if load and load[0] > machine["cpu_count"]:
+        load_txt += (" (more than its cores: other jobs shared the CPUs, so single figures move by tens of "
+                     "percent; ratios of arms run side by side move less)")
     return (f"Machine: `{machine['platform']}`, {machine['cpu_count']} CPUs, BLAS {rt.get('blas')} "
             f"(`{rt.get('blas_path')}`), mlx {rt.get('mlx_version')} on `{rt.get('mlx_device')}`, "
             f"mlx-lm {rt.get('mlx_lm_version')}, Python {rt.get('python')}{load_txt}.")
