@@ -303,7 +303,8 @@ def render_report(record: dict, image: str) -> str:
              machine_line(record["machine"]), "",
              f"Greedy chat rows of {record['max_tokens']} tokens at most (eos stops them; both arms decode the same "
              "tokens): the in-process service's `submit_cohort` vs the same rows as concurrent",
-             "`/v1/chat/completions` requests through a local `serve run` of the app (streaming SSE, and plain JSON);",
+             "`/v1/chat/completions` requests to the app on a Ray Serve the bench starts on loopback (streaming SSE,",
+             "and plain JSON);",
              f"{record['rounds']} round(s), arms alternating with a {record['settle_s']:.1f} s pause between them; "
              f"tok/s from each arm's wall time, medians over rounds. BLAS threads: replica {threads['replica']}, "
              f"in-process {threads['in_process']}.",
