@@ -51,11 +51,56 @@ class Attention(qwen3.Attention):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+DECODE_POSITIONS = 2      # a lane's verify width: the widest input the fused decode path takes
+
+
+class TransformerBlock(qwen3.TransformerBlock):
+    """mlx-lm's Qwen3 block. In decode steps over a lane's per-row cache (at most DECODE_POSITIONS
+    positions), the work before the cache write (norm, projections, q/k norms, RoPE) and after
+    the attention (output projection, residuals, norm, MLP) runs as two compiled graphs, one per
+    input shape: at these sizes a forward is bound by per-operation dispatch, not arithmetic.
+    Measured on the shipped model (2-core CPU, cycles alternating in one lane): 5-8% off a B8
+    cycle. The cache write and the attention stay eager: they read each row's live span."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        offset = getattr(cache, "offset", None)
+        if x.shape[1] > DECODE_POSITIONS or not isinstance(offset, mx.array):
+            return super().__call__(x, mask, cache)
+        pre, post = self._fused()
+        q, k, v = pre(x, offset)
+        k, v = cache.update_and_fetch(k, v)
+        a = self.self_attn
+        return post(x, attention(q, k, v, cache=cache, scale=a.scale, mask=mask))
+
+    def _fused(self):
+        fused = self.__dict__.get("_fused_parts")
+        if fused is None:
+            a = self.self_attn
+
+            def pre(x, offset):
+                B, L, _ = x.shape
+                y = self.input_layernorm(x)
+                q = a.q_norm(a.q_proj(y).reshape(B, L, a.n_heads, -1)).transpose(0, 2, 1, 3)
+                k = a.k_norm(a.k_proj(y).reshape(B, L, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+                v = a.v_proj(y).reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+                return a.rope(q, offset=offset), a.rope(k, offset=offset), v
+
+            def post(x, out):
+                B, L, _ = x.shape
+                h = x + a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+                return h + self.mlp(self.post_attention_layernorm(h))
+
+            fused = self.__dict__["_fused_parts"] = (mx.compile(pre), mx.compile(post))
+        return fused
+
+
 def _use_cpu_ops(module: nn.Module) -> None:
-    """Our attention class for mlx-lm's (same weights, same projections)."""
+    """Our attention and block classes for mlx-lm's (same weights, same projections)."""
     for m in module.modules():
         if type(m) is qwen3.Attention:
             m.__class__ = Attention
+        elif type(m) is qwen3.TransformerBlock:
+            m.__class__ = TransformerBlock
 
 
 def prepare_target(target: nn.Module) -> None:
