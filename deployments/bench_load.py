@@ -42,9 +42,9 @@ with the medians of the per-run ratios auto/ar and auto/mtp and the largest drop
 from one client count to the next (issue 14's targets: auto >= 0.97x AR where the head never
 agrees, >= 0.98x MTP where it pays, no drop over 5%).
 
-`--logprobs K` adds, for ours only, every closed-loop arm with and without `logprobs: K` (the
-order alternated per arm and run), and a table of both tok/s and the median of the per-run ratios
-with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
+`--logprobs K` adds, for ours only, every closed-loop arm with and without `logprobs: K` (twice
+each, off, on, on, off, reversed per arm and run), and a table of both tok/s and the median of the
+per-run ratios with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
 """
 
 from __future__ import annotations
@@ -590,19 +590,25 @@ def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[st
 
 
 def run_logprob_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:
-    """Ours only: every closed-loop arm without and with `logprobs: plan["logprobs"]`, the order
-    alternated per arm and run. Returns {"off" | "on": {arm key: summary}}."""
+    """Ours only: every closed-loop arm without and with `logprobs: plan["logprobs"]`, twice each
+    in the order off, on, on, off (reversed per arm and run), so that neither side always runs
+    first or last on a machine whose load drifts; each side's figures are over both of its halves.
+    Returns {"off" | "on": {arm key: summary}}."""
     out = {"off": {}, "on": {}}
     for t in plan["temperatures"]:
         label = _temp_label(t)
         for j, n in enumerate(plan["clients"]):
             key = f"{label}/closed-{n}"
             count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
-            for arm in (("off", "on") if (run + j) % 2 == 0 else ("on", "off")):
+            halves = {"off": ([], 0.0), "on": ([], 0.0)}
+            for arm in (("off", "on", "on", "off") if (run + j) % 2 == 0 else ("on", "off", "off", "on")):
                 extra = {"logprobs": plan["logprobs"]} if arm == "on" else {}
                 bodies = [{**request_body(i, t, server.model, True), **extra} for i in range(count)]
-                out[arm][key], _ = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
-                log(f"  {server.kind:4s} {key:18s} logprobs {arm:3s} {_brief(out[arm][key])}")
+                summary, rows = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
+                log(f"  {server.kind:4s} {key:18s} logprobs {arm:3s} {_brief(summary)}")
+                halves[arm] = (halves[arm][0] + rows, halves[arm][1] + summary["wall_s"])
+            for arm, (rows, wall) in halves.items():
+                out[arm][key] = summarize_arm(rows, wall)
     return out
 
 
