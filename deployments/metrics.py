@@ -42,6 +42,16 @@ REPLICA_SERIES = {
     "waiting_rows": ("gauge", "mtplx_waiting_rows",
                      "Rows waiting for a lane slot (prefilling included); lane=queue: not yet at a lane", ("lane",), None),
     "live_rows": ("gauge", "mtplx_lane_live_rows", "Rows decoding in a running lane now", ("lane", "width"), None),
+    # a running lane's step choice (adaptive speculation): lanes sharing a label and width averaged
+    "lane_speculating": ("gauge", "mtplx_lane_speculating",
+                         "Share of running lanes whose step is now an MTP cycle (1) rather than a plain AR step (0)",
+                         ("lane", "width"), None),
+    "lane_acceptance": ("gauge", "mtplx_lane_acceptance_estimate",
+                        "A running lane's draft acceptance estimate (the moving average its step choice uses)",
+                        ("lane", "width"), None),
+    "lane_step_cost": ("gauge", "mtplx_lane_step_cost_seconds",
+                       "A running lane's cost model: the measured time of one step of each kind (mtp cycle, ar step)",
+                       ("lane", "width", "kind"), None),
     "lane_cycles": ("counter", "mtplx_lane_cycles", "Lane cycles (one verify forward each), by lane width", ("width",), None),
     "steps": ("counter", "mtplx_lane_steps",
               "Lane steps by kind: mtp (draft + verify cycles) or ar (plain target steps a lane runs instead)",
@@ -228,12 +238,25 @@ class CohortMonitor:
     def _set_gauges(self, snap: dict) -> None:
         waiting: Dict[str, int] = {"queue": int(snap.get("pending") or 0)}
         live: Dict[tuple, int] = {}
+        policy: Dict[tuple, list] = {}          # (series, tags) -> values of the lanes sharing them
         for ln in snap.get("lanes") or ():
             lane = lane_metric_label(ln["key"])
             waiting[lane] = waiting.get(lane, 0) + ln["waiting_rows"] + ln["prefilling_rows"]
             live[(lane, str(ln["width"]))] = live.get((lane, str(ln["width"])), 0) + ln["live_rows"]
+            if not ln["width"]:
+                continue
+            tags = (("lane", lane), ("width", str(ln["width"])))
+            pol = ln.get("step_policy") or {}
+            if pol.get("kind"):
+                policy.setdefault(("lane_speculating", tags), []).append(float(pol["kind"] == "mtp"))
+            if pol.get("acceptance") is not None:
+                policy.setdefault(("lane_acceptance", tags), []).append(pol["acceptance"])
+            for kind, key in (("mtp", "mtp_cycle_s"), ("ar", "ar_step_s")):
+                if pol.get(key) is not None:
+                    policy.setdefault(("lane_step_cost", tags + (("kind", kind),)), []).append(pol[key])
         now = {("waiting_rows", (("lane", k),)): v for k, v in waiting.items()}
         now.update({("live_rows", (("lane", k[0]), ("width", k[1]))): v for k, v in live.items()})
+        now.update({key: sum(vs) / len(vs) for key, vs in policy.items()})
         for key in self._gauges - set(now):   # a lane that ended reads 0, not its last value
             now[key] = 0
         for (name, tags), v in now.items():

@@ -89,8 +89,9 @@ def recording_metrics():
 
 def test_cohort_monitor_on_a_real_service(model, caplog):
     """Three greedy rows through a real service: the monitor's metric increments add up to the
-    service's own counters, lane gauges read the live rows and fall to 0 when the lane ends, and the
-    summary names the lane with its occupancy and acceptance."""
+    service's own counters, lane gauges read the live rows and the step choice (kind, acceptance
+    estimate, cost model) and fall to 0 when the lane ends, and the summary names the lane with its
+    occupancy and acceptance."""
     from mtplx.sampling import SamplerConfig
     from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob, mtp_batch_compatibility_key
 
@@ -133,6 +134,12 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     assert any(v > 0 and t == {"lane": "greedy", "width": "3"} for v, t in live)
     assert live[-1][0] == 0   # the ended lane reads 0, not its last value
     assert any(dict(tags) == {"lane": "queue"} for _, tags in calls["waiting_rows"])
+    lane3 = {"lane": "greedy", "width": "3"}
+    assert any(v == 1.0 and dict(t) == lane3 for v, t in calls["lane_speculating"])
+    assert any(0 <= v <= 1 and dict(t) == lane3 for v, t in calls["lane_acceptance"])
+    costs = {dict(t)["kind"] for v, t in calls["lane_step_cost"] if v > 0}
+    assert costs == {"mtp", "ar"}, calls["lane_step_cost"]
+    assert calls["lane_speculating"][-1][0] == 0   # the ended lane reads 0
     assert line is not None and "lane " in line and " w3: admitted 3, finished 3" in line, line
     assert "acceptance" in line and "tok/s" in line
     assert monitor.summary() is None   # nothing ran since: no line
