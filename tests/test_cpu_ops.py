@@ -1,4 +1,4 @@
-"""The CPU attention kernel: same numbers as MLX's fused kernel, and exact lanes at long spans."""
+"""The CPU kernels: same numbers as MLX's (attention, the MLP's activation), and exact lanes at long spans."""
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +16,14 @@ def test_exp_nonpositive_matches_exp():
     got, want = A.exp_nonpositive(x), mx.exp(x)
     assert (mx.abs(got - want) <= 1e-6 * want + 1e-37).all().item()
     assert A.exp_nonpositive(mx.array([-mx.inf])).item() < 1e-37        # a masked score weighs nothing
+
+
+def test_swiglu_matches_mlx():
+    g = mx.concatenate([mx.random.normal((20000,), key=mx.random.key(2)) * 12,
+                        mx.array([0.0, -0.0, 1e-7, -1e-7, 30.0, -30.0, 87.0, -87.0, 200.0, -200.0])])
+    u = mx.random.normal(g.shape, key=mx.random.key(3))
+    got, want = A.swiglu(g, u), A.mlx_lm_swiglu(g, u)
+    assert (mx.abs(got - want) <= 1e-6 * mx.abs(want) + 1e-30).all().item()
 
 
 @pytest.mark.parametrize("heads,kv_heads,T,S,mask", [

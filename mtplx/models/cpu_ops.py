@@ -7,7 +7,9 @@ tensors of at least `SCORE_ELEMENTS`, the softmax's exponential is a compiled ke
 two taken from the float's exponent bits (exact) times a degree-7 polynomial of the fraction
 (relative error below 1e-6, the order of the rounding differences between batch shapes).
 Everything else (small scores, an accelerator, quantized KV, attention sinks) goes to MLX's fused
-kernel. `attention` is a drop-in for mlx-lm's `scaled_dot_product_attention`.
+kernel. `attention` is a drop-in for mlx-lm's `scaled_dot_product_attention`. The MLP's
+`swiglu` takes the same exponential for its sigmoid: at a B8 verify's [8, 2, 576] activations,
+185 -> 65 us a layer.
 
 A lane's rows have their own spans, yet one batched attention reads every row up to the longest:
 one long prompt makes seven short rows pay for its length. When a lane's spans are uneven
@@ -26,6 +28,7 @@ from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
 from .cache import RaggedKVCache
@@ -56,6 +59,22 @@ def exp_nonpositive(x: mx.array) -> mx.array:
     """exp(x) for float32 x <= 0 (the shifted scores of a softmax)."""
     p, bits = _exp2_parts_compiled(x)
     return p * bits.view(mx.float32)
+
+
+def _swiglu(gate, up):
+    e = exp_nonpositive(-mx.abs(gate))                    # exp(-|g|): the sigmoid without overflow
+    return gate * (mx.where(gate >= 0, 1.0, e) / (1 + e)) * up
+
+
+_swiglu_compiled = mx.compile(_swiglu)     # one trace per shape: a lane's widths and prefill chunks
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """silu(gate) * up, the MLP's activation; for float32 on the CPU its sigmoid takes the
+    exponential above (relative error below 1e-6 against MLX's), elsewhere mlx-lm's."""
+    if gate.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        return _swiglu_compiled(gate, up)
+    return mlx_lm_swiglu(gate, up)
 
 
 def _causal(T: int, S: int) -> mx.array:

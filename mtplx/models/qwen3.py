@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
-from .cpu_ops import attention
+from .cpu_ops import attention, swiglu
 
 MODEL_TYPES = ("qwen3",)
 
@@ -49,6 +49,13 @@ class Attention(qwen3.Attention):
             k, v = cache.update_and_fetch(k, v)
         out = attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(qwen3.MLP):
+    """mlx-lm's Qwen3 MLP with our `swiglu` (its sigmoid's exponential is the CPU kernel's)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 DECODE_POSITIONS = 2      # a lane's verify width: the widest input the fused decode path takes
@@ -95,12 +102,14 @@ class TransformerBlock(qwen3.TransformerBlock):
 
 
 def _use_cpu_ops(module: nn.Module) -> None:
-    """Our attention and block classes for mlx-lm's (same weights, same projections)."""
+    """Our attention, block and MLP classes for mlx-lm's (same weights, same projections)."""
     for m in module.modules():
         if type(m) is qwen3.Attention:
             m.__class__ = Attention
         elif type(m) is qwen3.TransformerBlock:
             m.__class__ = TransformerBlock
+        elif type(m) is qwen3.MLP:
+            m.__class__ = MLP
 
 
 def prepare_target(target: nn.Module) -> None:
