@@ -371,10 +371,15 @@ def render_solo(record: dict, image: str) -> str:
                      f"greedy AR {off['greedy']['ar_tok_s']:.1f}, MTP {off['greedy']['mtp_tok_s']:.1f} tok/s.")
     elif off:
         lines.append(f"The reference-BLAS child run failed: {off.get('error', '')[-200:]!r}.")
-    if record.get("capture_commit"):
-        lines.append("Capture-commit vs a plain verify forward: " +
-                     ", ".join(f"{k} {v}" for k, v in record["capture_commit"].items()) + ".")
+    lines += _capture_commit_lines(record)
     return "\n".join(lines + ["", f"![bench solo]({image})"]) + "\n"
+
+
+def _capture_commit_lines(record: dict) -> list:
+    if not record.get("capture_commit"):
+        return []
+    return ["Capture-commit vs a plain verify forward: " +
+            ", ".join(f"{k} {v}" for k, v in record["capture_commit"].items()) + "."]
 
 
 def plot_solo(record: dict, path) -> None:
@@ -432,9 +437,7 @@ def render_lane(record: dict, image: str) -> str:
               f"B3 vs B8 at 3 rows: greedy {g['b3_vs_b8_at_3rows']:.2f}x.",
               "",
               "Target forward, ms: " + ", ".join(f"{k} {v}" for k, v in record["forward_ms"].items()) + "."]
-    if record.get("capture_commit"):
-        lines.append("Capture-commit vs a plain verify forward: " +
-                     ", ".join(f"{k} {v}" for k, v in record["capture_commit"].items()) + ".")
+    lines += _capture_commit_lines(record)
     return "\n".join(lines + ["", f"![bench lane]({image})"]) + "\n"
 
 
