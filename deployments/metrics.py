@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable, Dict, Iterable, Optional
 
 SECONDS_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0]
@@ -160,6 +161,8 @@ class CohortMonitor:
         self._snapshot, self._metrics, self._log = snapshot, metrics, log
         self.log_every_s, self.sample_s, self.name = float(log_every_s), float(sample_s), name
         self._prev = self._totals(snapshot())   # warm-up and anything before now is not counted
+        # (time, tokens decoded so far) per sample, ~10 s of them: the recent decode rate
+        self._decoded: deque = deque(maxlen=int(10 / max(self.sample_s, 0.1)) + 1)
         self._lanes_prev: Dict[int, dict] = {}     # lane serial -> its counters at the last sample
         self._period = self._new_period()
         self._gauges: set = set()                  # label sets set non-zero last time (zeroed when gone)
@@ -233,7 +236,19 @@ class CohortMonitor:
         self._set_gauges(snap)
         self._add_to_period(snap, d)
         self._prev = cur
+        # a token per live row and cycle, plus each accepted draft
+        self._decoded.append((time.monotonic(), cur["lane_row_cycles"] + cur["accepted_draft_tokens"]))
         return snap
+
+    def decode_tok_s(self, window_s: float = 5.0) -> Optional[float]:
+        """Tokens decoded per second over the last `window_s` of samples (None before two samples).
+        A page polling the snapshot gets the rate at once, however close its own polls fall."""
+        samples = tuple(self._decoded)
+        if len(samples) < 2:
+            return None
+        t1, n1 = samples[-1]
+        t0, n0 = next((t, n) for t, n in samples if t1 - t <= window_s + 1e-6)
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
     def _set_gauges(self, snap: dict) -> None:
         waiting: Dict[str, int] = {"queue": int(snap.get("pending") or 0)}

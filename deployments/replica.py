@@ -460,7 +460,9 @@ class MTPReplica:
                      "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
                      "rss_bytes": _rss_bytes(), "mlx_memory": self._mlx_memory(),
                      "live_requests": len({j.request_id for lst in self._jobs.values() for j in lst}), "overload_rejections": self._overload_rejections,
-                     "max_waiting_rows_per_key": self.max_waiting_rows_per_key})
+                     "max_waiting_rows_per_key": self.max_waiting_rows_per_key,
+                     # tokens/s over the last 5 s (None without metrics or before two samples)
+                     "decode_tok_s_5s": self._monitor.decode_tok_s() if self._monitor is not None else None})
         return snap
 
     @staticmethod

@@ -143,6 +143,12 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     assert line is not None and "lane " in line and " w3: admitted 3, finished 3" in line, line
     assert "acceptance" in line and "tok/s" in line
     assert monitor.summary() is None   # nothing ran since: no line
+    # the recent decode rate: a token per live row and cycle plus each accepted draft, per second
+    (t0, n0), (t1, n1) = monitor._decoded[0], monitor._decoded[-1]
+    assert n1 == after["lane_row_cycles"] + after["accepted_draft_tokens"]
+    assert 0 < n1 - n0 <= (after["lane_row_cycles"] - before["lane_row_cycles"]) + accepted
+    assert monitor.decode_tok_s(window_s=t1 - t0) == pytest.approx((n1 - n0) / (t1 - t0))
+    assert monitor.decode_tok_s(window_s=0) is None   # one sample in the window: no rate
 
 
 def core_dashboard() -> dict:
@@ -341,17 +347,22 @@ def test_live_page_in_headless_chromium(serve_app, tmp_path):
               f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900", "--virtual-time-budget=12000"]
     shot = tmp_path / "live_page.png"
     try:
-        time.sleep(2)   # rows in flight before the page's first snapshot
+        time.sleep(3)   # rows in flight before the page's first snapshot
         dom = subprocess.run(chrome + ["--dump-dom", f"{url}#key={TEST_API_KEY}"], capture_output=True, text=True,
                              timeout=120).stdout
         subprocess.run(chrome + [f"--screenshot={shot}", f"{url}#key={TEST_API_KEY}"], capture_output=True,
                        timeout=120, check=True)
+        snap = httpx.get(serve_app.base + "/v1/mtplx/snapshot", timeout=30,
+                         headers={"Authorization": f"Bearer {TEST_API_KEY}"}).json()
     finally:
         stop.set()
         feeder.join(120)
     assert 'id="status" class="">live' in dom, dom[:2000]
     tps = re.search(r'id="tps">(\d+\.\d)<', dom)
-    assert tps and float(tps.group(1)) > 0, dom[:3000]   # tokens flowed between two of its snapshots
+    # tokens flowed: the page shows the replicas' own 5 s rate (its snapshots come within
+    # milliseconds of each other under headless virtual time)
+    assert tps and float(tps.group(1)) > 0, dom[:3000]
+    assert any((r.get("decode_tok_s_5s") or 0) > 0 for r in snap["replicas"].values()), snap["replicas"]
     assert "started at width" in dom   # the recent-lanes log saw lanes come
     assert shot.stat().st_size > 20_000
     keep = __import__("pathlib").Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
