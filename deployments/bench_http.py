@@ -9,7 +9,9 @@ Reported: aggregate tok/s of each arm and their ratio (target >= 0.85), for `n_r
 2-row cohort; and time to first token of a lone request, HTTP vs in-process (target overhead
 <= 30 ms median). The lone in-process arm is `service.submit` (the service's own 20 ms gather
 window, like the ingress's `@serve.batch` window); the no-wait `submit_cohort` figure is reported
-too.
+too. And what the metrics and the live page cost (target <= 2%): the `n_rows` SSE wave against the
+app with metrics on while its snapshot is polled once a second (the live page), and against a
+copy of the app with `metrics: false` on the same Serve, arms alternating.
 
     from deployments.bench_http import bench_http
     report = bench_http()                     # starts a local Ray Serve on a free loopback port
@@ -64,9 +66,21 @@ async def _http_row(client, url: str, body: dict, stream: bool) -> dict:
     return {"t0": t0, "end": time.perf_counter(), "ttft": ttft, "completion_tokens": tokens, "text": "".join(text)}
 
 
-async def _http_wave(client, bodies: list, stream: bool) -> dict:
+async def _http_wave(client, bodies: list, stream: bool, prefix: str = "", watch_page: bool = False) -> dict:
+    """The rows as concurrent requests to the app at `prefix`; `watch_page`: meanwhile poll its
+    snapshot once a second, as the live page does."""
+    async def page():
+        while True:
+            await client.get(f"{prefix}/v1/mtplx/snapshot")
+            await asyncio.sleep(1.0)
+
+    watcher = asyncio.ensure_future(page()) if watch_page else None
     t0 = time.perf_counter()
-    rows = await asyncio.gather(*[_http_row(client, "/v1/chat/completions", b, stream) for b in bodies])
+    try:
+        rows = await asyncio.gather(*[_http_row(client, f"{prefix}/v1/chat/completions", b, stream) for b in bodies])
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "rows": rows, "tokens": sum(r["completion_tokens"] or 0 for r in rows)}
 
@@ -126,7 +140,12 @@ def _set_blas_threads(n: Optional[int], runtime: dict) -> Optional[int]:
         return None
 
 
-def _start_local_serve(app_args: Optional[dict]) -> tuple:
+NO_METRICS_PREFIX = "/no-metrics"
+
+
+def _start_local_serve(app_args: Optional[dict], metrics_arm: bool = False) -> tuple:
+    """A Ray Serve on a free loopback port with the app at /; with `metrics_arm`, a second copy
+    of it without metrics at NO_METRICS_PREFIX (its own replica; the arms take turns)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
@@ -137,6 +156,9 @@ def _start_local_serve(app_args: Optional[dict]) -> tuple:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(dict(app_args or {})), name="mtplx-bench", route_prefix="/")
+    if metrics_arm:
+        serve.run(build_app({**(app_args or {}), "metrics": False}), name="mtplx-bench-no-metrics",
+                  route_prefix=NO_METRICS_PREFIX)
 
     def stop():
         serve.shutdown()
@@ -147,8 +169,11 @@ def _start_local_serve(app_args: Optional[dict]) -> tuple:
 
 def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: int = 256, rounds: int = 3,
                lone_rounds: int = 10, two_row_case: bool = True, base_url: Optional[str] = None,
-               app_args: Optional[dict] = None, model_name: Optional[str] = None, settle_s: float = 0.3) -> dict:
-    """Run the HTTP-vs-in-process benchmark; returns a JSON-able report (see module docstring)."""
+               app_args: Optional[dict] = None, model_name: Optional[str] = None, settle_s: float = 0.3,
+               metrics_arm: bool = True) -> dict:
+    """Run the HTTP-vs-in-process benchmark; returns a JSON-able report (see module docstring).
+    `metrics_arm` (a local Serve only): the n_rows case also runs against a copy of the app without
+    metrics, to measure what the metrics and the live page cost."""
     import mtplx
     from mtplx.sampling import SamplerConfig
     from mtplx.server import mtp_batch
@@ -169,7 +194,10 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     stop = None
     if base_url is None:
         args = {"model_path": model_path, **(app_args or {})}
-        base_url, stop = _start_local_serve(args)
+        metrics_arm = metrics_arm and args.get("metrics", True) is not False
+        base_url, stop = _start_local_serve(args, metrics_arm)
+    else:
+        metrics_arm = False
     # Same BLAS thread count in both arms (the replica reports its own in /health).
     replica_threads = _replica_blas_threads(base_url)
     inproc_threads = _set_blas_threads(replica_threads, mtplx.runtime_info())
@@ -180,13 +208,15 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     try:
         report.update(asyncio.run(_bench_async(
             base_url, service, mtp_batch, prompts, bodies, n_rows, max_tokens, rounds, lone_rounds, two_row_case,
-            eos, greedy, key, settle_s)))
+            eos, greedy, key, settle_s, metrics_arm)))
         report["targets"] = {
             "aggregate_ratio_target": 0.85,
             "aggregate_ratio_stream": report["cohort"]["ratio_stream"],
             "aggregate_ratio_json": report["cohort"]["ratio_json"],
             "ttft_overhead_target_ms": 30.0,
             "ttft_overhead_ms": report["lone_ttft"]["overhead_ms_vs_submit"],
+            "metrics_cost_pct_target": 2.0,
+            "metrics_cost_pct": (report["cohort"].get("metrics") or {}).get("cost_pct"),
         }
         try:
             import httpx
@@ -202,7 +232,7 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
 
 
 async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, max_tokens, rounds, lone_rounds,
-                       two_row_case, eos, greedy, key, settle_s) -> dict:
+                       two_row_case, eos, greedy, key, settle_s, metrics_arm: bool = False) -> dict:
     """All arms on one event loop with one keep-alive HTTP client (like a real client); the
     in-process arms run in a worker thread. Arms alternate, with a short settle pause between
     them so one arm's spinning BLAS threads do not tax the next."""
@@ -224,11 +254,21 @@ async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, ma
         for k in sorted({n_rows, 2, 1}):
             await inproc(_inproc_cohort, service, mtp_batch, prompts[:k], 16, eos, greedy, key)
             await _http_wave(client, bodies(k, 16), stream=True)
+            if metrics_arm:
+                await _http_wave(client, bodies(k, 16), stream=True, prefix=NO_METRICS_PREFIX)
 
-        async def cohort_case(k):
-            inp, sse_, js = [], [], []
+        async def cohort_case(k, with_metrics_arm=False):
+            inp, sse_, js, on, off = [], [], [], [], []
             same = True
-            for _ in range(rounds):
+            for rnd in range(rounds):
+                if with_metrics_arm:
+                    # the SSE wave with metrics on (and the live page polling) vs the copy without,
+                    # first arm alternating by round
+                    for arm in ((True, False) if rnd % 2 == 0 else (False, True)):
+                        await settle()
+                        w = await _http_wave(client, bodies(k, max_tokens), stream=True, watch_page=arm,
+                                             prefix="" if arm else NO_METRICS_PREFIX)
+                        (on if arm else off).append(w["tokens"] / w["wall_s"])
                 await settle()
                 a = await inproc(_inproc_cohort, service, mtp_batch, prompts[:k], max_tokens, eos, greedy, key)
                 await settle()
@@ -239,7 +279,12 @@ async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, ma
                 inp.append(a["tokens"] / a["wall_s"])
                 sse_.append(b["tokens"] / b["wall_s"])
                 js.append(c["tokens"] / c["wall_s"])
-            return {"rows": k, "completion_tokens": a["tokens"], "same_token_counts": bool(same),
+            metrics = None
+            if with_metrics_arm:
+                ratios = [a / b for a, b in zip(on, off)]
+                metrics = {"on_tok_s": on, "off_tok_s": off, "on_off_ratios": ratios,
+                           "on_off_ratio_median": med(ratios), "cost_pct": 100.0 * (1.0 - med(ratios))}
+            return {"rows": k, "completion_tokens": a["tokens"], "same_token_counts": bool(same), "metrics": metrics,
                     "inproc_tok_s": inp, "http_stream_tok_s": sse_, "http_json_tok_s": js,
                     "inproc_tok_s_median": med(inp), "http_stream_tok_s_median": med(sse_),
                     "http_json_tok_s_median": med(js),
@@ -247,7 +292,7 @@ async def _bench_async(base_url, service, mtp_batch, prompts, bodies, n_rows, ma
                     "http_ttft_s_median": med([r["ttft"] for r in b["rows"] if r["ttft"] is not None]),
                     "inproc_ttft_s_median": med(a["ttft"])}
 
-        out["cohort"] = await cohort_case(n_rows)
+        out["cohort"] = await cohort_case(n_rows, with_metrics_arm=metrics_arm)
         if two_row_case:
             out["two_rows"] = await cohort_case(2)
 
@@ -283,6 +328,10 @@ def format_report(r: dict) -> str:
                      f"HTTP SSE {c['http_stream_tok_s_median']:.1f} ({c['ratio_stream']:.2f}x) | "
                      f"HTTP JSON {c['http_json_tok_s_median']:.1f} ({c['ratio_json']:.2f}x) | "
                      f"same tokens: {c['same_token_counts']}")
+    m = (r.get("cohort") or {}).get("metrics")
+    if m:
+        lines.append(f"  metrics + live page on/off: {', '.join(f'{x:.3f}' for x in m['on_off_ratios'])}; "
+                     f"median {m['on_off_ratio_median']:.3f} (cost {m['cost_pct']:.1f}%, target <= 2%)")
     t = r["lone_ttft"]
     lines.append(f"  lone TTFT: HTTP {1000 * t['http_median_s']:.1f} ms | in-process submit "
                  f"{1000 * t['inproc_submit_median_s']:.1f} ms (overhead {t['overhead_ms_vs_submit']:.1f} ms) | "
@@ -319,6 +368,14 @@ def render_report(record: dict, image: str) -> str:
                          f"| {c['ratio_stream']:.2f} | {c['http_json_tok_s_median']:.1f} | {c['ratio_json']:.2f} "
                          f"| {1000 * c['inproc_ttft_s_median']:.0f} / {1000 * c['http_ttft_s_median']:.0f} "
                          f"| {'yes' if c['same_token_counts'] else '**no**'} |")
+    m = (record.get("cohort") or {}).get("metrics")
+    if m:
+        lines += ["", f"What the metrics and the live page cost ({record['cohort']['rows']} rows, HTTP SSE, "
+                  f"{len(m['on_off_ratios'])} rounds): the app with metrics on and its snapshot polled once a "
+                  "second (as the live page does) against a copy of the app with `metrics: false` on the same "
+                  "Serve, the first arm alternating by round: on/off "
+                  + ", ".join(f"{x:.3f}" for x in m["on_off_ratios"])
+                  + f"; median {m['on_off_ratio_median']:.3f}, a cost of {m['cost_pct']:.1f}% (target <= 2%)."]
     lines += ["",
               f"A lone request ({len(t['http_s'])} rounds, medians): time to first token through HTTP "
               f"{1000 * t['http_median_s']:.1f} ms, in-process `submit` (the service's own gather window) "
@@ -357,9 +414,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lone-rounds", type=int, default=10)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-metrics-arm", action="store_true", help="skip the metrics on/off comparison")
     a = p.parse_args(argv)
     report = bench_http(model_path=a.model, n_rows=a.rows, max_tokens=a.max_tokens, rounds=a.rounds,
-                        lone_rounds=a.lone_rounds, base_url=a.base_url)
+                        lone_rounds=a.lone_rounds, base_url=a.base_url, metrics_arm=not a.no_metrics_arm)
     print(json.dumps(report, default=str) if a.json else format_report(report), flush=True)
     return 0
 

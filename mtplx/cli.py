@@ -40,7 +40,8 @@ def _bench(a):
     if a.what == "load":
         from deployments.bench_load import run_cli
 
-        run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes)
+        run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
+                logprobs=a.logprobs)
         return
     if a.what == "soak":
         from deployments.bench_soak import run_cli as run_soak
@@ -114,6 +115,8 @@ def main(argv=None):
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
     b.add_argument("--modes", default=None, help="load: ours' closed-loop arms once per generation_mode, e.g. auto,mtp,ar")
+    b.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="load: ours' closed-loop arms also with logprobs: K, alternated with them off")
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))

@@ -19,9 +19,11 @@ OTHER_SECTIONS = ("# Benchmarks\n\nintro\n\n<!-- bench:load -->\nload table\n<!-
 def _http_result():
     case = {"rows": 8, "completion_tokens": 800, "same_token_counts": True, "inproc_tok_s_median": 300.0,
             "http_stream_tok_s_median": 280.0, "http_json_tok_s_median": 290.0, "ratio_stream": 0.93,
-            "ratio_json": 0.97, "http_ttft_s_median": 0.12, "inproc_ttft_s_median": 0.1}
+            "ratio_json": 0.97, "http_ttft_s_median": 0.12, "inproc_ttft_s_median": 0.1, "metrics": None}
+    metrics = {"on_tok_s": [280.0], "off_tok_s": [284.0], "on_off_ratios": [0.986], "on_off_ratio_median": 0.986,
+               "cost_pct": 1.4}
     return {"n_rows": 8, "max_tokens": 100, "rounds": 1, "settle_s": 0.3,
-            "blas_threads": {"replica": 2, "in_process": 2}, "cohort": case,
+            "blas_threads": {"replica": 2, "in_process": 2}, "cohort": {**case, "metrics": metrics},
             "two_rows": {**case, "rows": 2, "completion_tokens": 200},
             "lone_ttft": {"http_s": [0.05], "inproc_submit_s": [0.03], "inproc_submit_cohort_s": [0.01],
                           "http_median_s": 0.05, "inproc_submit_median_s": 0.03,
