@@ -79,17 +79,18 @@ function render(snap) {
   win.push({t: snap.time, v: Object.fromEntries(keys.map(k => [k, sum(snap, k)]))});
   while (win.length > 2 && snap.time - win[1].t >= 5) win.shift();
   const old = win[0]; dt = snap.time - old.t;
-  // the replicas' own 5 s rate when they keep one (our window needs polls seconds apart)
-  const rates = reps.map(r => r.decode_tok_s_5s).filter(v => typeof v === "number"), served = rates.length > 0;
-  if (served) { const tps = rates.reduce((a, v) => a + v, 0); $("tps").textContent = tps.toFixed(1); push("tps", tps); }
+  // tokens/s: the replicas' own 5 s rates when they keep them (our window needs polls seconds
+  // apart), else ours: a token per live row and cycle, plus accepted drafts
+  const rates = reps.map(r => r.decode_tok_s_5s).filter(v => typeof v === "number");
+  let tps = rates.length ? rates.reduce((a, v) => a + v, 0) : null;
   if (win.length > 1 && dt > 0) {
     const d = k => sum(snap, k) - old.v[k];
     const acc = d("accepted_draft_tokens"), rej = d("rejected_draft_tokens"), cyc = d("lane_cycles"), rc = d("lane_row_cycles");
-    // a token per live row and cycle, plus accepted drafts
-    if (!served) { const tps = Math.max(0, rc + acc) / dt; $("tps").textContent = tps.toFixed(1); push("tps", tps); }
+    if (tps === null) tps = Math.max(0, rc + acc) / dt;
     $("acc").textContent = acc + rej > 0 ? (100 * acc / (acc + rej)).toFixed(0) + "%" : "-"; push("acc", acc + rej > 0 ? acc / (acc + rej) : null);
     $("occ").textContent = cyc > 0 ? (rc / cyc).toFixed(2) : "-"; push("occ", cyc > 0 ? rc / cyc : null);
   }
+  if (tps !== null) { $("tps").textContent = tps.toFixed(1); push("tps", tps); }
   const rows = [], now = new Map();
   for (const r of reps) for (const ln of (r.lanes || [])) {
     const id = (r.replica_id || "?") + "/" + ln.serial;
