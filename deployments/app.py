@@ -76,7 +76,7 @@ class AppArgs(BaseModel):
     replica_num_cpus: float = Field(1.0, ge=0.0)
     replica_resources: Optional[Dict[str, float]] = Field(
         None, description='Custom resources per replica, e.g. {"mlx": 1} to land on MLX hosts')
-    blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads per replica (default: every core of the node)")
+    blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads per replica (default 1: more spin and slow the model owner on small nodes)")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0.0)
     ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)

@@ -123,23 +123,6 @@ def _replica_blas_threads(base_url: str) -> Optional[int]:
         return None
 
 
-def _set_blas_threads(n: Optional[int], runtime: dict) -> Optional[int]:
-    """openblas_set_num_threads(n) in this process (the library mtplx loaded); returns the count
-    now in effect, or None when it cannot be controlled (no OpenBLAS, e.g. macOS)."""
-    import ctypes
-
-    path = runtime.get("blas_path")
-    if runtime.get("blas") != "openblas" or not path:
-        return None
-    try:
-        lib = ctypes.CDLL(path)
-        if n:
-            lib.openblas_set_num_threads(int(n))
-        return int(lib.openblas_get_num_threads())
-    except (OSError, AttributeError):
-        return None
-
-
 NO_METRICS_PREFIX = "/no-metrics"
 
 
@@ -175,6 +158,7 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     `metrics_arm` (a local Serve only): the n_rows case also runs against a copy of the app without
     metrics, to measure what the metrics and the live page cost."""
     import mtplx
+    from mtplx.runtime import set_blas_threads
     from mtplx.sampling import SamplerConfig
     from mtplx.server import mtp_batch
     from mtplx.server.openai import ChatMessage, encode_chat
@@ -200,7 +184,7 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
         metrics_arm = False
     # Same BLAS thread count in both arms (the replica reports its own in /health).
     replica_threads = _replica_blas_threads(base_url)
-    inproc_threads = _set_blas_threads(replica_threads, mtplx.runtime_info())
+    inproc_threads = set_blas_threads(replica_threads)
     service = mtp_batch.MTPBatchGenerationService.for_model(model, widths=(3, 8))
     report = {"base_url": base_url, "model": name, "n_rows": n_rows, "max_tokens": max_tokens, "rounds": rounds,
               "runtime": mtplx.runtime_info(), "settle_s": settle_s,

@@ -194,19 +194,23 @@ class MTPReplica:
         from ._proc import renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
-        # BLAS threads (CPU backend): by default every core of the node. Measured through
-        # `serve run` on the 2-core dev box at 8 clients, 2 threads served 7-20% more tokens/s than
-        # 1 in each of 4 interleaved rounds, the ingress and proxy running beside it. Set
-        # `blas_threads` when several replicas share a node. OpenBLAS reads this when mtplx loads it.
-        threads = int(blas_threads) if blas_threads else (os.cpu_count() or 1)
+        # BLAS threads (CPU backend): 1 by default. OpenBLAS's extra threads spin while they wait,
+        # taking the core the model owner's Python (and the ingress and proxy) needs: through
+        # `serve run` on the 2-core dev box, 1 thread served 1.26x the tok/s of 2 at 1 client and
+        # 1.16x at 8 (3 interleaved rounds each; every round favoured 1). Raise it on nodes with
+        # cores to spare, and measure. Set through OpenBLAS's own call: this process loaded it
+        # already (importing this package imports mtplx) under Ray's OMP_NUM_THREADS, so the
+        # environment alone would not change it.
+        threads = int(blas_threads) if blas_threads else 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
         os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-        self.blas_threads = threads
 
         import mtplx
+        from mtplx.runtime import set_blas_threads
         from mtplx.server import mtp_batch
 
         self._mtplx = mtplx
+        self.blas_threads = set_blas_threads(threads) or threads
         self._mtp_batch = mtp_batch
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)

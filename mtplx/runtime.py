@@ -79,6 +79,23 @@ def warn_if_slow_blas() -> None:
         )
 
 
+def set_blas_threads(n: Optional[int] = None) -> Optional[int]:
+    """Set the BLAS thread count (when `n`) and return the count in effect; None when it cannot be
+    controlled (no OpenBLAS, e.g. macOS). OpenBLAS reads OPENBLAS_NUM_THREADS / OMP_NUM_THREADS
+    only once, when it is loaded, and a Ray actor process may load it (any import of mtplx) under
+    Ray's OMP_NUM_THREADS=1: setting the environment afterwards does nothing, this call does."""
+    path = _state.get("blas_path")
+    if _state["blas"] != "openblas" or not path:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        if n:
+            lib.openblas_set_num_threads(int(n))
+        return int(lib.openblas_get_num_threads())
+    except (OSError, AttributeError):
+        return None
+
+
 def clear_streams_at_exit() -> None:
     """MLX expects each thread, the main one included, to tear down its own streams before the
     interpreter finalizes; otherwise exit can abort. Registered once, on first model load."""
@@ -100,6 +117,7 @@ def runtime_info() -> dict:
         "blas": _state["blas"],
         "blas_path": _state["blas_path"],
         "blas_note": _state["reason"],
+        "blas_threads": set_blas_threads(),
         "mlx_version": mx.__version__,
         "mlx_device": str(mx.default_device()),
         "metal_available": bool(mx.metal.is_available()),

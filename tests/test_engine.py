@@ -30,6 +30,15 @@ def test_runtime_reports_live_blas():
     info = mtplx.runtime_info()
     assert info["blas"] in ("openblas", "accelerate", "reference")
     assert info["mlx_version"] and info["mlx_device"]
+    if info["blas"] == "openblas":      # its thread count can be set after it is loaded
+        from mtplx.runtime import set_blas_threads
+
+        before = set_blas_threads()
+        try:
+            assert set_blas_threads(1) == 1 and mtplx.runtime_info()["blas_threads"] == 1
+            assert set_blas_threads(2) == 2
+        finally:
+            set_blas_threads(before)
 
 
 def test_shipped_model_loads_with_mtp_and_chat_template(model):

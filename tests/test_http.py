@@ -95,6 +95,8 @@ def test_models_and_health(http):
     assert body["status"] == "ok" and body["ingress"]["mlx_imported"] is False
     (rep,) = body["replicas"].values()
     assert rep["ok"] and rep["runtime"]["blas"] and rep["installed_widths"] == [3, 8, 16, 32]
+    if rep["runtime"]["blas"] == "openblas":     # the replica's setting is the one in effect
+        assert rep["runtime"]["blas_threads"] == rep["blas_threads"] == 1
 
 
 @RAY_MARK
