@@ -18,6 +18,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -140,6 +141,7 @@ class InstalledA3BMTPBatchLane:
     selfcheck: dict = field(compare=False)
     prefill_chunk: int = PREFILL_CHUNK
     compiled: bool = True                 # mx.compile the cycle's forwards when the caches allow
+    span_bucket: Optional[int] = None     # compiled attention reads a span rounded up to this (None: the whole buffer)
     _graphs: dict = field(default_factory=dict, repr=False, compare=False)
     # seconds per step at this width by kind ("mtp": a full cycle, "ar": a plain AR step): measured
     # at install, then a moving average of the running lanes' own steps
@@ -216,30 +218,44 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
 
 def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool]) -> InstalledA3BMTPBatchLane:
     route_id = _route_id(model, width, numerics)
+    compiled = _default_compile() if compiled is None else bool(compiled)
     return InstalledA3BMTPBatchLane(
         model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
-        compiled=_default_compile(model, width) if compiled is None else bool(compiled))
+        compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None)
 
 
-def _default_compile(model, width: int) -> bool:
-    """Compiled cycle graphs for the one-row lane and for models with recurrent (GDN) layers, whose
-    capture forward is many small operations; eager for wider lanes of attention-only models. A
-    compiled graph has fixed shapes, so its attention reads the whole KV buffer, sized for the rows'
-    whole lives, while an eager forward reads each cohort's live span: measured on the shipped
-    model (2-core CPU, B8, closed-loop mixed prompt lengths) eager served 429 tok/s against 364
-    compiled. One row's buffer is its own prompt + max_tokens, and there the per-operation cost
-    that compiling removes dominates: the one-row lane served the bench prompts and budgets
-    1.2-1.4x faster compiled (requests alternating in one process). MTPLX_MTP_BATCH_COMPILE=0/1
-    overrides."""
+# Compiled attention spans of wide lanes are rounded up to this many positions: one graph per span.
+# Measured on the shipped model (2-core CPU, B8, rows of 60-260 prompt tokens decoding to ~750,
+# graphs traced beforehand, blocks of cycles alternating on the same rows): eager 26.5 ms a cycle,
+# compiled with 64-position spans 23.2 (1.14x; 32: 1.10x, within the noise of 64). A new span's
+# graphs trace once per lane width and buffer size, in 10-50 ms.
+SPAN_BUCKET = 64
+
+
+def _default_compile() -> bool:
+    """Cycle graphs are compiled (`mx.compile`) unless MTPLX_MTP_BATCH_COMPILE=0: the per-operation
+    cost that compiling removes is most of a small model's step on the CPU, and a wide lane's Python
+    graph building (4-5 ms a cycle at B8) otherwise leaves the device idle."""
     import os
 
     env = os.environ.get("MTPLX_MTP_BATCH_COMPILE")
     if env is not None and env.strip():
         return env.strip().lower() not in ("0", "off", "false", "no")
+    return True
+
+
+def _span_bucket(model, width: int) -> Optional[int]:
+    """Wide lanes of attention-only models attend over a span rounded up to SPAN_BUCKET (a compiled
+    graph has fixed shapes: over the whole buffer, sized for the rows' whole lives, B8 compiled
+    served 364 tok/s against eager's 429). The one-row lane (its buffer is its own prompt +
+    max_tokens; 1.2-1.4x faster compiled over the whole buffer) and models with recurrent (GDN)
+    layers keep one graph over the whole buffer."""
     from .models.recurrent_cache import RecurrentCache
 
-    return width == 1 or any(isinstance(c, RecurrentCache) for c in model.make_cache())
+    if width == 1 or any(isinstance(c, RecurrentCache) for c in model.make_cache()):
+        return None
+    return SPAN_BUCKET
 
 
 # Greedy parity tolerance by the dtype the model computes in. fp32: exact. bf16/fp16: batched
@@ -358,45 +374,42 @@ def _graph_outputs(caches) -> tuple:
     return tuple(a for c in caches for a in c.graph_outputs())
 
 
-def _graph_views(kinds, arrays, offset) -> list:
+def _graph_views(kinds, arrays, offset, span) -> list:
     """Inside a graph: each layer's cache rebuilt from its two arrays."""
     it = iter(arrays)
-    return [kind.graph_view([next(it), next(it)], offset) for kind in kinds]
+    return [kind.graph_view([next(it), next(it)], offset, span) for kind in kinds]
 
 
 class _CycleForwards:
     """The two forwards of a cycle over fixed [W, 2] shapes: the MTP head (owed history entry +
     draft entry) and the target verify. They run as `mx.compile`d graphs cached on the lane: each
     cache enters as arrays (KV buffers, or a GDN layer's conv window and state) and comes back as
-    arrays (updated buffers, or the GDN capture the commit rolls back from). A graph retraces only
-    when a KV buffer's capacity grows. Eager through the same code when compiling is off or a
+    arrays (updated buffers, or the GDN capture the commit rolls back from). A graph retraces
+    when a KV buffer's capacity grows. With the lane's `span_bucket`, attention reads only the
+    buffer's first positions, up to the rows' longest rounded up to the bucket: one graph per
+    span, traced when first reached. Eager through the same code when compiling is off or a
     cache cannot enter a graph yet."""
 
     def __init__(self, lane, caches, mtp_caches, counters=None):
         self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
-        self.compiled = lane.compiled
+        self.compiled, self.span_bucket = lane.compiled, lane.span_bucket
         self.counters = counters            # gets `graph_retraces` += 1 per retrace of a lane graph
-        if self.compiled and not lane._graphs:
+        if self.compiled and "fns" not in lane._graphs:
             model = lane.model
             kinds = [type(c) for c in caches]
             mtp_kinds = [type(c) for c in mtp_caches]
 
-            def draft(h_in, t_in, sel, offset, *arrays):
-                mc = _graph_views(mtp_kinds, arrays, offset)
+            def draft(span, h_in, t_in, sel, offset, *arrays):
+                mc = _graph_views(mtp_kinds, arrays, offset, span)
                 g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mc), sel, axis=1)
                 return (model.logits(g)[:, 0],) + _graph_outputs(mc)
 
-            def verify(tokens, offset, *arrays):
-                tc = _graph_views(kinds, arrays, offset)
+            def verify(span, tokens, offset, *arrays):   # [W, 2] a cycle's verify, [W, 1] an AR step
+                tc = _graph_views(kinds, arrays, offset, span)
                 H = model.hidden(tokens, tc)
                 return (H, model.logits(H)) + _graph_outputs(tc)
 
-            def ar_step(tokens, offset, *arrays):     # the verify's body over [W, 1]: its own graph
-                tc = _graph_views(kinds, arrays, offset)
-                H = model.hidden(tokens, tc)
-                return (H, model.logits(H)) + _graph_outputs(tc)
-
-            lane._graphs.update(draft=mx.compile(draft), verify=mx.compile(verify), ar=mx.compile(ar_step))
+            lane._graphs["fns"] = {"draft": draft, "verify": verify, "ar": verify}
         self._graphs = lane._graphs
 
     def _run(self, name, caches, T, *args):
@@ -410,13 +423,20 @@ class _CycleForwards:
         if arrays is None:
             return None
         offset = ragged[0].offset if ragged else mx.zeros((1,), mx.int32)
+        span = None
+        if ragged and self.span_bucket:
+            need = int(ragged[0].lengths.max()) + T
+            span = min(-(-need // self.span_bucket) * self.span_bucket, ragged[0].keys.shape[2])
         traced = self._graphs.setdefault("traced", set())        # (graph, input shapes) seen
         signature = (name,) + tuple(a.shape for a in args + tuple(arrays))
         if signature not in traced:
             if self.counters is not None and any(t[0] == name for t in traced):
                 self.counters.graph_retraces += 1
             traced.add(signature)
-        return self._graphs[name](*args, offset, *arrays), offset + T
+        graph = self._graphs.get((name, span))
+        if graph is None:
+            graph = self._graphs[(name, span)] = mx.compile(partial(self._graphs["fns"][name], span))
+        return graph(*args, offset, *arrays), offset + T
 
     def draft(self, h_in, t_in, sel):
         """Draft logits [W, V] from the head's output at slot `sel` per row."""

@@ -447,13 +447,14 @@ def test_compiled_cycle_graphs_carry_recurrent_state(models, kind):
     compiled, eager = (install_a3b_mtp_batch_lane(m, 4, compiled=c, selfcheck=False) for c in (True, False))
     generate_a3b_mtp_batch(compiled, [_req(i, p, 4) for i, p in enumerate(_prompts(2, seed=5))])
     calls = {"verify": 0}
-    graph = compiled._graphs["verify"]
+    assert compiled.span_bucket is None        # recurrent lanes: one graph over the whole buffer
+    graph = compiled._graphs[("verify", None)]
 
     def counted(*args):
         calls["verify"] += 1
         return graph(*args)
 
-    compiled._graphs["verify"] = counted
+    compiled._graphs[("verify", None)] = counted
     prompts = _prompts(4, seed=41)
     for cfg in (GREEDY, SamplerConfig(temperature=0.7)):
         reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=cfg, seed=i, max_tokens=30)

@@ -220,13 +220,17 @@ def test_any_width_installs(model):
 
 
 def test_compiled_and_eager_lanes_agree(model):
-    """The compiled cycle graphs are an optimisation only: same tokens, greedy and sampled."""
+    """The compiled cycle graphs are an optimisation only: same tokens, greedy and sampled, as
+    the rows' attention span crosses from one compiled span to the next."""
     prompts = _prompts(model, 4)
     lanes = [install_a3b_mtp_batch_lane(model, 4, compiled=c) for c in (True, False)]
+    assert lanes[0].span_bucket == lane_mod.SPAN_BUCKET and lanes[1].span_bucket is None
     for cfg in (GREEDY, SamplerConfig(temperature=0.7)):
-        reqs = [_req(i, p, 40, cfg, seed=i) for i, p in enumerate(prompts)]
+        reqs = [_req(i, p, 40 + 30 * i, cfg, seed=i) for i, p in enumerate(prompts)]
         a, b = (generate_a3b_mtp_batch(lane, reqs) for lane in lanes)
         assert [s.tokens for s in a.streams] == [s.tokens for s in b.streams]
+    spans = {key[1] for key in lanes[0]._graphs if isinstance(key, tuple) and key[0] == "verify"}
+    assert len(spans) >= 2 and all(s % lane_mod.SPAN_BUCKET == 0 for s in spans)
 
 
 # ------------------------------------------------------------------------------ running lanes
@@ -302,16 +306,17 @@ def test_widen_b3_to_b8_mid_flight_then_narrow(model, lanes):
     assert streams[0].fixed_width == 8 and streams[0].mean_occupancy < streams[0].real_width
 
 
-def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model, lanes):
-    """Three rows decode in an eager B3; the two short ones end and the long one narrows into the
-    compiled one-row lane, its KV reserved for its whole life then: no graph is traced again while
-    it decodes past the eager lane's buffer, and every row is exact. Then two rows join it and it
-    widens back (state carried over from the compiled lane)."""
+def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
+    """Three rows decode in an eager B3 (MTPLX_MTP_BATCH_COMPILE=0); the two short ones end and the
+    long one narrows into the compiled one-row lane, its KV reserved for its whole life then: no
+    graph is traced again while it decodes past the eager lane's buffer, and every row is exact.
+    Then two rows join it and it widens back (state carried over from the compiled lane)."""
     solo = lane_mod.solo_lane(model)
-    assert solo.compiled and not lanes[3].compiled
+    eager = install_a3b_mtp_batch_lane(model, 3, compiled=False)
+    assert solo.compiled and not eager.compiled
     prompts = _prompts(model, 5)
     budgets = [300, 12, 14, 20, 25]
-    running = lane_mod.RunningLane([solo, lanes[3]], narrow_after=2)
+    running = lane_mod.RunningLane([solo, eager], narrow_after=2)
     streams = [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[:3], budgets[:3]))]
     running.step()
     assert running.width == 3

@@ -37,17 +37,21 @@ class RaggedKVCache:
         self.reserved = 0         # capacity asked for before the buffer exists
 
     @classmethod
-    def traced(cls, keys: mx.array, values: mx.array, offset: mx.array) -> "RaggedKVCache":
+    def traced(cls, keys: mx.array, values: mx.array, offset: mx.array,
+               span: Optional[int] = None) -> "RaggedKVCache":
         """A pure-array view for `mx.compile`: shapes fixed by the buffer's capacity, no host
-        bookkeeping inside the graph (the caller advances `lengths`). The caller guarantees
-        capacity for the positions written."""
+        bookkeeping inside the graph (the caller advances `lengths`). Attention reads the first
+        `span` positions (the whole buffer when None). The caller guarantees capacity for the
+        positions written and a span that covers every row's length after the write."""
         c = cls.__new__(cls)
         c.keys, c.values, c.offset, c.lengths, c.full_span = keys, values, offset, None, True
-        c.reserved = 0
+        c.reserved, c.span = 0, span
         return c
 
     def _span(self, T: int) -> int:
-        return self.keys.shape[2] if self.full_span else int(self.lengths.max()) + T
+        if self.full_span:
+            return self.span or self.keys.shape[2]
+        return int(self.lengths.max()) + T
 
     @property
     def batch_size(self) -> int:
@@ -119,7 +123,7 @@ class RaggedKVCache:
             self.values, mx.broadcast_to(pos[:, None, :, None], values.shape), values, axis=2)
         self.offset = self.offset + T
         if self.full_span:
-            return self.keys, self.values
+            return self.keys[..., :span, :], self.values[..., :span, :]
         self.lengths = self.lengths + T
         return self.keys[..., :span, :], self.values[..., :span, :]
 
@@ -144,8 +148,8 @@ class RaggedKVCache:
         return [self.keys, self.values]
 
     @classmethod
-    def graph_view(cls, arrays: Sequence[mx.array], offset: mx.array) -> "RaggedKVCache":
-        return cls.traced(arrays[0], arrays[1], offset)
+    def graph_view(cls, arrays: Sequence[mx.array], offset: mx.array, span: Optional[int] = None) -> "RaggedKVCache":
+        return cls.traced(arrays[0], arrays[1], offset, span)
 
     def graph_outputs(self) -> list:
         return [self.keys, self.values]

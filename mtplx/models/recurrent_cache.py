@@ -100,7 +100,7 @@ class RecurrentCache(ArraysCache):
         return [self.cache[0], self.cache[1]]
 
     @classmethod
-    def graph_view(cls, arrays: Sequence[mx.array], offset=None) -> "RecurrentCache":
+    def graph_view(cls, arrays: Sequence[mx.array], offset=None, span=None) -> "RecurrentCache":
         c = cls()
         c[0], c[1] = arrays
         return c
