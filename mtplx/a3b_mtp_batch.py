@@ -26,6 +26,7 @@ import numpy as np
 
 from .generation import PREFILL_CHUNK, CapacityError, start_prefill
 from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
+from .models.cpu_ops import split_for
 from .repetition import RepetitionLimits, repeated_tail
 from .sampling import Distribution, SamplerConfig, row_distribution, sample, to_host, verify_one_token
 
@@ -425,8 +426,10 @@ class _CycleForwards:
         offset = ragged[0].offset if ragged else mx.zeros((1,), mx.int32)
         span = None
         if ragged and self.span_bucket:
-            need = int(ragged[0].lengths.max()) + T
-            span = min(-(-need // self.span_bucket) * self.span_bucket, ragged[0].keys.shape[2])
+            spans = ragged[0].lengths + T
+            if caches is self.caches and split_for(spans, ragged[0].keys.dtype) is not None:
+                return None        # rows this uneven attend split by span (cpu_ops), eagerly
+            span = min(-(-int(spans.max()) // self.span_bucket) * self.span_bucket, ragged[0].keys.shape[2])
         traced = self._graphs.setdefault("traced", set())        # (graph, input shapes) seen
         signature = (name,) + tuple(a.shape for a in args + tuple(arrays))
         if signature not in traced:

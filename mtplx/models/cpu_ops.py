@@ -129,6 +129,13 @@ def split_point(spans: np.ndarray, width_span: int):
     return best_cut, np.flatnonzero(spans > best_cut)
 
 
+def split_for(spans: np.ndarray, dtype) -> Optional[tuple]:
+    """The split `attention` takes for lane rows of these spans and this dtype (None: whole)."""
+    if dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return None
+    return split_point(spans, int(spans.max()))
+
+
 def _take_rows(x: mx.array, rows: np.ndarray, start: int) -> mx.array:
     """x[rows, :, start:] by basic slices: a gather on the lane's strided KV view would first copy
     every row of it."""
