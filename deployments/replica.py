@@ -200,17 +200,13 @@ class MTPReplica:
         # 1.16x at 8 (3 interleaved rounds each; every round favoured 1). Raise it on nodes with
         # cores to spare, and measure. Set through OpenBLAS's own call: this process loaded it
         # already (importing this package imports mtplx) under Ray's OMP_NUM_THREADS, so the
-        # environment alone would not change it.
-        threads = int(blas_threads) if blas_threads else 1
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
-
+        # environment would not change it. None: no OpenBLAS to set (macOS, or MTPLX_BLAS=off).
         import mtplx
         from mtplx.runtime import set_blas_threads
         from mtplx.server import mtp_batch
 
         self._mtplx = mtplx
-        self.blas_threads = set_blas_threads(threads) or threads
+        self.blas_threads = set_blas_threads(int(blas_threads) if blas_threads else 1)
         self._mtp_batch = mtp_batch
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)

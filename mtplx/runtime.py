@@ -84,11 +84,10 @@ def set_blas_threads(n: Optional[int] = None) -> Optional[int]:
     controlled (no OpenBLAS, e.g. macOS). OpenBLAS reads OPENBLAS_NUM_THREADS / OMP_NUM_THREADS
     only once, when it is loaded, and a Ray actor process may load it (any import of mtplx) under
     Ray's OMP_NUM_THREADS=1: setting the environment afterwards does nothing, this call does."""
-    path = _state.get("blas_path")
-    if _state["blas"] != "openblas" or not path:
+    if _state["blas"] != "openblas" or not _state["blas_path"]:
         return None
     try:
-        lib = ctypes.CDLL(path)
+        lib = _state.get("blas_lib") or _state.setdefault("blas_lib", ctypes.CDLL(_state["blas_path"]))
         if n:
             lib.openblas_set_num_threads(int(n))
         return int(lib.openblas_get_num_threads())

@@ -122,9 +122,8 @@ class RaggedKVCache:
         self.values = mx.put_along_axis(
             self.values, mx.broadcast_to(pos[:, None, :, None], values.shape), values, axis=2)
         self.offset = self.offset + T
-        if self.full_span:
-            return self.keys[..., :span, :], self.values[..., :span, :]
-        self.lengths = self.lengths + T
+        if not self.full_span:
+            self.lengths = self.lengths + T
         return self.keys[..., :span, :], self.values[..., :span, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None) -> mx.array:
