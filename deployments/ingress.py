@@ -41,6 +41,7 @@ from mtplx.server import anthropic
 from mtplx.server import openai as oa
 from mtplx.server.mtp_batch import mtp_batch_compatibility_key
 
+from ._proc import renice_process, renice_serve_proxy
 from .live_page import PAGE_HTML, PAGE_PATH
 from .metrics import INGRESS_SERIES, make_metrics, record
 from .router import PIN_KWARG, known_replicas
@@ -132,9 +133,9 @@ class OpenAIIngress:
 
     def __init__(self, replica, config: Optional[dict] = None):
         cfg = dict(config or {})
-        from ._proc import renice_process
-
-        renice_process(cfg.get("niceness", 0))
+        self.niceness = cfg.get("niceness", 0)
+        renice_process(self.niceness)
+        renice_serve_proxy(self.niceness)
         self._replica = replica
         self._replica_stream = replica.options(stream=True)
         self._replica_name = getattr(replica, "deployment_name", "MTPReplica")
@@ -691,7 +692,9 @@ class OpenAIIngress:
             return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503, headers=err.headers)
         ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
         body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
-                "max_context": (self.meta or {}).get("max_context"), "ingress": {"mlx_imported": _mlx_imported()},
+                "max_context": (self.meta or {}).get("max_context"), "ingress": {"mlx_imported": _mlx_imported(),
+                                                                     # a restarted proxy starts at Ray's 15 again
+                                                                     "proxy_niceness": renice_serve_proxy(self.niceness)},
                 "replicas": replicas}
         return JSONResponse(body, status_code=200 if ok else 503)
 

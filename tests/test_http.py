@@ -97,6 +97,9 @@ def test_models_and_health(http):
     assert rep["ok"] and rep["runtime"]["blas"] and rep["installed_widths"] == [3, 8, 16, 32]
     if rep["runtime"]["blas"] == "openblas":     # the replica's setting is the one in effect
         assert rep["runtime"]["blas_threads"] == rep["blas_threads"] == 1
+    if sys.platform == "linux":   # Serve's proxy runs no weaker than the model replica (Ray starts it at 15)
+        proxies = body["ingress"]["proxy_niceness"]
+        assert proxies and all(n == rep["niceness"] for n in proxies.values()), (proxies, rep["niceness"])
 
 
 @RAY_MARK
