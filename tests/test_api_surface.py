@@ -347,6 +347,26 @@ def _target_logprobs(model, prompt_ids, tokens, k):
     return [(lp[i, t], np.sort(lp[i])[::-1][:k]) for i, t in enumerate(tokens)]
 
 
+def test_heaviest_ranks_like_a_full_sort():
+    """The k heaviest ids of a row, by weight then id, as a stable sort of the whole row ranks
+    them: ties, a vocabulary that is not a multiple of the block, more ids than blocks."""
+    import numpy as np
+
+    from mtplx.a3b_mtp_batch import heaviest, logprob_entry
+
+    rng = np.random.default_rng(0)
+    rows = [rng.standard_normal(4096).astype(np.float32), rng.standard_normal(1000).astype(np.float32) * 9,
+            np.zeros(4096, np.float32), np.round(rng.standard_normal(3001) * 2).astype(np.float32),
+            rng.standard_normal(70).astype(np.float32)]
+    rows[2][[100, 5, 4095]] = 1.0
+    for x in rows:
+        for k in (0, 1, 5, 20, 64):
+            assert heaviest(x, k).tolist() == np.argsort(-x, kind="stable")[:k].tolist(), (x.size, k)
+        lp, alts = logprob_entry(x, 3, 5)
+        ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum())
+        assert abs(lp - ref[3]) < 1e-6 and all(abs(a - ref[i]) < 1e-6 for i, a in alts)
+
+
 @pytest.mark.parametrize("width,steps", [(1, "mtp"), (3, "mtp"), (3, "alternate")])
 def test_lane_logprobs_are_the_targets_own(model, width, steps):
     """Every emitted token's entry (drafts accepted or not, bonus tokens, AR steps' tokens) equals
