@@ -871,8 +871,14 @@ class _RowRun:
         raise self._row_error(payload)
 
     def _apply_with_logprobs(self, tokens: List[int], entries: list) -> str:
-        """Tokens one at a time, each with its log-probability entry, so that the entries stop at
-        the token that completed a stop string."""
+        """Tokens with their log-probability entries; one at a time where stop strings may end the
+        row mid-message, so that the entries stop at the token that completed one."""
+        if not self.stops.stops:      # nothing can stop mid-message: one detokenizer pass
+            self.n_tokens += len(tokens)
+            self._lp_tokens.extend(tokens)
+            self._lp_entries.extend(entries)
+            self.cumulative_logprob += sum(e[0] for e in entries)
+            return self.detok.push(tokens)
         text = ""
         for token, entry in zip(tokens, entries):
             self.n_tokens += 1
