@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -15,6 +16,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def freeze_startup_objects() -> None:
+    """Collect, then move every object alive now into the collector's permanent generation.
+    A serving process builds its long-lived objects at start (Ray and Serve internals, the
+    tokenizer, the model's Python side); full collections then scan only what serving allocates.
+    Under a 128-client overload the ingress's full collections (two in 25 s, its event loop stalled
+    for each) took 12 and 22 ms unfrozen, 6 and 8 ms frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 def renice_process(niceness: Optional[int]) -> Optional[int]:

@@ -41,7 +41,7 @@ from mtplx.server import anthropic
 from mtplx.server import openai as oa
 from mtplx.server.mtp_batch import mtp_batch_compatibility_key
 
-from ._proc import renice_process, renice_serve_proxy
+from ._proc import freeze_startup_objects, renice_process, renice_serve_proxy
 from .live_page import PAGE_HTML, PAGE_PATH
 from .metrics import INGRESS_SERIES, make_metrics, record
 from .router import PIN_KWARG, known_replicas
@@ -187,11 +187,13 @@ class OpenAIIngress:
             provision(log=log)
         except Exception as exc:
             log.warning("mtplx: Grafana provisioning skipped: %s: %s", type(exc).__name__, exc)
+        freeze_startup_objects()
 
     def _load_model_files(self, model_dir: Path) -> None:
         self.meta = load_model_metadata(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.token_bytes = oa.TokenBytes(self.tokenizer)
+        freeze_startup_objects()
 
     async def _ensure_model(self) -> None:
         if self.tokenizer is not None:

@@ -191,7 +191,7 @@ class MTPReplica:
                  niceness: Optional[int] = 0, max_waiting_rows_per_key: int = 64,
                  retry_after_s: float = 1.0, watchdog_s: float = 120.0, summary_interval_s: float = 10.0,
                  metrics: bool = True):
-        from ._proc import renice_process
+        from ._proc import freeze_startup_objects, renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
         # BLAS threads (CPU backend): 1 by default. OpenBLAS's extra threads spin while they wait,
@@ -234,6 +234,7 @@ class MTPReplica:
             self._init_metrics()
         log.info("mtplx replica %s: %s loaded in %.2fs, lanes %s", self.replica_id, self.model.model_id,
                  self.load_s, self.service.installed_widths)
+        freeze_startup_objects()
 
     # -- setup -----------------------------------------------------------------------------------
 
