@@ -71,6 +71,7 @@ def _set_threads_niceness(pid: int, niceness: int, tids=None) -> Optional[OSErro
 
 # Serve's HTTP proxy, as Ray names its worker process
 PROXY_PROCESS = b"ray::ProxyActor"
+_PROXY_WARNED: set = set()
 
 
 def renice_serve_proxy(niceness: Optional[int]) -> dict:
@@ -92,7 +93,8 @@ def renice_serve_proxy(niceness: Optional[int]) -> dict:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
             weaker = [t for t in tids if os.getpriority(os.PRIO_PROCESS, t) > niceness]
             failed = _set_threads_niceness(pid, niceness, weaker)
-            if failed is not None:
+            if failed is not None and pid not in _PROXY_WARNED:     # once per proxy: /health calls this
+                _PROXY_WARNED.add(pid)
                 log.warning("mtplx: could not set the Serve proxy's niceness to %s (%s)", niceness, failed)
             found[pid] = max(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
         except OSError:      # the process or a thread ended while we looked

@@ -82,3 +82,30 @@ def test_a_closed_service_answers_unavailable():
     assert err["kind"] == "unavailable" and err["retry_after_s"] == 1.0 and "shut" in err["message"]
     with pytest.raises(RuntimeError, match="shut down"):
         rep.check_health()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="Linux: niceness per thread under /proc")
+def test_serve_proxy_is_reniced_to_the_apps_niceness():
+    """A process named as Ray names Serve's proxy, started at Ray's worker niceness 15, is set to
+    the app's niceness (where this process may lower it; otherwise it keeps 15 and says so once)."""
+    import os
+    import subprocess
+
+    from deployments._proc import PROXY_PROCESS, renice_serve_proxy
+
+    proxy = subprocess.Popen(["nice", "-n", "15", "bash", "-c", f"exec -a '{PROXY_PROCESS.decode()} fake' sleep 30"])
+    try:
+        deadline = time.time() + 5
+        while time.time() < deadline:      # until bash has exec'd under the proxy's name
+            with open(f"/proc/{proxy.pid}/cmdline", "rb") as f:
+                if f.read().startswith(PROXY_PROCESS):
+                    break
+            time.sleep(0.02)
+        assert os.getpriority(os.PRIO_PROCESS, proxy.pid) == 15
+        found = renice_serve_proxy(0)
+        expected = 0 if os.geteuid() == 0 else 15
+        assert found.get(proxy.pid) == expected, found
+        assert os.getpriority(os.PRIO_PROCESS, proxy.pid) == expected
+    finally:
+        proxy.kill()
+        proxy.wait()
