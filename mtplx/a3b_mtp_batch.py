@@ -635,8 +635,8 @@ def heaviest(x: np.ndarray, k: int) -> np.ndarray:
 
 def logprob_entry(logits_row: np.ndarray, token: int, k: int) -> tuple:
     """(log-probability of `token`, its `k` heaviest alternatives as ((id, log-probability), ...))
-    under one float32 logits row [V]. The normalizer sums float32 exponentials in float64: a term
-    30 nats below the heaviest adds under e^-30 of its weight, below float32 rounding anyway."""
+    under one float32 logits row [V]. The normalizer sums the row's exponentials, taken in float32
+    relative to the heaviest (none overflows), in float64."""
     x = logits_row
     top = x.max()
     lse = float(top) + math.log(float(np.exp(x - top).sum(dtype=np.float64)))
