@@ -72,6 +72,7 @@ def _set_threads_niceness(pid: int, niceness: int, tids=None) -> Optional[OSErro
 # Serve's HTTP proxy, as Ray names its worker process
 PROXY_PROCESS = b"ray::ProxyActor"
 _PROXY_WARNED: set = set()
+_PROXY_PIDS: list = []        # the proxies the last scan found
 
 
 def renice_serve_proxy(niceness: Optional[int]) -> dict:
@@ -81,22 +82,34 @@ def renice_serve_proxy(niceness: Optional[int]) -> dict:
     Ray starts its workers at niceness 15, Serve's proxy included, while the model replica runs at
     0 (`renice_process`). With the CPU busy, a proxy at 15 gets about a thirtieth of the replica's
     share, and every request, refusal and streamed chunk waits on it: under a 128-client overload
-    on two cores, refusals took 101 ms at the proxy (p50) at niceness 15 against 46 ms at 0."""
+    on two cores, refusals took 101 ms at the proxy (p50) at niceness 15 against 46 ms at 0.
+    /health calls this: the proxies found are looked at again directly, and /proc is scanned
+    again only when one of them has gone (a restarted proxy starts at 15 again)."""
     found: dict = {}
     if niceness is None or not hasattr(os, "setpriority") or not os.path.isdir("/proc"):
         return found
-    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+    known = _PROXY_PIDS and all(_is_proxy(pid) for pid in _PROXY_PIDS)
+    pids = list(_PROXY_PIDS) if known else [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    for pid in pids:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if not f.read().startswith(PROXY_PROCESS):
-                    continue
+            if not known and not _is_proxy(pid):
+                continue
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
             weaker = [t for t in tids if os.getpriority(os.PRIO_PROCESS, t) > niceness]
             failed = _set_threads_niceness(pid, niceness, weaker)
-            if failed is not None and pid not in _PROXY_WARNED:     # once per proxy: /health calls this
+            if failed is not None and pid not in _PROXY_WARNED:     # once per proxy
                 _PROXY_WARNED.add(pid)
                 log.warning("mtplx: could not set the Serve proxy's niceness to %s (%s)", niceness, failed)
             found[pid] = max(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
         except OSError:      # the process or a thread ended while we looked
             continue
+    _PROXY_PIDS[:] = sorted(found)
     return found
+
+
+def _is_proxy(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(PROXY_PROCESS)
+    except OSError:
+        return False

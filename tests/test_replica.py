@@ -87,25 +87,39 @@ def test_a_closed_service_answers_unavailable():
 @pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="Linux: niceness per thread under /proc")
 def test_serve_proxy_is_reniced_to_the_apps_niceness():
     """A process named as Ray names Serve's proxy, started at Ray's worker niceness 15, is set to
-    the app's niceness (where this process may lower it; otherwise it keeps 15 and says so once)."""
+    the app's niceness (where this process may lower it; otherwise it keeps 15 and says so once);
+    a proxy started after it (a restart) is found and set too."""
     import os
     import subprocess
 
     from deployments._proc import PROXY_PROCESS, renice_serve_proxy
 
-    proxy = subprocess.Popen(["nice", "-n", "15", "bash", "-c", f"exec -a '{PROXY_PROCESS.decode()} fake' sleep 30"])
-    try:
+    def start_proxy():
+        proc = subprocess.Popen(["nice", "-n", "15", "bash", "-c", f"exec -a '{PROXY_PROCESS.decode()} fake' sleep 30"])
         deadline = time.time() + 5
         while time.time() < deadline:      # until bash has exec'd under the proxy's name
-            with open(f"/proc/{proxy.pid}/cmdline", "rb") as f:
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
                 if f.read().startswith(PROXY_PROCESS):
                     break
             time.sleep(0.02)
-        assert os.getpriority(os.PRIO_PROCESS, proxy.pid) == 15
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == 15
+        return proc
+
+    expected = 0 if os.geteuid() == 0 else 15
+    first = start_proxy()
+    second = None
+    try:
+        for _ in range(2):       # the second call looks at the proxy it found directly
+            found = renice_serve_proxy(0)
+            assert found.get(first.pid) == expected, found
+            assert os.getpriority(os.PRIO_PROCESS, first.pid) == expected
+        first.kill()
+        first.wait()
+        second = start_proxy()   # a restarted proxy, at Ray's 15 again
         found = renice_serve_proxy(0)
-        expected = 0 if os.geteuid() == 0 else 15
-        assert found.get(proxy.pid) == expected, found
-        assert os.getpriority(os.PRIO_PROCESS, proxy.pid) == expected
+        assert first.pid not in found and found.get(second.pid) == expected, found
     finally:
-        proxy.kill()
-        proxy.wait()
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
