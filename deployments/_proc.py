@@ -46,20 +46,15 @@ def renice_process(niceness: Optional[int]) -> Optional[int]:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         tids = [0]
-    failed = _set_threads_niceness(os.getpid(), niceness, tids)
+    failed = _set_threads_niceness(tids, niceness)
     if failed is not None:
         log.warning("mtplx: could not set niceness %s (%s); keeping %s", niceness, failed,
                     os.getpriority(os.PRIO_PROCESS, 0))
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def _set_threads_niceness(pid: int, niceness: int, tids=None) -> Optional[OSError]:
-    """Every thread of process `pid` (or the given thread ids) to `niceness`; the last error, if any."""
-    if tids is None:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError as exc:
-            return exc
+def _set_threads_niceness(tids, niceness: int) -> Optional[OSError]:
+    """These threads to `niceness`; the last error, if any."""
     failed = None
     for tid in tids:
         try:
@@ -96,7 +91,7 @@ def renice_serve_proxy(niceness: Optional[int]) -> dict:
                 continue
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
             weaker = [t for t in tids if os.getpriority(os.PRIO_PROCESS, t) > niceness]
-            failed = _set_threads_niceness(pid, niceness, weaker)
+            failed = _set_threads_niceness(weaker, niceness)
             if failed is not None and pid not in _PROXY_WARNED:     # once per proxy
                 _PROXY_WARNED.add(pid)
                 log.warning("mtplx: could not set the Serve proxy's niceness to %s (%s)", niceness, failed)

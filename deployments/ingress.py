@@ -193,7 +193,6 @@ class OpenAIIngress:
         self.meta = load_model_metadata(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.token_bytes = oa.TokenBytes(self.tokenizer)
-        freeze_startup_objects()
 
     async def _ensure_model(self) -> None:
         if self.tokenizer is not None:
@@ -213,6 +212,7 @@ class OpenAIIngress:
             for name, data in files.items():
                 (local / Path(name).name).write_bytes(data)
             await asyncio.get_running_loop().run_in_executor(None, self._load_model_files, local)
+            freeze_startup_objects()      # the tokenizer is long-lived too (a local one is frozen at start)
             log.info("mtplx ingress: tokenizer and metadata fetched from a replica into %s", local)
 
     def _init_metrics(self) -> None:

@@ -219,11 +219,12 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
 
 def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool]) -> InstalledA3BMTPBatchLane:
     route_id = _route_id(model, width, numerics)
-    compiled = _default_compile(model, width) if compiled is None else bool(compiled)
+    bucket = _span_bucket(model, width)
+    compiled = _default_compile(bucket) if compiled is None else bool(compiled)
     return InstalledA3BMTPBatchLane(
         model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
-        compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None)
+        compiled=compiled, span_bucket=bucket if compiled else None)
 
 
 # Compiled attention spans of wide lanes are rounded up to this many positions: one graph per span.
@@ -234,8 +235,9 @@ def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optio
 SPAN_BUCKET = 64
 
 
-def _default_compile(model, width: int) -> bool:
-    """Whether a lane's cycle graphs are compiled (`mx.compile`) by default. MTPLX_MTP_BATCH_COMPILE=1
+def _default_compile(span_bucket: Optional[int]) -> bool:
+    """Whether a lane whose compiled graphs would attend over `span_bucket` (`_span_bucket`) compiles
+    its cycle graphs (`mx.compile`) by default. MTPLX_MTP_BATCH_COMPILE=1
     compiles every lane, =0 none. Unset: the one-row lane (1.2-1.4x faster compiled on the shipped
     model) and lanes of models with recurrent layers (one graph over the whole buffer) compile;
     wide lanes of attention-only models, whose graphs are one per attention span (SPAN_BUCKET;
@@ -247,7 +249,7 @@ def _default_compile(model, width: int) -> bool:
     env = os.environ.get("MTPLX_MTP_BATCH_COMPILE")
     if env is not None and env.strip():
         return env.strip().lower() not in ("0", "off", "false", "no")
-    return _span_bucket(model, width) is None
+    return span_bucket is None
 
 
 def _span_bucket(model, width: int) -> Optional[int]:
