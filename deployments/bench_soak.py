@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from mtplx.server.mtp_batch import IDLE_HEAP_RELEASE_S
+
 from .bench_load import ROOT, _snapshot, percentile, prompt_for, replace_section, start_ours
 
 REQUESTS, CLIENTS, DROP_FRACTION = 1000, 32, 0.30
@@ -273,11 +275,18 @@ class _MemorySampler:
 
 
 def _wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
+    """The snapshot once nothing is left in any queue or map, taken after the replica has been idle
+    long enough to return its free heap to the OS (`IDLE_HEAP_RELEASE_S`): memory read while the
+    last rows' buffers are still mapped would measure the allocator's timing, not what it holds."""
     deadline = time.monotonic() + timeout_s
     while True:
         snap = _snapshot(base_url)
         state = _idle_state(snap)
-        if all(not v for v in state.values()) or time.monotonic() > deadline:
+        if all(not v for v in state.values()):
+            time.sleep(2 * IDLE_HEAP_RELEASE_S)
+            snap = _snapshot(base_url)
+            return {"state": _idle_state(snap), "snapshot": snap}
+        if time.monotonic() > deadline:
             return {"state": state, "snapshot": snap}
         time.sleep(0.5)
 

@@ -95,6 +95,20 @@ def set_blas_threads(n: Optional[int] = None) -> Optional[int]:
         return None
 
 
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`); False where there is
+    none to call. MLX's CPU buffers come from malloc, and glibc keeps freed ones mapped: a replica
+    that had served a few hundred requests held ~540 MB resident, of which ~250 MB was free heap
+    (measured: 538 MB before a trim, 297 MB after). Costs a walk of the heap; call it when idle."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = _state.get("libc") or _state.setdefault("libc", ctypes.CDLL("libc.so.6"))
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def clear_streams_at_exit() -> None:
     """MLX expects each thread, the main one included, to tear down its own streams before the
     interpreter finalizes; otherwise exit can abort. Registered once, on first model load."""

@@ -663,3 +663,29 @@ def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkey
                                                          "tolerated_divergences": []}
     finally:
         service.shutdown(timeout_s=30)
+
+
+def test_idle_owner_returns_free_heap_once_per_busy_spell(service, prompts, monkeypatch):
+    """After work, an owner idle for IDLE_HEAP_RELEASE_S hands the C heap's free pages back to the
+    OS (once; not again while it stays idle), and never while rows decode."""
+    import mtplx.server.mtp_batch as mb
+    from mtplx.runtime import release_free_heap
+
+    assert release_free_heap() is True          # glibc: the real call works here
+    calls = []
+
+    def counting():
+        calls.append(bool(service._running))    # a lane still running
+        return release_free_heap()
+
+    monkeypatch.setattr(mb, "release_free_heap", counting)
+    for _ in range(2):
+        service.submit(job(prompts[0], max_tokens=24)).result(TIMEOUT)
+        deadline = time.monotonic() + 10 * mb.IDLE_HEAP_RELEASE_S
+        n = len(calls)
+        while len(calls) == n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(calls) == n + 1
+        time.sleep(3 * mb.IDLE_HEAP_RELEASE_S)
+        assert len(calls) == n + 1               # idle on: no second release
+    assert not any(calls)

@@ -60,6 +60,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Optional
 
+from ..runtime import release_free_heap
 from ..sampling import SamplerConfig
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ FORCE_WIDTH_ENV = "MTPLX_MTP_BATCH_FORCE_WIDTH"
 MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the default when no lane is installed
 DEFAULT_WIDTHS = (3, 8)
 DEFAULT_BATCH_WAIT_S = 0.02
+IDLE_HEAP_RELEASE_S = 0.5              # idle this long after work, the owner returns free heap to the OS
 NUMERICS = ("throughput", "b1-exact")
 KV_BUDGET_ENV = "MTPLX_KV_BUDGET_GB"     # decode state all lanes may hold; default: half the memory
 SOLO_ROUTE_ID = "mtp_b1_solo"
@@ -554,6 +556,7 @@ class MTPBatchGenerationService:
         self._closed_error: Optional[BaseException] = None
         self._stopping = False
         self._busy = False
+        self._heap_dirty = False                # work ran since the last release_free_heap
         self._step_began_s = time.monotonic()   # when the owner began its current unit of work (watchdogs)
         self._thread: Optional[threading.Thread] = None
         self._owner_ident: Optional[int] = None
@@ -838,16 +841,28 @@ class MTPBatchGenerationService:
         while True:
             with self._cond:
                 self._busy = bool(self._running)
+                idle_since = time.monotonic()
                 while not self._stopping and not self._calls and not self._running:
                     taken, wait_s = self._take_ready_locked()
                     if taken:
                         break
+                    if self._heap_dirty:
+                        left = IDLE_HEAP_RELEASE_S - (time.monotonic() - idle_since)
+                        if left <= 0:     # (10-20 ms: submitters need not wait for it)
+                            self._heap_dirty = False
+                            self._cond.release()
+                            try:
+                                release_free_heap()
+                            finally:
+                                self._cond.acquire()
+                            continue
+                        wait_s = left if wait_s is None else min(wait_s, left)
                     self._cond.wait(wait_s)
                 else:
                     taken, _ = self._take_ready_locked()
                 if self._stopping:
                     return
-                self._busy = True
+                self._busy = self._heap_dirty = True
                 self._step_began_s = time.monotonic()
                 calls, self._calls = list(self._calls), deque()
             for fut, fn, args, kwargs in calls:
