@@ -291,6 +291,11 @@ def _wait_idle(base_url: str, timeout_s: float = 30.0) -> dict:
         time.sleep(0.5)
 
 
+def _rss_range(curve: Optional[List[list]]) -> str:
+    mbs = [mb for _t, mb in curve or []]
+    return f"{min(mbs):.0f}-{max(mbs):.0f}" if mbs else "-"
+
+
 def _ms(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v * 1000, 1)
 
@@ -444,20 +449,23 @@ def render_section(record: dict, command: str) -> str:
         f"`max_tokens` {p['budgets'][0]}-{p['budgets'][1]}, {p['drop_fraction']:.0%} of streams dropped mid-way "
         "(the client closes after about a third of its budget). Lost: a kept request that did not end with "
         f"`[DONE]`. Memory: the replica's resident set after a {p['clients'] * WARMUP_PER_CLIENT}-request warm-up "
-        "(same mix) vs after the run (sampled every 15 s in the JSON, `rss_curve_mb`); the "
+        f"(same mix) vs after the run, each read once the replica has been idle {2 * IDLE_HEAP_RELEASE_S:g} s "
+        "(an idle replica hands its free heap back to the OS); under load it is higher: sampled every 15 s "
+        "(`rss_curve_mb` in the JSON), its range is in the last column. The "
         "prompt-prefix bank is a bounded LRU cache (512 MiB budget) that fills by design, so the check is "
         "on the growth beside it.",
         "",
         "| requests | done | dropped | clean error events | lost | 5xx | 429/503 | completion tok/s | TTFT p50 / p99 ms "
         "| E2E p50 / p99 s | left in queues/maps | replica RSS MB before -> after | of which prefix bank MB "
-        "| RSS peak, 2nd half vs 1st half of the run |",
+        "| RSS under load MB (min-max); peak, 2nd half vs 1st half |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         f"| {s['requests']} | {s['outcomes'].get('done', 0)} | {s['dropped']} | {s['error_events']} | {s['lost']} | "
         f"{s['status_5xx']} | {s['refused']} | {s['tok_s_done']} | {s['ttft_p50_ms']} / {s['ttft_p99_ms']} | "
         f"{_fmt(s['e2e_p50_s'])} / {_fmt(s['e2e_p99_s'])} | "
         f"{'none' if all(not v for v in s['idle_after'].values()) else s['idle_after']} | "
         f"{mb0['rss']} -> {mb1['rss']} ({_pct(s.get('rss_growth'))}; {_pct(s.get('rss_growth_beside_prefix_bank'))} "
-        f"beside the prefix bank) | {mb0['prefix_bank']} -> {mb1['prefix_bank']} | {_pct(s.get('rss_trend'))} |",
+        f"beside the prefix bank) | {mb0['prefix_bank']} -> {mb1['prefix_bank']} | {_rss_range(s.get('rss_curve_mb'))}; "
+        f"{_pct(s.get('rss_trend'))} |",
         "",
         f"**Overload**: {p['overload_clients']} closed-loop streaming clients for {p['overload_s']:.0f} s against a "
         f"small queue (app args {json.dumps(p['overload_args'])}); a refused client waits its `Retry-After`. "
