@@ -189,6 +189,25 @@ def test_step_policy_steps_aside_with_hysteresis_and_backing_off_probes():
     assert pol.choose(costs, 8, 8) == "ar"
 
 
+def test_step_policy_probes_rarely_where_no_acceptance_could_pay():
+    """A verify dearer than 1 + DEPTH AR steps loses at any acceptance: the lane probes only to
+    keep its costs current, at the longest interval from the start, and goes back to the
+    doubling probes once the costs say MTP could pay."""
+    pol = StepPolicy()
+    dear = {"mtp": 2.7, "ar": 1.0}                                # a 150k vocabulary's verify, B8
+    pol.observe(8, 0)
+    kinds = [pol.choose(dear, 8, 8) for _ in range(520)]
+    assert pol.kind == "ar" and [i for i, k in enumerate(kinds) if k == "mtp"] == [256, 257, 514, 515]
+    pol.acceptance = 1.0                                          # still (8 + 8) / 2.7 < 8 / 1
+    assert pol.choose(dear, 8, 8) == "ar"
+    costs = {"mtp": 1.3, "ar": 1.0}                               # the costs change: the doubling resumes
+    pol.acceptance = 0.0
+    pol.since_probe = 0
+    pol.mtp_probe_every = pol.mtp_probe_first
+    kinds = [pol.choose(costs, 8, 8) for _ in range(20)]
+    assert [i for i, k in enumerate(kinds) if k == "mtp"] == [16, 17]
+
+
 def test_early_rejections_keep_a_greedy_auto_row_and_its_lane_drafting(model):
     """A burst of rejections, the first draft's included, is not low acceptance: the row's estimate
     and the lane's start from the model's prior and weigh each outcome 0.1, so neither the row
