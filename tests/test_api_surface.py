@@ -57,6 +57,17 @@ def test_finish_reasons_are_openais_only():
     assert openai_finish_reason("length") == "length" and openai_finish_reason("cancelled") == "stop"
 
 
+def test_overload_refusals_spread_their_retry_after():
+    """Clients refused together are told different whole seconds, from the delay to twice it, so
+    they do not come back as one burst; a replica that is unavailable gives the delay itself."""
+    from mtplx.server import openai as oa
+
+    told = [int(oa.overloaded("full", 1.5, status=429).headers["retry-after"]) for _ in range(200)]
+    assert set(told) == {2, 3, 4}
+    assert oa.unavailable("down", retry_after_s=1.0).headers["retry-after"] == "1"
+    assert "retry-after" not in oa.unavailable("down").headers
+
+
 @pytest.mark.parametrize("field,value", [("min_tokens", 4), ("repetition_penalty", 1.3)])
 def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
     from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request

@@ -462,7 +462,7 @@ def test_overload_is_answered_at_once_with_retry_after(serve_app, http):
     admitted = [r for r in results if r["status"] == 200]
     assert refused and admitted, [r["status"] for r in results]
     for r in refused:
-        assert r["status"] == 429 and r["retry"] == "1", r
+        assert r["status"] == 429 and r["retry"] in ("1", "2"), r       # 1 s, spread to 2 (test_api_surface)
         assert r["body"]["error"]["code"] == "server_overloaded" and r["body"]["error"]["type"] == "rate_limit_error"
     assert all(r["done"] for r in admitted)
     # refusals come without queueing: sooner than admitted requests end (the burst itself takes a

@@ -9,6 +9,7 @@ No MLX here: the Ray Serve ingress imports this module, and the ingress must nev
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 import uuid
@@ -80,8 +81,13 @@ def internal_error(request_id: Optional[str] = None) -> OpenAIError:
                        f"the server log has the details", status=500, type="server_error", code="internal_error")
 
 
-def _retry_headers(retry_after_s: Optional[float]) -> Dict[str, str]:
-    return {"retry-after": str(max(1, int(-(-float(retry_after_s) // 1))))} if retry_after_s else {}
+def _retry_headers(retry_after_s: Optional[float], spread: bool = False) -> Dict[str, str]:
+    """Retry-After in whole seconds (at least 1). `spread`: a random whole number of seconds from
+    the delay to twice it, so that clients refused together do not all come back together."""
+    if not retry_after_s:
+        return {}
+    seconds = max(1, int(-(-float(retry_after_s) // 1)))
+    return {"retry-after": str(random.randint(seconds, 2 * seconds) if spread else seconds)}
 
 
 def unavailable(message: str, retry_after_s: Optional[float] = None) -> OpenAIError:
@@ -93,7 +99,7 @@ def unavailable(message: str, retry_after_s: Optional[float] = None) -> OpenAIEr
 def overloaded(message: str, retry_after_s: float, status: int = 429) -> OpenAIError:
     """429 (or 503, as configured): a bounded queue is full; answered at once with Retry-After."""
     return OpenAIError(message, status=status, type="server_error" if status == 503 else "rate_limit_error",
-                       code="server_overloaded", headers=_retry_headers(retry_after_s))
+                       code="server_overloaded", headers=_retry_headers(retry_after_s, spread=True))
 
 
 def unauthorized(message: str) -> OpenAIError:
