@@ -14,6 +14,7 @@ The lane name and route ids follow MTPLX's A3B lane; the lane here is architectu
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -29,6 +30,8 @@ from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from .models.cpu_ops import split_for
 from .repetition import RepetitionLimits, repeated_tail
 from .sampling import Distribution, SamplerConfig, row_distribution, sample, to_host, verify_one_token
+
+log = logging.getLogger("mtplx")
 
 DEPTH = 1
 VERIFY_T = 2
@@ -219,13 +222,16 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
 
 def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool]) -> InstalledA3BMTPBatchLane:
     route_id = _route_id(model, width, numerics)
-    bucket = _span_bucket(model, width)
-    compiled = _default_compile(bucket) if compiled is None else bool(compiled)
+    compiled = _default_compile() if compiled is None else bool(compiled)
     return InstalledA3BMTPBatchLane(
         model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
-        compiled=compiled, span_bucket=bucket if compiled else None)
+        compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None)
 
+
+# A compiled graph's first run at each span and shape must match its eager forward to within this
+# (|compiled - eager| / (1 + |eager|), every output); fusion's rounding differences are ~1e-6.
+GRAPH_CHECK_RTOL = 1e-3
 
 # Compiled attention spans of wide lanes are rounded up to this many positions: one graph per span.
 # Measured on the shipped model (2-core CPU, B8, rows of 60-260 prompt tokens decoding to ~750,
@@ -235,21 +241,17 @@ def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optio
 SPAN_BUCKET = 64
 
 
-def _default_compile(span_bucket: Optional[int]) -> bool:
-    """Whether a lane whose compiled graphs would attend over `span_bucket` (`_span_bucket`) compiles
-    its cycle graphs (`mx.compile`) by default. MTPLX_MTP_BATCH_COMPILE=1
-    compiles every lane, =0 none. Unset: the one-row lane (1.2-1.4x faster compiled on the shipped
-    model) and lanes of models with recurrent layers (one graph over the whole buffer) compile;
-    wide lanes of attention-only models, whose graphs are one per attention span (SPAN_BUCKET;
-    B8 cycles 1.14x eager's), stay eager: in one CI run out of four, every test of a compiled B3
-    lane in a module decoded a greedy row wrongly from the cycle where the lane's span crossed 64
-    (the row's token 57, a 0.15-logit lead lost), and the cause is not found."""
+def _default_compile() -> bool:
+    """Cycle graphs are compiled (`mx.compile`) unless MTPLX_MTP_BATCH_COMPILE=0: on the shipped
+    model the one-row lane ran 1.2-1.4x faster compiled, a B8 lane's cycles 1.14x (SPAN_BUCKET).
+    Each graph's first run at a span and shape is checked against its eager forward
+    (`_CycleForwards._checked`)."""
     import os
 
     env = os.environ.get("MTPLX_MTP_BATCH_COMPILE")
     if env is not None and env.strip():
         return env.strip().lower() not in ("0", "off", "false", "no")
-    return span_bucket is None
+    return True
 
 
 def _span_bucket(model, width: int) -> Optional[int]:
@@ -421,7 +423,7 @@ class _CycleForwards:
 
     def _run(self, name, caches, T, *args):
         """Run graph `name` over these caches if they can enter it; None otherwise."""
-        if not self.compiled:
+        if not self.compiled or "eager_since" in self._graphs:
             return None
         ragged = [c for c in caches if isinstance(c, RaggedKVCache)]
         for c in ragged:
@@ -445,7 +447,33 @@ class _CycleForwards:
         graph = self._graphs.get((name, span))
         if graph is None:
             graph = self._graphs[(name, span)] = mx.compile(partial(self._graphs["fns"][name], span))
-        return graph(*args, offset, *arrays), offset + T
+        out = graph(*args, offset, *arrays)
+        checked = self._graphs.setdefault("checked", set())        # (graph, span, input shapes) checked
+        if (span,) + signature not in checked:
+            checked.add((span,) + signature)
+            out = self._checked(name, span, out, args, offset, arrays)
+        return out, offset + T
+
+    def _checked(self, name, span, out, args, offset, arrays):
+        """A compiled graph's first run at a span and shape, against the same function run eagerly on
+        the same arrays (both pure; ~one eager forward, once per graph). On disagreement beyond
+        rounding the lane logs it and runs eagerly from then on, and this run takes the eager
+        result. Why: one CI run out of four saw a compiled B3 lane decode a row wrongly from the
+        cycle where its span crossed 64 (the cause was not found); this turns such a graph into a
+        logged fallback instead of a wrong token."""
+        ref = self._graphs["fns"][name](span, *args, offset, *arrays)
+        mx.eval(out, ref)
+        worst = max(float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)) /
+                                 (1.0 + mx.abs(b.astype(mx.float32))))) for a, b in zip(out, ref))
+        self._graphs["check_worst"] = max(worst, self._graphs.get("check_worst", 0.0))
+        if worst <= GRAPH_CHECK_RTOL:
+            return out
+        log.error("mtplx: the lane's compiled %s graph (span %s, inputs %s) disagrees with its eager forward "
+                  "(relative difference %.3g); the lane runs eagerly from now on", name, span,
+                  [tuple(a.shape) for a in args + tuple(arrays)], worst)
+        self._graphs["eager_since"] = f"{name} graph at span {span}: relative difference {worst:.3g}"
+        self.compiled = False
+        return ref
 
     def draft(self, h_in, t_in, sel):
         """Draft logits [W, V] from the head's output at slot `sel` per row."""

@@ -661,6 +661,7 @@ def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkey
         service.install_lanes([3]).result(TIMEOUT)
         assert service.snapshot()["selfchecks"]["3"] == {"ok": True, "dtype": "float32", "parity_tolerance": 0.0,
                                                          "tolerated_divergences": []}
+        assert service.snapshot()["compiled_graphs"] == {"3": True}   # compiled by default, none disagreed
     finally:
         service.shutdown(timeout_s=30)
 
