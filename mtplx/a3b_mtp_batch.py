@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -402,7 +403,9 @@ class _CycleForwards:
     def __init__(self, lane, caches, mtp_caches, counters=None):
         self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
         self.compiled, self.span_bucket = lane.compiled, lane.span_bucket
-        self.counters = counters            # gets `graph_retraces` += 1 per retrace of a lane graph
+        # gets `graph_retraces` += 1 per retrace of a lane graph: the running lane, weakly (it holds
+        # this object; a cycle would keep an ended lane's KV buffers until a cyclic collection)
+        self.counters = counters
         if self.compiled and "fns" not in lane._graphs:
             model = lane.model
             kinds = [type(c) for c in caches]
@@ -1253,7 +1256,7 @@ class RunningLane:
         as a non-drafting row in an MTP cycle: `generate_ar`'s). The head-history entries of these
         positions (and any entry owed from the last MTP cycle) are kept for `_write_owed_history`."""
         if self.forwards is None:
-            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, self)
+            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, weakref.proxy(self))
         rows, W = self.rows, self.width
         active, has_pending, greedy, _, x0, x0_host = self._primaries()
         if self.mtp_caches:
@@ -1315,7 +1318,7 @@ class RunningLane:
 
     def _cycle(self) -> None:
         if self.forwards is None:
-            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, self)
+            self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, weakref.proxy(self))
         caches, mtp_caches, forwards = self.caches, self.mtp_caches, self.forwards
         rows, W = self.rows, self.width
         # -- which rows draft (their own policy), with the history owed by AR steps written first
