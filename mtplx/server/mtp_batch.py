@@ -1135,11 +1135,7 @@ class MTPBatchGenerationService:
                                 "mtp_batch", self.numerics)
         placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s
         extra = {"admitted_at_cycle": stream.admitted_at_cycle, "lane_mean_occupancy": round(stream.mean_occupancy, 3),
-                 # per installed width: compiled cycle graphs (True), eager (False), or why a lane whose
-                # graph disagreed with its eager forward runs eagerly now (a3b_mtp_batch._CycleForwards)
-                "compiled_graphs": {str(w): getattr(lane, "_graphs", {}).get("eager_since") or getattr(lane, "compiled", False)
-                                    for w, lane in sorted(self._lanes.items())},
-                "mtp_disabled_reason": self.mtp_disabled_reason,
+                 "mtp_disabled_reason": self.mtp_disabled_reason,
                  # how much of its decode drafted (generation_mode "auto" steps aside where MTP does not pay)
                  "speculated_cycles": stream.spec_cycles, "drafts_skipped": stream.drafts_skipped,
                  "speculated_cycle_share": round(stream.spec_cycles / max(stream.cycles, 1), 4),
