@@ -13,11 +13,11 @@ Each server runs as its own process tree, never both at once:
 Workload (deterministic per request index, identical for both servers): Python-code prompts,
 every 5th about 6x longer than the others; `max_tokens` spread over 16-256; streaming
 `POST /v1/completions` with `stream_options.include_usage`. Arms, per temperature (greedy, and
-0.6 with top_p 0.95 / top_k 20 sent explicitly to both): closed loops at each client count, then
-an open loop of Poisson arrivals at 70% of the peer's closed-loop request rate at 8 clients in the
-same run. Sampled requests carry a per-request `seed` to ours only: `mlx_lm.server` serves any
-request that has a `seed` on its sequential path, not in its batch, which would bench its
-fallback instead of its batching.
+0.6 with top_p 0.95 / top_k 20 sent explicitly to both; `--temperatures 0,1.0` picks others):
+closed loops at each client count, then an open loop of Poisson arrivals at 70% of the peer's
+closed-loop request rate at 8 clients in the same run. Sampled requests carry a per-request `seed`
+to ours only: `mlx_lm.server` serves any request that has a `seed` on its sequential path, not in
+its batch, which would bench its fallback instead of its batching.
 
 Runs alternate peer, ours, peer, ours, ...: each run starts with the peer so that the open-loop
 rate of that run is known before either server needs it. Every figure is the median over runs;
@@ -34,7 +34,8 @@ identical completion texts between the servers per request index.
     python -m deployments.bench_load --quick          # or: mtplx bench load --quick
 
 Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:load` section of
-`BENCHMARKS.md`.
+`BENCHMARKS.md`; a run with `--modes`, `--logprobs` or `--model` writes a section and chart of its
+own instead (`bench:load-modes`, `docs/bench_load_modes.png`, ...), leaving the default comparison.
 
 `--modes auto,mtp,ar` adds, for ours only, every closed-loop arm once per `generation_mode`
 (the modes rotated per arm and run, so none always goes first), and a table of each mode's tok/s
@@ -54,6 +55,7 @@ import datetime
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -886,9 +888,25 @@ def render_section(record: dict, table: str, image: str, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_name(record: dict) -> str:
+    """`load` for the comparison as planned by default; a run with other arms or another model
+    (`load-modes`, `load-logprobs`, `load-<model dir>`, ...) gets a section and chart of its own, so
+    that it does not replace the default comparison."""
+    plan, parts = record["plan"], []
+    if record["model"] != "shipped":
+        parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
+    if plan.get("modes"):
+        parts.append("modes")
+    if plan.get("logprobs") is not None:
+        parts.append("logprobs")
+    return "-".join(["load", *parts])
+
+
 def write_outputs(record: dict, command: str) -> dict:
-    """JSON under build/bench/, the chart under docs/, the `bench:load` section of BENCHMARKS.md."""
-    png = ROOT / "docs" / "bench_load.png"
+    """JSON under build/bench/, the chart under docs/, the section of BENCHMARKS.md (`bench:load`
+    for the default comparison, see `section_name`)."""
+    name = section_name(record)
+    png = ROOT / "docs" / f"bench_{name.replace('-', '_')}.png"
     plot(record, png)
     table = format_table(record)
     if record.get("modes"):
@@ -897,7 +915,7 @@ def write_outputs(record: dict, command: str) -> dict:
         table += (f"\n\nLogprobs (ours; `--logprobs {record['plan']['logprobs']}`):\n\n"
                   + format_logprobs_table(record["logprobs"]))
     md = ROOT / "BENCHMARKS.md"
-    md.write_text(replace_section(md.read_text() if md.exists() else "", "load",
+    md.write_text(replace_section(md.read_text() if md.exists() else "", name,
                                   render_section(record, table, png.relative_to(ROOT).as_posix(), command)))
     record["artifacts"].update(png=str(png), markdown=str(md))
     Path(record["artifacts"]["json"]).write_text(json.dumps(record, indent=2, default=str))
@@ -906,7 +924,8 @@ def write_outputs(record: dict, command: str) -> dict:
 
 def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
             json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None,
-            modes: Optional[str] = None, logprobs: Optional[int] = None) -> dict:
+            modes: Optional[str] = None, logprobs: Optional[int] = None,
+            temperatures: Optional[str] = None) -> dict:
     """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
@@ -919,6 +938,8 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
         opts["per_client"] = per_client
     if open_requests:
         opts["open_requests"] = open_requests
+    if temperatures:
+        opts["temperatures"] = [float(t) for t in temperatures.split(",")]
     if modes:
         opts["modes"] = [m.strip() for m in modes.split(",")]
     if logprobs is not None:
@@ -926,7 +947,8 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
     record = bench_load(model_dir=model, **opts)
     record["quick"] = quick
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
-        (f" --clients {clients}" if clients else "") + (f" --model {model}" if model else "") + \
+        (f" --clients {clients}" if clients else "") + (f" --temperatures {temperatures}" if temperatures else "") + \
+        (f" --model {model}" if model else "") + \
         (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "")
     out = write_outputs(record, command)
     if json_out:
@@ -944,6 +966,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1 run, clients 1,8, greedy only, few requests")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--clients", default=None, help="comma-separated closed-loop client counts (default 1,8,16,32)")
+    p.add_argument("--temperatures", default=None, help="comma-separated temperatures, 0 greedy (default 0,0.6)")
     p.add_argument("--model", default=None, help="checkpoint dir for both servers (default: the shipped model)")
     p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
     p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
@@ -954,7 +977,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
             per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
-            logprobs=a.logprobs)
+            logprobs=a.logprobs, temperatures=a.temperatures)
     return 0
 
 

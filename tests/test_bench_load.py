@@ -152,3 +152,36 @@ def test_workload_is_deterministic_and_mixed():
     arrivals = bl.poisson_arrivals(2000, 2.0, seed=1)
     assert arrivals == sorted(arrivals) and 900 < arrivals[-1] < 1100
     assert bl.closed_loop_requests(1, 6, 12) == 12 and bl.closed_loop_requests(8, 6, 12) == 48
+
+
+def test_cli_options_reach_the_plan(monkeypatch):
+    """`--clients`, `--temperatures` and `--modes` become the plan, and the command line recorded
+    with the results names them."""
+    seen = {}
+
+    def fake_bench_load(**opts):
+        seen.update(opts)
+        return {}
+
+    def fake_outputs(record, command):
+        seen["command"] = command
+        return {"table": "", "json": "j", "png": "p", "markdown": "m"}
+
+    monkeypatch.setattr(bl, "bench_load", fake_bench_load)
+    monkeypatch.setattr(bl, "write_outputs", fake_outputs)
+    bl.main(["--runs", "2", "--clients", "1,8", "--temperatures", "0,1.0", "--modes", "auto,mtp,ar"])
+    assert seen["runs"] == 2 and seen["clients"] == [1, 8] and seen["temperatures"] == [0.0, 1.0]
+    assert seen["modes"] == ["auto", "mtp", "ar"]
+    assert seen["command"] == "mtplx bench load --runs 2 --clients 1,8 --temperatures 0,1.0 --modes auto,mtp,ar"
+    bl.main(["--quick"])
+    assert seen["temperatures"] == (0.0,) and seen["command"] == "mtplx bench load --quick"
+
+
+def test_runs_with_other_arms_or_models_get_sections_of_their_own():
+    def record(model="shipped", modes=(), logprobs=None):
+        return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs}}
+
+    assert bl.section_name(record()) == "load"
+    assert bl.section_name(record(modes=["auto", "ar"])) == "load-modes"
+    assert bl.section_name(record(logprobs=0)) == "load-logprobs"
+    assert bl.section_name(record(model="/tmp/x/Never_Ckpt", modes=["auto"])) == "load-never-ckpt-modes"
