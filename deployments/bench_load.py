@@ -949,6 +949,8 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
         (f" --clients {clients}" if clients else "") + (f" --temperatures {temperatures}" if temperatures else "") + \
         (f" --model {model}" if model else "") + \
+        (f" --requests-per-client {per_client}" if per_client else "") + \
+        (f" --open-requests {open_requests}" if open_requests else "") + \
         (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "")
     out = write_outputs(record, command)
     if json_out:
