@@ -37,8 +37,9 @@ Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:loa
 `BENCHMARKS.md`; a run with `--modes`, `--logprobs` or `--model` writes a section and chart of its
 own instead (`bench:load-modes`, `docs/bench_load_modes.png`, ...), leaving the default comparison.
 
-`--modes auto,mtp,ar` adds, for ours only, every closed-loop arm once per `generation_mode`
-(the modes rotated per arm and run, so none always goes first), and a table of each mode's tok/s
+`--modes auto,mtp,ar` adds, for ours only, every closed-loop arm twice per `generation_mode`
+(in a rotation turned per arm and run, then its reverse, so that drift weighs on every mode alike;
+each mode's figures pool both halves), and a table of each mode's tok/s
 with the medians of the per-run ratios auto/ar and auto/mtp and the largest drop of auto's tok/s
 from one client count to the next (issue 14's targets: auto >= 0.97x AR where the head never
 agrees, >= 0.98x MTP where it pays, no drop over 5%).
@@ -575,8 +576,9 @@ def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[float,
 
 
 def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:
-    """Ours only: every closed-loop arm once per generation mode of `plan["modes"]`, in an order
-    rotated per arm and run. Returns {mode: {arm key: summary}}."""
+    """Ours only: every closed-loop arm twice per generation mode of `plan["modes"]`, in a rotation
+    (turned per arm and run) and then its reverse, so that a load drifting over the arm weighs on
+    every mode alike; each mode's figures pool both of its halves. Returns {mode: {arm key: summary}}."""
     out = {m: {} for m in plan["modes"]}
     for t in plan["temperatures"]:
         label = _temp_label(t)
@@ -584,10 +586,15 @@ def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[st
             key = f"{label}/closed-{n}"
             count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
             k = (run + j) % len(plan["modes"])
-            for mode in plan["modes"][k:] + plan["modes"][:k]:
+            order = plan["modes"][k:] + plan["modes"][:k]
+            halves = {m: ([], 0.0) for m in order}
+            for mode in order + order[::-1]:
                 bodies = [{**request_body(i, t, server.model, True), "generation_mode": mode} for i in range(count)]
-                out[mode][key], _ = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
-                log(f"  {server.kind:4s} {key:18s} {mode:4s} {_brief(out[mode][key])}")
+                summary, rows = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
+                log(f"  {server.kind:4s} {key:18s} {mode:4s} {_brief(summary)}")
+                halves[mode] = (halves[mode][0] + rows, halves[mode][1] + summary["wall_s"])
+            for mode, (rows, wall) in halves.items():
+                out[mode][key] = summarize_arm(rows, wall)
     return out
 
 

@@ -2,6 +2,7 @@
 
 import json
 import struct
+import types
 
 import pytest
 
@@ -185,3 +186,25 @@ def test_runs_with_other_arms_or_models_get_sections_of_their_own():
     assert bl.section_name(record(modes=["auto", "ar"])) == "load-modes"
     assert bl.section_name(record(logprobs=0)) == "load-logprobs"
     assert bl.section_name(record(model="/tmp/x/Never_Ckpt", modes=["auto"])) == "load-never-ckpt-modes"
+
+
+def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
+    """Each arm runs its modes in a rotation then its reverse (drift weighs on all alike), and a
+    mode's figures pool both of its halves."""
+    sent = []
+
+    def fake_arm(server, run):
+        mode = run()[0]["generation_mode"]     # the arm's bodies, from the closed_loop below
+        sent.append(mode)
+        return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, [mode]
+
+    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
+    monkeypatch.setattr(bl, "_timed_arm", fake_arm)
+    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": rows, "wall_s": wall})
+    server = types.SimpleNamespace(url="http://x", model="m", kind="ours")
+    plan = {"temperatures": [0.0], "clients": [1, 8], "modes": ["auto", "mtp", "ar"], "per_client": 1,
+            "min_requests": 1}
+    out = bl.run_mode_arms(server, plan, run=1, log=lambda s: None)
+    assert sent == ["mtp", "ar", "auto", "auto", "ar", "mtp",       # closed-1: rotation 1, mirrored
+                    "ar", "auto", "mtp", "mtp", "auto", "ar"]       # closed-8: rotation 2, mirrored
+    assert out["auto"]["greedy/closed-8"] == {"rows": ["auto", "auto"], "wall_s": 4.0}
