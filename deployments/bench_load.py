@@ -862,8 +862,9 @@ def render_section(record: dict, table: str, image: str, command: str) -> str:
     rates = ", ".join(f"{k} {v:.2f}" for k, v in (record["per_run"][-1].get("open_rate_req_s") or {}).items())
     counts = ", ".join(f"{k}: {v}" for k, v in record["requests_per_arm"].items())
     quick = " (quick smoke run: few requests, not representative)" if record.get("quick") else ""
+    variant = section_name(record)[len("load-"):]
     lines = [
-        f"## bench load: mtplx vs mlx_lm.server{quick}",
+        f"## bench load{f' ({variant})' if variant else ''}: mtplx vs mlx_lm.server{quick}",
         "",
         f"`{command}`, {record['date']}, {record['runs']} run(s), {record['elapsed_s'] / 60:.1f} min.",
         f"Machine: `{m['platform']}`, {m['cpu_count']} CPUs, BLAS {rt.get('blas')} (`{rt.get('blas_path')}`),",
