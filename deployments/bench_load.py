@@ -981,7 +981,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
     p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
     p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
-    p.add_argument("--modes", default=None, help="ours only: closed-loop arms once per generation_mode, e.g. auto,mtp,ar")
+    p.add_argument("--modes", default=None, help="ours only: closed-loop arms twice per generation_mode (mirrored order), e.g. auto,mtp,ar")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="ours only: closed-loop arms without and with logprobs: K, alternated")
     a = p.parse_args(argv)

@@ -41,7 +41,8 @@ def _bench(a):
         from deployments.bench_load import run_cli
 
         run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
-                logprobs=a.logprobs, temperatures=a.temperatures)
+                logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
+                open_requests=a.open_requests)
         return
     if a.what == "soak":
         from deployments.bench_soak import run_cli as run_soak
@@ -114,8 +115,10 @@ def main(argv=None):
                                                         "soak: 100 requests, 15 s of overload")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
+    b.add_argument("--requests-per-client", type=int, default=None, help="load: closed-loop requests per client (6)")
+    b.add_argument("--open-requests", type=int, default=None, help="load: requests in the open-loop arm (48)")
     b.add_argument("--temperatures", default=None, help="load: comma-separated temperatures, 0 greedy (default 0,0.6)")
-    b.add_argument("--modes", default=None, help="load: ours' closed-loop arms once per generation_mode, e.g. auto,mtp,ar")
+    b.add_argument("--modes", default=None, help="load: ours' closed-loop arms twice per generation_mode (mirrored order), e.g. auto,mtp,ar")
     b.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="load: ours' closed-loop arms also with logprobs: K, alternated with them off")
     b.set_defaults(func=_bench)
