@@ -587,15 +587,26 @@ def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[st
             count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
             k = (run + j) % len(plan["modes"])
             order = plan["modes"][k:] + plan["modes"][:k]
-            halves = {m: ([], 0.0) for m in order}
-            for mode in order + order[::-1]:
-                bodies = [{**request_body(i, t, server.model, True), "generation_mode": mode} for i in range(count)]
-                summary, rows = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
-                log(f"  {server.kind:4s} {key:18s} {mode:4s} {_brief(summary)}")
-                halves[mode] = (halves[mode][0] + rows, halves[mode][1] + summary["wall_s"])
-            for mode, (rows, wall) in halves.items():
-                out[mode][key] = summarize_arm(rows, wall)
+            pooled = _pooled_arms(server, order + order[::-1], n, log, key,
+                                  lambda mode: [{**request_body(i, t, server.model, True), "generation_mode": mode}
+                                                for i in range(count)])
+            for mode, summary in pooled.items():
+                out[mode][key] = summary
     return out
+
+
+def _pooled_arms(server: ServerProcess, sequence: List[str], clients: int, log: Callable[[str], None],
+                 key: str, bodies_for: Callable[[str], List[dict]]) -> Dict[str, dict]:
+    """Closed loops of `clients` in the order of `sequence` (a side may recur); each side's
+    summary pools all of its runs' rows and wall time."""
+    halves: Dict[str, tuple] = {}
+    for side in sequence:
+        bodies = bodies_for(side)
+        summary, rows = _timed_arm(server, lambda: closed_loop(server.url, bodies, clients))
+        log(f"  {server.kind:4s} {key:18s} {side:4s} {_brief(summary)}")
+        prev_rows, prev_wall = halves.get(side, ([], 0.0))
+        halves[side] = (prev_rows + rows, prev_wall + summary["wall_s"])
+    return {side: summarize_arm(rows, wall) for side, (rows, wall) in halves.items()}
 
 
 def run_logprob_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:
@@ -609,15 +620,13 @@ def run_logprob_arms(server: ServerProcess, plan: dict, run: int, log: Callable[
         for j, n in enumerate(plan["clients"]):
             key = f"{label}/closed-{n}"
             count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
-            halves = {"off": ([], 0.0), "on": ([], 0.0)}
-            for arm in (("off", "on", "on", "off") if (run + j) % 2 == 0 else ("on", "off", "off", "on")):
-                extra = {"logprobs": plan["logprobs"]} if arm == "on" else {}
-                bodies = [{**request_body(i, t, server.model, True), **extra} for i in range(count)]
-                summary, rows = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
-                log(f"  {server.kind:4s} {key:18s} logprobs {arm:3s} {_brief(summary)}")
-                halves[arm] = (halves[arm][0] + rows, halves[arm][1] + summary["wall_s"])
-            for arm, (rows, wall) in halves.items():
-                out[arm][key] = summarize_arm(rows, wall)
+            sequence = ("off", "on", "on", "off") if (run + j) % 2 == 0 else ("on", "off", "off", "on")
+            pooled = _pooled_arms(server, list(sequence), n, log, f"{key} logprobs",
+                                  lambda arm: [{**request_body(i, t, server.model, True),
+                                                **({"logprobs": plan["logprobs"]} if arm == "on" else {})}
+                                               for i in range(count)])
+            for arm, summary in pooled.items():
+                out[arm][key] = summary
     return out
 
 
@@ -855,14 +864,14 @@ def plot(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def render_section(record: dict, table: str, image: str, command: str) -> str:
+def render_section(record: dict, table: str, image: str, command: str, name: str = "load") -> str:
     """The `bench:load` section of BENCHMARKS.md."""
     m, rt, peer = record["machine"], record["machine"]["runtime"], record.get("peer", {})
     n = peer.get("concurrency")
     rates = ", ".join(f"{k} {v:.2f}" for k, v in (record["per_run"][-1].get("open_rate_req_s") or {}).items())
     counts = ", ".join(f"{k}: {v}" for k, v in record["requests_per_arm"].items())
     quick = " (quick smoke run: few requests, not representative)" if record.get("quick") else ""
-    variant = section_name(record)[len("load-"):]
+    variant = name[len("load-"):]
     lines = [
         f"## bench load{f' ({variant})' if variant else ''}: mtplx vs mlx_lm.server{quick}",
         "",
@@ -924,7 +933,7 @@ def write_outputs(record: dict, command: str) -> dict:
                   + format_logprobs_table(record["logprobs"]))
     md = ROOT / "BENCHMARKS.md"
     md.write_text(replace_section(md.read_text() if md.exists() else "", name,
-                                  render_section(record, table, png.relative_to(ROOT).as_posix(), command)))
+                                  render_section(record, table, png.relative_to(ROOT).as_posix(), command, name)))
     record["artifacts"].update(png=str(png), markdown=str(md))
     Path(record["artifacts"]["json"]).write_text(json.dumps(record, indent=2, default=str))
     return {"table": table, **record["artifacts"]}
@@ -972,18 +981,15 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
 def main(argv=None) -> int:
     import argparse
 
+    from mtplx.cli import add_load_options
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 run, clients 1,8, greedy only, few requests")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--clients", default=None, help="comma-separated closed-loop client counts (default 1,8,16,32)")
-    p.add_argument("--temperatures", default=None, help="comma-separated temperatures, 0 greedy (default 0,0.6)")
     p.add_argument("--model", default=None, help="checkpoint dir for both servers (default: the shipped model)")
-    p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
-    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
     p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
-    p.add_argument("--modes", default=None, help="ours only: closed-loop arms twice per generation_mode (mirrored order), e.g. auto,mtp,ar")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="ours only: closed-loop arms without and with logprobs: K, alternated")
+    add_load_options(p)
     a = p.parse_args(argv)
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
             per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,

@@ -86,6 +86,18 @@ def _bench(a):
     print(json.dumps(record, default=str) if a.json else json.dumps(record, indent=2, default=str))
 
 
+def add_load_options(p) -> None:
+    """The options only `bench load` takes, shared by `mtplx bench load` and `python -m
+    deployments.bench_load` (here, so that building this parser imports nothing heavy)."""
+    p.add_argument("--temperatures", default=None, help="comma-separated temperatures, 0 greedy (default 0,0.6)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
+    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
+    p.add_argument("--modes", default=None,
+                   help="ours only: closed-loop arms twice per generation_mode (mirrored order), e.g. auto,mtp,ar")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="ours only: closed-loop arms without and with logprobs: K, alternated")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="mtplx", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -115,12 +127,7 @@ def main(argv=None):
                                                         "soak: 100 requests, 15 s of overload")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
-    b.add_argument("--requests-per-client", type=int, default=None, help="load: closed-loop requests per client (6)")
-    b.add_argument("--open-requests", type=int, default=None, help="load: requests in the open-loop arm (48)")
-    b.add_argument("--temperatures", default=None, help="load: comma-separated temperatures, 0 greedy (default 0,0.6)")
-    b.add_argument("--modes", default=None, help="load: ours' closed-loop arms twice per generation_mode (mirrored order), e.g. auto,mtp,ar")
-    b.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="load: ours' closed-loop arms also with logprobs: K, alternated with them off")
+    add_load_options(b.add_argument_group("load only"))
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
