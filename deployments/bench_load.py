@@ -908,7 +908,8 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
 def section_name(record: dict) -> str:
     """`load` for the comparison as planned by default; a run with other arms or another model
     (`load-modes`, `load-logprobs`, `load-<model dir>`, ...) gets a section and chart of its own, so
-    that it does not replace the default comparison."""
+    that it does not replace the default comparison. Temperatures other than the default arms'
+    (0 and 0.6) add their labels (`load-modes-t1`)."""
     plan, parts = record["plan"], []
     if record["model"] != "shipped":
         parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
@@ -916,6 +917,7 @@ def section_name(record: dict) -> str:
         parts.append("modes")
     if plan.get("logprobs") is not None:
         parts.append("logprobs")
+    parts += [_temp_label(t).replace(".", "") for t in plan.get("temperatures", ()) if t not in (0.0, 0.6)]
     return "-".join(["load", *parts])
 
 

@@ -179,13 +179,16 @@ def test_cli_options_reach_the_plan(monkeypatch):
 
 
 def test_runs_with_other_arms_or_models_get_sections_of_their_own():
-    def record(model="shipped", modes=(), logprobs=None):
-        return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs}}
+    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6)):
+        return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs, "temperatures": list(temperatures)}}
 
     assert bl.section_name(record()) == "load"
     assert bl.section_name(record(modes=["auto", "ar"])) == "load-modes"
     assert bl.section_name(record(logprobs=0)) == "load-logprobs"
     assert bl.section_name(record(model="/tmp/x/Never_Ckpt", modes=["auto"])) == "load-never-ckpt-modes"
+    assert bl.section_name(record(modes=["auto"], temperatures=[0.0])) == "load-modes"
+    assert bl.section_name(record(modes=["auto"], temperatures=[1.0])) == "load-modes-t1"
+    assert bl.section_name(record(temperatures=[0.0, 0.7])) == "load-t07"
 
 
 def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
