@@ -39,13 +39,14 @@ own instead (`bench:load-modes`, `docs/bench_load_modes.png`, ...), leaving the 
 
 `--modes auto,mtp,ar` adds, for ours only, every closed-loop arm twice per `generation_mode`
 (in a rotation turned per arm and run, then its reverse, so that drift weighs on every mode alike;
-each mode's figures pool both halves), and a table of each mode's tok/s
+each mode's figures pool both halves; at one client the modes take turns request by request
+instead), and a table of each mode's tok/s
 with the medians of the per-run ratios auto/ar and auto/mtp and the largest drop of auto's tok/s
 from one client count to the next (issue 14's targets: auto >= 0.97x AR where the head never
 agrees, >= 0.98x MTP where it pays, no drop over 5%).
 
 `--logprobs K` adds, for ours only, every closed-loop arm with and without `logprobs: K` (twice
-each, off, on, on, off, reversed per arm and run), and a table of both tok/s and the median of the
+each, off, on, on, off, reversed per arm and run; at one client request by request), and a table of both tok/s and the median of the
 per-run ratios with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
 """
 
@@ -598,7 +599,11 @@ def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[st
 def _pooled_arms(server: ServerProcess, sequence: List[str], clients: int, log: Callable[[str], None],
                  key: str, bodies_for: Callable[[str], List[dict]]) -> Dict[str, dict]:
     """Closed loops of `clients` in the order of `sequence` (a side may recur); each side's
-    summary pools all of its runs' rows and wall time."""
+    summary pools all of its runs' rows and wall time. With one client the sides take turns
+    request by request instead (`_alternating_requests`): the same requests, with no arm-long
+    drift between them."""
+    if clients == 1:
+        return _alternating_requests(server, sequence, log, key, bodies_for)
     halves: Dict[str, tuple] = {}
     for side in sequence:
         bodies = bodies_for(side)
@@ -607,6 +612,26 @@ def _pooled_arms(server: ServerProcess, sequence: List[str], clients: int, log: 
         prev_rows, prev_wall = halves.get(side, ([], 0.0))
         halves[side] = (prev_rows + rows, prev_wall + summary["wall_s"])
     return {side: summarize_arm(rows, wall) for side, (rows, wall) in halves.items()}
+
+
+def _alternating_requests(server: ServerProcess, sequence: List[str], log: Callable[[str], None], key: str,
+                          bodies_for: Callable[[str], List[dict]]) -> Dict[str, dict]:
+    """One client sends request i of every side back to back, the sides' order reversed at every
+    other i, each side as many times over as it recurs in `sequence`. A side's figures are over its
+    own requests, its wall time the sum of their end-to-end times. At one client, 12-request arms
+    of identical work moved by 15% between arms; request pairs share the machine's state."""
+    sides = list(dict.fromkeys(sequence))
+    bodies = {side: bodies_for(side) for side in sides}
+    count = len(bodies[sides[0]])
+    order = [(side, bodies[side][i % count]) for i in range(count * sequence.count(sides[0]))
+             for side in (sides if i % 2 == 0 else sides[::-1])]
+    _, rows = _timed_arm(server, lambda: closed_loop(server.url, [body for _, body in order], 1))
+    out = {}
+    for side in sides:
+        mine = [row for (s, _), row in zip(order, rows) if s == side]
+        out[side] = summarize_arm(mine, sum(row["e2e"] or 0.0 for row in mine))
+        log(f"  {server.kind:4s} {key:18s} {side:4s} {_brief(out[side])} (alternating requests)")
+    return out
 
 
 def run_logprob_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:
@@ -909,7 +934,8 @@ def section_name(record: dict) -> str:
     """`load` for the comparison as planned by default; a run with other arms or another model
     (`load-modes`, `load-logprobs`, `load-<model dir>`, ...) gets a section and chart of its own, so
     that it does not replace the default comparison. Temperatures other than the default arms'
-    (0 and 0.6) add their labels (`load-modes-t1`)."""
+    (0 and 0.6) add their labels (`load-modes-t1`); extra arms at other client counts add them
+    (`load-modes-c1`)."""
     plan, parts = record["plan"], []
     if record["model"] != "shipped":
         parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
@@ -918,6 +944,9 @@ def section_name(record: dict) -> str:
     if plan.get("logprobs") is not None:
         parts.append("logprobs")
     parts += [_temp_label(t).replace(".", "") for t in plan.get("temperatures", ()) if t not in (0.0, 0.6)]
+    extra_arms = plan.get("modes") or plan.get("logprobs") is not None
+    if extra_arms and plan.get("clients") and list(plan["clients"]) != [1, 8, 16, 32]:
+        parts.append("c" + "-".join(str(c) for c in plan["clients"]))
     return "-".join(["load", *parts])
 
 

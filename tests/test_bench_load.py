@@ -179,8 +179,9 @@ def test_cli_options_reach_the_plan(monkeypatch):
 
 
 def test_runs_with_other_arms_or_models_get_sections_of_their_own():
-    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6)):
-        return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs, "temperatures": list(temperatures)}}
+    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6), clients=(1, 8, 16, 32)):
+        return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs, "temperatures": list(temperatures),
+                                         "clients": list(clients)}}
 
     assert bl.section_name(record()) == "load"
     assert bl.section_name(record(modes=["auto", "ar"])) == "load-modes"
@@ -189,25 +190,36 @@ def test_runs_with_other_arms_or_models_get_sections_of_their_own():
     assert bl.section_name(record(modes=["auto"], temperatures=[0.0])) == "load-modes"
     assert bl.section_name(record(modes=["auto"], temperatures=[1.0])) == "load-modes-t1"
     assert bl.section_name(record(temperatures=[0.0, 0.7])) == "load-t07"
+    assert bl.section_name(record(modes=["auto"], temperatures=[0.0, 1.0], clients=[1])) == "load-modes-t1-c1"
+    assert bl.section_name(record(logprobs=5, clients=[1, 8, 16, 32])) == "load-logprobs"
 
 
 def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
     """Each arm runs its modes in a rotation then its reverse (drift weighs on all alike), and a
-    mode's figures pool both of its halves."""
+    mode's figures pool both of its halves; with one client the modes instead take turns request
+    by request (the order reversed every other request), and a mode's wall time is the sum of its
+    own requests' times."""
     sent = []
 
     def fake_arm(server, run):
-        mode = run()[0]["generation_mode"]     # the arm's bodies, from the closed_loop below
-        sent.append(mode)
-        return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, [mode]
+        bodies = run()                          # the arm's bodies, from the closed_loop below
+        sent.append([(b["generation_mode"], b["prompt"]) for b in bodies])
+        rows = [{"mode": b["generation_mode"], "e2e": 0.5} for b in bodies]
+        return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, rows
 
     monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
     monkeypatch.setattr(bl, "_timed_arm", fake_arm)
-    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": rows, "wall_s": wall})
+    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": [r["mode"] for r in rows], "wall_s": wall,
+                                                                  "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None,
+                                                                  "errors": 0})
     server = types.SimpleNamespace(url="http://x", model="m", kind="ours")
     plan = {"temperatures": [0.0], "clients": [1, 8], "modes": ["auto", "mtp", "ar"], "per_client": 1,
-            "min_requests": 1}
+            "min_requests": 2}
     out = bl.run_mode_arms(server, plan, run=1, log=lambda s: None)
-    assert sent == ["mtp", "ar", "auto", "auto", "ar", "mtp",       # closed-1: rotation 1, mirrored
-                    "ar", "auto", "mtp", "mtp", "auto", "ar"]       # closed-8: rotation 2, mirrored
-    assert out["auto"]["greedy/closed-8"] == {"rows": ["auto", "auto"], "wall_s": 4.0}
+    p0, p1 = bl.prompt_for(0), bl.prompt_for(1)
+    closed_1 = [("mtp", p0), ("ar", p0), ("auto", p0), ("auto", p1), ("ar", p1), ("mtp", p1)]  # rotation 1
+    assert sent[0] == closed_1 + closed_1        # one closed loop: each mode twice over, request by request
+    assert [[mode for mode, _ in arm] for arm in sent[1:]] == [
+        ["ar"] * 8, ["auto"] * 8, ["mtp"] * 8, ["mtp"] * 8, ["auto"] * 8, ["ar"] * 8]   # closed-8: rotation 2, mirrored
+    assert (out["auto"]["greedy/closed-1"]["rows"], out["auto"]["greedy/closed-1"]["wall_s"]) == (["auto"] * 4, 2.0)
+    assert (out["auto"]["greedy/closed-8"]["rows"], out["auto"]["greedy/closed-8"]["wall_s"]) == (["auto"] * 16, 4.0)
