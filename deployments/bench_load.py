@@ -712,8 +712,11 @@ def format_modes_table(modes: dict) -> str:
         lines.append(f"| {key} | {_fmt(e.get('auto'), digits=1)} | {_fmt(e.get('mtp'), digits=1)} "
                      f"| {_fmt(e.get('ar'), digits=1)} | {_fmt(e.get('auto_over_ar'), digits=3)} "
                      f"| {_fmt(e.get('auto_over_mtp'), digits=3)} |")
-    drops = ", ".join(f"{k} {_fmt(v, 100, 1)}%" for k, v in modes["auto_largest_drop"].items())
-    return "\n".join(lines + ["", f"Largest drop of auto's tok/s from one client count to the next: {drops}."])
+    drops = {k: v for k, v in modes["auto_largest_drop"].items() if v is not None}
+    if not drops:       # one client count: nothing to compare
+        return "\n".join(lines)
+    text = ", ".join(f"{k} {_fmt(v, 100, 1)}%" for k, v in drops.items())
+    return "\n".join(lines + ["", f"Largest drop of auto's tok/s from one client count to the next: {text}."])
 
 
 def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
