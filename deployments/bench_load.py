@@ -46,8 +46,8 @@ from one client count to the next (issue 14's targets: auto >= 0.97x AR where th
 agrees, >= 0.98x MTP where it pays, no drop over 5%).
 
 `--logprobs K` adds, for ours only, every closed-loop arm with and without `logprobs: K` (twice
-each, off, on, on, off, reversed per arm and run; at one client request by request), and a table of both tok/s and the median of the
-per-run ratios with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
+each, off, on, on, off, reversed per arm and run; at one client request by request), and a table
+of both tok/s and the median of the per-run ratios with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
 """
 
 from __future__ import annotations
@@ -107,6 +107,8 @@ MIN_TOKENS, MAX_TOKENS = 16, 256
 SAMPLED = {"top_p": 0.95, "top_k": 20}   # sent explicitly to both servers at temperature > 0
 OPEN_LOOP_LOAD = 0.7    # open-loop arrival rate as a fraction of the peer's capacity ...
 CAPACITY_CLIENTS = 8    # ... measured as its closed-loop request rate at this client count
+DEFAULT_CLIENTS = (1, 8, 16, 32)      # closed-loop client counts of the default comparison
+DEFAULT_TEMPERATURES = (0.0, 0.6)     # its arms' temperatures
 
 
 # ----------------------------------------------------------------------------------------------
@@ -741,8 +743,8 @@ def _brief(s: dict) -> str:
 # The benchmark
 
 
-def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = (1, 8, 16, 32),
-               temperatures: Iterable[float] = (0.0, 0.6), per_client: int = 6, min_requests: int = 12,
+def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = DEFAULT_CLIENTS,
+               temperatures: Iterable[float] = DEFAULT_TEMPERATURES, per_client: int = 6, min_requests: int = 12,
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
                modes: Iterable[str] = (), logprobs: Optional[int] = None, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
@@ -946,9 +948,9 @@ def section_name(record: dict) -> str:
         parts.append("modes")
     if plan.get("logprobs") is not None:
         parts.append("logprobs")
-    parts += [_temp_label(t).replace(".", "") for t in plan.get("temperatures", ()) if t not in (0.0, 0.6)]
+    parts += [_temp_label(t).replace(".", "") for t in plan.get("temperatures", ()) if t not in DEFAULT_TEMPERATURES]
     extra_arms = plan.get("modes") or plan.get("logprobs") is not None
-    if extra_arms and plan.get("clients") and list(plan["clients"]) != [1, 8, 16, 32]:
+    if extra_arms and plan.get("clients") and tuple(plan["clients"]) != DEFAULT_CLIENTS:
         parts.append("c" + "-".join(str(c) for c in plan["clients"]))
     return "-".join(["load", *parts])
 
@@ -981,7 +983,7 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
     else:
-        opts = dict(runs=runs, clients=(1, 8, 16, 32), temperatures=(0.0, 0.6), per_client=6, min_requests=12,
+        opts = dict(runs=runs, clients=DEFAULT_CLIENTS, temperatures=DEFAULT_TEMPERATURES, per_client=6, min_requests=12,
                     open_requests=48)
     if clients:
         opts["clients"] = [int(c) for c in clients.split(",")]
