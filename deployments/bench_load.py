@@ -47,7 +47,8 @@ agrees, >= 0.98x MTP where it pays, no drop over 5%).
 
 `--logprobs K` adds, for ours only, every closed-loop arm with and without `logprobs: K` (twice
 each, off, on, on, off, reversed per arm and run; at one client request by request), and a table
-of both tok/s and the median of the per-run ratios with/without (issue 15's target: logprobs cost at most 10% of tok/s at 8 clients).
+of both tok/s and the median of the per-run ratios with/without (issue 15's target: logprobs cost
+at most 10% of tok/s at 8 clients).
 """
 
 from __future__ import annotations
@@ -582,19 +583,31 @@ def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[st
     """Ours only: every closed-loop arm twice per generation mode of `plan["modes"]`, in a rotation
     (turned per arm and run) and then its reverse, so that a load drifting over the arm weighs on
     every mode alike; each mode's figures pool both of its halves. Returns {mode: {arm key: summary}}."""
-    out = {m: {} for m in plan["modes"]}
+    modes = plan["modes"]
+
+    def mirrored(k):
+        order = modes[k % len(modes):] + modes[:k % len(modes)]
+        return order + order[::-1]
+
+    return _side_arms(server, plan, run, log, mirrored, lambda mode: {"generation_mode": mode})
+
+
+def _side_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None],
+               sequence_for: Callable[[int], List[str]], extra_for: Callable[[str], dict], tag: str = "") -> dict:
+    """Every closed-loop arm of `plan`, its sides in the order `sequence_for(run + arm index)`
+    (pooled by `_pooled_arms`), each side's requests the arm's bodies plus `extra_for(side)`.
+    Returns {side: {arm key: summary}}."""
+    out: Dict[str, dict] = {}
     for t in plan["temperatures"]:
         label = _temp_label(t)
         for j, n in enumerate(plan["clients"]):
             key = f"{label}/closed-{n}"
             count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
-            k = (run + j) % len(plan["modes"])
-            order = plan["modes"][k:] + plan["modes"][:k]
-            pooled = _pooled_arms(server, order + order[::-1], n, log, key,
-                                  lambda mode: [{**request_body(i, t, server.model, True), "generation_mode": mode}
+            pooled = _pooled_arms(server, sequence_for(run + j), n, log, key + tag,
+                                  lambda side: [{**request_body(i, t, server.model, True), **extra_for(side)}
                                                 for i in range(count)])
-            for mode, summary in pooled.items():
-                out[mode][key] = summary
+            for side, summary in pooled.items():
+                out.setdefault(side, {})[key] = summary
     return out
 
 
@@ -641,20 +654,9 @@ def run_logprob_arms(server: ServerProcess, plan: dict, run: int, log: Callable[
     in the order off, on, on, off (reversed per arm and run), so that neither side always runs
     first or last on a machine whose load drifts; each side's figures are over both of its halves.
     Returns {"off" | "on": {arm key: summary}}."""
-    out = {"off": {}, "on": {}}
-    for t in plan["temperatures"]:
-        label = _temp_label(t)
-        for j, n in enumerate(plan["clients"]):
-            key = f"{label}/closed-{n}"
-            count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
-            sequence = ("off", "on", "on", "off") if (run + j) % 2 == 0 else ("on", "off", "off", "on")
-            pooled = _pooled_arms(server, list(sequence), n, log, f"{key} logprobs",
-                                  lambda arm: [{**request_body(i, t, server.model, True),
-                                                **({"logprobs": plan["logprobs"]} if arm == "on" else {})}
-                                               for i in range(count)])
-            for arm, summary in pooled.items():
-                out[arm][key] = summary
-    return out
+    return _side_arms(server, plan, run, log,
+                      lambda k: ["off", "on", "on", "off"] if k % 2 == 0 else ["on", "off", "off", "on"],
+                      lambda side: {"logprobs": plan["logprobs"]} if side == "on" else {}, tag=" logprobs")
 
 
 def summarize_logprobs(per_run: List[dict]) -> dict:

@@ -93,7 +93,8 @@ def add_load_options(p) -> None:
     p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
     p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
     p.add_argument("--modes", default=None,
-                   help="ours only: closed-loop arms twice per generation_mode (mirrored order; one client: request by request), e.g. auto,mtp,ar")
+                   help="ours only: closed-loop arms twice per generation_mode (mirrored order; one client: "
+                        "request by request), e.g. auto,mtp,ar")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="ours only: closed-loop arms without and with logprobs: K, alternated")
 

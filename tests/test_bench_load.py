@@ -223,3 +223,24 @@ def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
         ["ar"] * 8, ["auto"] * 8, ["mtp"] * 8, ["mtp"] * 8, ["auto"] * 8, ["ar"] * 8]   # closed-8: rotation 2, mirrored
     assert (out["auto"]["greedy/closed-1"]["rows"], out["auto"]["greedy/closed-1"]["wall_s"]) == (["auto"] * 4, 2.0)
     assert (out["auto"]["greedy/closed-8"]["rows"], out["auto"]["greedy/closed-8"]["wall_s"]) == (["auto"] * 16, 4.0)
+
+
+def test_logprob_arms_alternate_off_and_on_in_a_mirrored_order(monkeypatch):
+    """Without and with logprobs, off-on-on-off (reversed per arm and run); each side pools its halves."""
+    sent = []
+
+    def fake_arm(server, run):
+        bodies = run()
+        sent.append("on" if "logprobs" in bodies[0] else "off")
+        return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, [{}] * len(bodies)
+
+    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
+    monkeypatch.setattr(bl, "_timed_arm", fake_arm)
+    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": len(rows), "wall_s": wall, "tok_s": 1.0,
+                                                                  "ttft_p95_s": None, "itl_p50_s": None, "errors": 0})
+    server = types.SimpleNamespace(url="http://x", model="m", kind="ours")
+    plan = {"temperatures": [0.0], "clients": [8, 16], "logprobs": 5, "per_client": 1, "min_requests": 1}
+    out = bl.run_logprob_arms(server, plan, run=0, log=lambda s: None)
+    assert sent == ["off", "on", "on", "off", "on", "off", "off", "on"]
+    assert out["on"]["greedy/closed-16"] == {"rows": 32, "wall_s": 4.0, "tok_s": 1.0, "ttft_p95_s": None,
+                                             "itl_p50_s": None, "errors": 0}
