@@ -30,7 +30,8 @@ from .generation import PREFILL_CHUNK, CapacityError, start_prefill
 from .models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from .models.cpu_ops import split_for
 from .repetition import RepetitionLimits, repeated_tail
-from .sampling import Distribution, SamplerConfig, row_distribution, sample, to_host, verify_one_token
+from .sampling import (Distribution, SamplerConfig, device_draft_distribution, device_draft_draw, draft_uniform,
+                       draws_on_device, row_distribution, sample, to_host, verify_one_token)
 
 log = logging.getLogger("mtplx")
 
@@ -38,6 +39,7 @@ DEPTH = 1
 VERIFY_T = 2
 MIN_WIDTH, MAX_WIDTH = 2, 32
 NUMERICS_PROFILES = ("throughput", "b1-exact")
+DRAFT_DRAWS = ("device", "host")
 REPETITION_LIMITS = RepetitionLimits.from_env()
 
 
@@ -253,6 +255,20 @@ def _default_compile() -> bool:
     if env is not None and env.strip():
         return env.strip().lower() not in ("0", "off", "false", "no")
     return True
+
+
+def default_draft_draw() -> str:
+    """Where sampled rows draw their drafts unless MTPLX_DRAFT_DRAW says: on the device on a GPU
+    (Metal), where the wait between the head and the verify idles it; on the host on MLX's CPU
+    backend, where the device draw costs more than the wait (see BENCHMARKS.md, bench:draft-draw)."""
+    import os
+
+    env = os.environ.get("MTPLX_DRAFT_DRAW", "").strip().lower()
+    if env:
+        if env not in DRAFT_DRAWS:
+            raise ValueError(f"MTPLX_DRAFT_DRAW={env!r}: expected one of {DRAFT_DRAWS}")
+        return env
+    return "device" if mx.default_device() == mx.gpu else "host"
 
 
 def _span_bucket(model, width: int) -> Optional[int]:
@@ -873,10 +889,13 @@ class RunningLane:
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
-                 narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False):
+                 narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
+                 draft_draw: Optional[str] = None):
         ladder = [ladder] if isinstance(ladder, InstalledA3BMTPBatchLane) else list(ladder)
         if not ladder:
             raise ValueError("a running lane needs at least one installed lane")
+        if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
+            raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted(ladder, key=lambda ln: ln.width)
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
@@ -899,6 +918,10 @@ class RunningLane:
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
         self.host_s = 0.0                              # host work in cycles: sampling, accept tests, rows' bookkeeping
+        # where sampled rows draw their drafts: "device" (no wait between the head and the verify:
+        # one synchronization a cycle) or "host" (from the whole draft distribution, after a wait)
+        self.draft_draw = draft_draw or default_draft_draw()
+        self.device_drafts = 0                         # drafts drawn on the device
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
         self.draft_log = [] if keep_log else None      # (request id, output position, draft)
@@ -1315,6 +1338,52 @@ class RunningLane:
             return None
         return host if host is not None else to_host(logits)
 
+    def _sampled_drafts(self, q_logits: mx.array, drafting: np.ndarray, q_probs: list):
+        """A sampled lane's drafts [W] (lazy): a greedy draft sampler's is the head's argmax (q a
+        point mass, no draw); with `draft_draw` "device" the others are drawn on the device from
+        each row's own uniform (no wait: the host learns q after the verify), except rows whose
+        draft sampler has penalties, which draw on the host from their whole q (`q_probs`) after
+        a wait for the draft logits. Returns (drafts, device-drawn rows, the device draw)."""
+        rows, W = self.rows, self.width
+        coupled = np.array([drafting[b] and r.greedy_draft for b, r in enumerate(rows)])
+        drawn = drafting & ~coupled
+        on_device = drawn & (self.draft_draw == "device") & np.array(
+            [r is not None and draws_on_device(r.draft_sampler) for r in rows])
+        on_host = [b for b in range(W) if drawn[b] and not on_device[b]]
+        d_host = np.zeros(W, dtype=np.int64)
+        q_host = to_host(q_logits) if on_host else None     # the wait for the head
+        t_host = time.perf_counter()
+        for b in on_host:
+            q_probs[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
+            d_host[b] = sample(q_probs[b], rows[b].rng)
+        d = mx.array(d_host, dtype=mx.uint32)
+        device_draw = None
+        if on_device.any():
+            m = np.array([draft_uniform(r.rng) if on_device[b] else 0 for b, r in enumerate(rows)])
+            cfgs = [r.draft_sampler if on_device[b] else SamplerConfig() for b, r in enumerate(rows)]
+            drafts, ids, t = device_draft_draw(q_logits, cfgs, m)
+            d = mx.where(mx.array(on_device), drafts, d)
+            device_draw = (ids, t, m)
+            self.device_drafts += int(on_device.sum())
+        if coupled.any():
+            d = mx.where(mx.array(coupled), mx.argmax(q_logits, axis=-1).astype(mx.uint32), d)
+        self.host_s += time.perf_counter() - t_host
+        return d, on_device, device_draw
+
+    def _device_draft_distributions(self, device_draw, on_device: np.ndarray, d_host: np.ndarray,
+                                    q_probs: list) -> None:
+        """After the cycle's one wait: each device-drawn row's exact q, from its candidates and
+        thresholds, and a check that the device took the candidate its uniform names."""
+        ids, t, m = device_draw
+        ids, t = np.asarray(ids), np.asarray(t)
+        t_host = time.perf_counter()
+        for b in np.flatnonzero(on_device):
+            q_probs[b], drawn = device_draft_distribution(ids[b], t[b], self.model.vocab_size, int(m[b]))
+            if self.inject_drafts is None and drawn != int(d_host[b]):
+                raise RuntimeError(f"row {b}'s device draft {int(d_host[b])} is not the candidate its "
+                                   f"uniform names ({drawn}): the device draw and its q disagree")
+        self.host_s += time.perf_counter() - t_host
+
     def _cycle(self) -> None:
         if self.forwards is None:
             self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, weakref.proxy(self))
@@ -1331,6 +1400,7 @@ class RunningLane:
         #    write their history entries too)
         d = x0
         q_probs = [None] * W                 # sampled rows' draft distributions (None: a point mass)
+        on_device = np.zeros(W, dtype=bool)  # rows whose drafts were drawn on the device
         if drafting.any():
             owes_mx = mx.array(owes)
             slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
@@ -1342,21 +1412,7 @@ class RunningLane:
                 d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
                 mx.async_eval(d)        # the draft computes while the verify's graph is built
             else:
-                # a greedy draft sampler drafts on the device (q is the point mass on the argmax;
-                # no draw, no wait); the other rows draw theirs on the host from their q
-                coupled = np.array([drafting[b] and r.greedy_draft for b, r in enumerate(rows)])
-                drawn = [b for b in range(W) if drafting[b] and not coupled[b]]
-                d_host = np.zeros(W, dtype=np.int64)
-                if drawn:
-                    q_host = to_host(q_logits)
-                    t_host = time.perf_counter()
-                    for b in drawn:
-                        q_probs[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
-                        d_host[b] = sample(q_probs[b], rows[b].rng)
-                    self.host_s += time.perf_counter() - t_host
-                d = mx.array(d_host, dtype=mx.uint32)
-                if coupled.any():
-                    d = mx.where(mx.array(coupled), mx.argmax(q_logits, axis=-1).astype(mx.uint32), d)
+                d, on_device, device_draw = self._sampled_drafts(q_logits, drafting, q_probs)
 
         if self.inject_drafts is not None:
             d = mx.array(self._injected(np.array(d), has_pending, drafting), dtype=mx.uint32)
@@ -1368,11 +1424,15 @@ class RunningLane:
             mx.eval(x0, d, target_ids)
             x0_host, d_host, target_ids = np.array(x0), np.array(d), np.array(target_ids)
         else:
+            mx.eval(L, d)              # the cycle's one wait (drafts drawn on the device ride along)
             L_host = to_host(L)
             d_host = np.array(d)
         # log-probabilities from the verify logits on the host (a greedy lane's are read only when
         # one of its rows asked for them)
         lp_host = self._logprob_logits(L, None if greedy else L_host)
+
+        if not greedy and on_device.any():
+            self._device_draft_distributions(device_draw, on_device, d_host, q_probs)
 
         def entry(b, j, tok):      # row b's log-probability entry for token `tok` at verify position j
             k = rows[b].req.logprobs
@@ -1443,13 +1503,14 @@ class RunningLane:
         self.logits_host = None if greedy else L_host[np.arange(W), np.maximum(keep - 1, 0)]
 
 
-def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, _keep_log: bool = False,
-                           _inject_drafts=None) -> A3BMTPBatchResult:
+def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_draw: Optional[str] = None,
+                           _keep_log: bool = False, _inject_drafts=None) -> A3BMTPBatchResult:
     """Decode 2..width requests as one sealed cohort of this lane (every row prefilled before the
-    first cycle; no row joins later). Rows are returned in request order."""
+    first cycle; no row joins later). Rows are returned in request order. `draft_draw`: where
+    sampled rows draw their drafts ("device" | "host"; None: `default_draft_draw()`)."""
     requests = list(requests)
     _validate(lane, requests)
-    running = RunningLane(lane, keep_log=_keep_log)
+    running = RunningLane(lane, keep_log=_keep_log, draft_draw=draft_draw)
     running.inject_drafts = _inject_drafts
     streams = [running.add(r) for r in requests]
     t_prefill = time.perf_counter()

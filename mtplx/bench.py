@@ -28,7 +28,8 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from .a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from .a3b_mtp_batch import (A3BMTPBatchRequest, default_draft_draw, generate_a3b_mtp_batch,
+                           install_a3b_mtp_batch_lane)
 from .bench_report import grouped_bars, machine_line, pyplot, save_figure
 from .generation import generate_ar, generate_mtpk
 from .sampling import SamplerConfig
@@ -262,11 +263,11 @@ def capture_commit_costs(model, B, ctx=64, n=20):
     return out
 
 
-def _lane_round(lane, prompts, tokens, sampler):
+def _lane_round(lane, prompts, tokens, sampler, draft_draw=None):
     reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=sampler, max_tokens=tokens, seed=i)
             for i, p in enumerate(prompts)]
     t = time.perf_counter()
-    res = generate_a3b_mtp_batch(lane, reqs)
+    res = generate_a3b_mtp_batch(lane, reqs, draft_draw=draft_draw)
     n = sum(len(s.tokens) for s in res.streams)
     per_row = [len(s.tokens) / (s.terminal_perf_s - (t + res.prefill_s)) for s in res.streams]
     return {"tok_s": n / res.decode_s, "per_row_tok_s": _median(per_row),
@@ -292,7 +293,9 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
     lanes = {w: install_a3b_mtp_batch_lane(model, w) for w in (2, 3, 8)}
     other8 = install_a3b_mtp_batch_lane(model, 8, selfcheck=False, compiled=not lanes[8].compiled)
     _lane_round(lanes[8], prompts8, 8, GREEDY)  # warm up
-    out = {}
+    draw = default_draft_draw()
+    other_draw = "host" if draw == "device" else "device"
+    out = {"draft_draw": draw}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):
         arms = {
             "serial_ar": lambda: _solo_round(model, prompts8, tokens, sampler, mtp=False),
@@ -305,6 +308,7 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
         }
         if sampler is not GREEDY:
             arms["b8_8rows_greedy"] = lambda: _lane_round(lanes[8], prompts8, tokens, GREEDY)
+            arms["b8_8rows_other_draw"] = lambda: _lane_round(lanes[8], prompts8, tokens, sampler, other_draw)
         if sampler is GREEDY:
             arms["mlx_lm_batch_8rows"] = lambda: _mlx_lm_batch_round(model, prompts8, tokens)
             arms["b8_8rows_other_mode"] = lambda: _lane_round(other8, prompts8, tokens, sampler)
@@ -323,6 +327,10 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
             row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
             # the cost of sampling: a sampled B8 cycle against a greedy one measured beside it
             row["b8_cycle_vs_greedy"] = round(row["b8_8rows"]["ms_per_cycle"] / row["b8_8rows_greedy"]["ms_per_cycle"], 3)
+            # drafts drawn on the device (one wait a cycle) against the host (two), beside each other
+            device, host = ((row["b8_8rows"], row["b8_8rows_other_draw"]) if draw == "device"
+                            else (row["b8_8rows_other_draw"], row["b8_8rows"]))
+            row["b8_device_draw_vs_host"] = round(device["tok_s"] / host["tok_s"], 3)
         row["b2_vs_serial_mtp_2rows"] = round(row["b2_2rows"]["tok_s"] / row["serial_mtp_2rows"]["tok_s"], 3)
         row["b3_vs_b8_at_3rows"] = round(row["b3_3rows"]["tok_s"] / row["b8_3rows"]["tok_s"], 3)
         out[name] = row
@@ -403,6 +411,7 @@ LANE_ARMS = {   # arm -> what it decodes
     "b8_8rows_other_mode": "8 rows in the B8 lane, cycle graphs compiled/eager the other way",
     "mlx_lm_batch_8rows": "8 rows in mlx-lm's BatchGenerator (AR)",
     "b8_8rows_greedy": "8 greedy rows in the B8 lane, beside the sampled arm",
+    "b8_8rows_other_draw": "8 rows in the B8 lane, sampled drafts drawn on the device/host the other way",
     "b3_3rows": "3 rows in the B3 lane",
     "b8_3rows": "3 rows in the B8 lane",
     "b2_2rows": "2 rows in the B2 lane",
@@ -433,6 +442,9 @@ def render_lane(record: dict, image: str) -> str:
               f"B8 vs mlx-lm's BatchGenerator (greedy): {g['b8_vs_mlx_lm_batch']:.2f}x. "
               f"Compiled vs eager B8 (greedy): {g['b8_compiled_vs_eager']:.2f}x. "
               f"A sampled B8 cycle costs {s['b8_cycle_vs_greedy']:.2f}x a greedy one. "
+              + (f"Sampled drafts are drawn on the {record['draft_draw']} by default; drawn on the device "
+                 f"they give {s['b8_device_draw_vs_host']:.2f}x the tok/s of host draws. "
+                 if "b8_device_draw_vs_host" in s else "") +
               f"B2 vs serial solo MTP at 2 rows: greedy {g['b2_vs_serial_mtp_2rows']:.2f}x; "
               f"B3 vs B8 at 3 rows: greedy {g['b3_vs_b8_at_3rows']:.2f}x.",
               "",

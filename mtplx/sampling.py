@@ -17,6 +17,11 @@ row costs a few passes over float32 logits instead of sorting the vocabulary in 
 Speculative acceptance (Leviathan et al. / Chen et al.): a draft token d sampled from q is accepted
 with probability min(1, p(d)/q(d)); on rejection the output is sampled from the residual
 normalise(max(p - q, 0)). The output is then distributed exactly as p, whatever q is.
+
+Drafts drawn on the device (`device_draft_draw`): since any q keeps p exact, a lane may draw its
+drafts on the device without waiting for the draft logits, from a q the host learns exactly
+afterwards (`device_draft_distribution`): the draft sampler over the row's DRAFT_CANDIDATES
+heaviest tokens, drawn by inverse CDF at a uniform of UNIFORM_BITS bits from the row's own RNG.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Iterable, Optional
 import numpy as np
 
 PENALTY_LIMIT = 2.0
+DRAFT_CANDIDATES = 64      # a device-drawn draft's q: the draft sampler over the row's heaviest tokens
+UNIFORM_BITS = 24          # a device draw's uniform: m / 2**24, exact in float32
 GREEDY_BELOW = 1e-5        # a temperature below this decodes greedy (as vLLM's sampling epsilon)
 
 
@@ -245,3 +252,63 @@ def speculative_output_marginal(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     if residual.sum() > 0:
         return accept + reject_mass * residual / residual.sum()
     return accept + reject_mass * p
+
+
+def draws_on_device(cfg: SamplerConfig) -> bool:
+    """Whether a draft from `cfg` can be drawn on the device (penalties need the row's token counts,
+    which live on the host)."""
+    return not cfg.is_greedy and not cfg.has_penalties
+
+
+def draft_uniform(rng: np.random.Generator) -> int:
+    """The integer m of a device draw's uniform m / 2**UNIFORM_BITS (one draw from the row's RNG)."""
+    return int(rng.integers(0, 1 << UNIFORM_BITS))
+
+
+def device_draft_draw(logits, cfgs, m: np.ndarray):
+    """One draft per row, drawn on the device without a wait: row b's draft sampler `cfgs[b]`
+    (temperature, top_p over the candidates' mass, min_p, top_k) over its K heaviest tokens, then
+    the first candidate whose normalised cumulative weight t exceeds m[b] / 2**UNIFORM_BITS.
+    Returns lazy (drafts [W] uint32, candidate ids [W, K], thresholds t [W, K] float32); the ids and
+    thresholds give the host the exact q (`device_draft_distribution`)."""
+    import mlx.core as mx
+
+    x = logits.astype(mx.float32)
+    W, V = x.shape
+    K = min(DRAFT_CANDIDATES, V)
+    ids = mx.argpartition(-x, K - 1, axis=-1)[:, :K] if K < V else mx.broadcast_to(mx.arange(V), (W, V))
+    v = mx.take_along_axis(x, ids, axis=-1)
+    order = mx.argsort(-v, axis=-1)
+    ids, v = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(v, order, axis=-1)
+
+    def column(name):
+        return mx.array(np.array([getattr(c, name) for c in cfgs], dtype=np.float32))[:, None]
+
+    w = mx.exp((v - v[:, :1]) / column("temperature"))                # the heaviest weighs 1
+    cum = mx.cumsum(w, axis=-1)
+    before = mx.concatenate([mx.zeros((W, 1)), cum[:, :-1]], axis=-1)
+    top_k = column("top_k")
+    keep = ((before < column("top_p") * cum[:, -1:]) & (w >= column("min_p"))
+            & ((top_k == 0) | (mx.arange(K)[None, :] < top_k)))
+    kept = mx.cumsum(mx.where(keep, w, 0.0), axis=-1)
+    t = kept / kept[:, -1:]
+    u = mx.array((np.asarray(m, dtype=np.float64) / (1 << UNIFORM_BITS)).astype(np.float32))[:, None]
+    j = (t <= u).astype(mx.int32).sum(axis=-1, keepdims=True)
+    drafts = mx.take_along_axis(ids, j, axis=-1)[:, 0].astype(mx.uint32)
+    return drafts, ids, t
+
+
+def device_draft_distribution(ids: np.ndarray, t: np.ndarray, vocab: int, m: int) -> tuple:
+    """(q, draft) of one row's device draw from its candidate ids and thresholds: the draw takes
+    candidate j = #{i: t[i] <= u} at u = m / 2**UNIFORM_BITS, so with t sorted, candidate j is taken
+    for exactly ceil(2**b t[j]) - ceil(2**b t[j-1]) of the 2**b values of m (t need not come back
+    monotone from a parallel scan; sorting it gives the same counts)."""
+    scale = float(1 << UNIFORM_BITS)
+    t = np.asarray(t, dtype=np.float64)
+    j = int(np.count_nonzero(t <= m / scale))
+    edges = np.ceil(np.minimum(np.sort(t), 1.0) * scale)
+    mass = np.diff(edges, prepend=0.0) / scale
+    ids = np.asarray(ids, dtype=np.int64)
+    nz = mass > 0
+    by_id = np.argsort(ids[nz])
+    return Distribution(ids[nz][by_id], mass[nz][by_id], vocab), int(ids[j])

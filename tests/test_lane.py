@@ -362,15 +362,18 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
         assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
 
 
-def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes):
+@pytest.mark.parametrize("draw", lane_mod.DRAFT_DRAWS)
+def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes, draw, monkeypatch):
     from mtplx.a3b_mtp_batch import solo_lane
     from mtplx.generation import generate_mtpk
 
+    monkeypatch.setenv("MTPLX_DRAFT_DRAW", draw)     # the solo path's lane too
     hot = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)
     prompts = _prompts(model, 6)
     alone = lane_mod.RunningLane(solo_lane(model))
     ref = alone.add(_req("x", prompts[5], 40, sampler=hot, seed=77))
     _drain(alone)
+    assert alone.draft_draw == draw and (alone.device_drafts > 0) == (draw == "device")
     assert ref.tokens == generate_mtpk(model, prompts[5], 40, hot, seed=77).tokens
     running = lane_mod.RunningLane([lanes[3], lanes[8]])
     for i, p in enumerate(prompts[:5]):
@@ -415,14 +418,17 @@ def _target_joint(model, ids, cfg):
     return joint
 
 
-@pytest.mark.parametrize("draft", [SamplerConfig(temperature=1.4, top_p=1.0, top_k=6),
-                                   SamplerConfig(temperature=0.0)], ids=["sampled_draft", "greedy_draft"])
-def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft):
+@pytest.mark.parametrize("draft,draw", [(SamplerConfig(temperature=1.4, top_p=1.0, top_k=6), "host"),
+                                        (SamplerConfig(temperature=1.4, top_p=0.9, top_k=0), "device"),
+                                        (SamplerConfig(temperature=0.0), "host")],
+                         ids=["sampled_draft", "sampled_draft_on_device", "greedy_draft"])
+def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft, draw):
     """End to end in a running W=3 lane (rows joining as others leave, each with its own seed):
     top_p, min_p and both penalties on the target, a draft sampler that differs from it; the
     (t1, t2) pairs follow the target's exact joint (t2 goes through draft, accept test and
-    residual). A sampled draft is drawn on the host; a greedy one is the head's argmax on the
-    device (q a point mass). Chi-square at a false-alarm rate of 1e-4, fixed seeds; the power
+    residual). A sampled draft is drawn on the host from its whole q, or on the device from its
+    heaviest tokens (the host learning that q after the verify); a greedy one is the head's argmax
+    on the device (q a point mass). Chi-square at a false-alarm rate of 1e-4, fixed seeds; the power
     check: the classic bug (every draft accepted: t2 ~ draft) would put the statistic far past the
     critical value with this many samples."""
     from test_sampling import ALPHA, chi2_test
@@ -436,7 +442,7 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft)
     joint = _target_joint(model, ids, cfg)
     assert 4 <= len(joint) <= 40
     n = 800
-    running = RunningLane(lanes[3])
+    running = RunningLane(lanes[3], draft_draw=draw)
     streams = []
     for s in range(n):
         streams.append(running.add(_req(s, ids, 2, sampler=cfg, seed=s, draft_sampler=draft)))
@@ -445,6 +451,7 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft)
     while running.has_work:
         running.step()
     assert running.peak_rows == 3 and sum(s.accepted_drafts for s in streams) > 100
+    assert (running.device_drafts > 100) == (draw == "device" and not draft.is_greedy)
     counts: dict = {}
     for s in streams:
         counts[tuple(s.tokens)] = counts.get(tuple(s.tokens), 0) + 1

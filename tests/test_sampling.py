@@ -223,3 +223,97 @@ def test_sparse_and_dense_penalty_counts_agree():
     a = row_distribution(logits, cfg, token_counts(toks, 500)).dense()
     b = row_distribution(logits, cfg, {3: 2, 17: 1, toks[3]: 1}).dense()
     assert np.array_equal(a, b) and a[toks[3]] < distribution(logits, cfg)[toks[3]]
+
+
+DEVICE_DRAFT_CONFIGS = [SamplerConfig(temperature=1.0, top_p=1.0, top_k=7),
+                        SamplerConfig(temperature=0.7, top_p=0.9, top_k=0),
+                        SamplerConfig(temperature=1.3, top_p=1.0, top_k=0, min_p=0.05)]
+
+
+def test_a_device_draw_takes_each_candidate_for_exactly_the_uniforms_its_q_counts():
+    """The q the host learns after a device draw is the draw's own: candidate j is taken for
+    exactly the integers m in [ceil(2^24 t[j-1]), ceil(2^24 t[j])), checked at both ends of every
+    kept candidate's range (and just outside them), so its mass (their count / 2^24) is exact."""
+    from mtplx.sampling import UNIFORM_BITS, device_draft_distribution, device_draft_draw, row_distribution
+
+    V, scale = 300, 1 << UNIFORM_BITS
+    rng = np.random.default_rng(4)
+    logits = rng.normal(scale=2.0, size=(len(DEVICE_DRAFT_CONFIGS), V)).astype(np.float32)
+    logits[0, :5] = logits[0].max()                                     # ties at the top
+    _, ids, t = device_draft_draw(mx.array(logits), DEVICE_DRAFT_CONFIGS, np.zeros(3, dtype=np.int64))
+    ids, t = np.array(ids), np.array(t)
+    ms, want = [], []
+    for b, cfg in enumerate(DEVICE_DRAFT_CONFIGS):
+        q, _ = device_draft_distribution(ids[b], t[b], V, 0)
+        assert abs(q.probs.sum() - 1.0) < 1e-15 and set(q.ids) <= set(ids[b].tolist())
+        # the draft sampler over the row's heaviest tokens, up to float32 weights and 2^-24 steps
+        heaviest = np.full(V, -np.inf, dtype=np.float32)
+        heaviest[ids[b]] = logits[b, ids[b]]
+        assert np.sort(logits[b])[-len(ids[b])] == logits[b, ids[b]].min()
+        np.testing.assert_allclose(q.dense(), row_distribution(heaviest, cfg).dense(), atol=2e-6, err_msg=str(b))
+        edges = np.ceil(t[b].astype(np.float64) * scale).astype(np.int64)
+        lo = 0
+        for j in range(len(edges)):
+            assert q.prob(int(ids[b, j])) == max(edges[j] - lo, 0) / scale
+            if edges[j] > lo:
+                for m in {lo, edges[j] - 1}:
+                    ms.append((b, m))
+                    want.append(int(ids[b, j]))
+                if edges[j] < scale:
+                    ms.append((b, int(edges[j])))      # the next kept candidate's first uniform
+                    want.append(int(ids[b, j + 1 + np.argmax(edges[j + 1:] > edges[j])]))
+                lo = edges[j]
+    assert len(ms) > 20 and np.any(t[t < 0.5] * scale % 1)      # thresholds between the 2^-24 steps
+    rows = np.array([b for b, _ in ms])
+    drafts, _, _ = device_draft_draw(mx.array(logits[rows]), [DEVICE_DRAFT_CONFIGS[b] for b in rows],
+                                     np.array([m for _, m in ms]))
+    assert np.array(drafts).tolist() == want
+    for (b, m), d in zip(ms, want):
+        assert device_draft_distribution(ids[b], t[b], V, m)[1] == d
+
+
+def test_device_draft_thresholds_out_of_order_still_give_the_draws_q():
+    """A parallel scan may return thresholds that are not monotone; the draw takes candidate
+    #{i: t[i] <= u}, so its q comes from the sorted thresholds."""
+    from mtplx.sampling import device_draft_distribution
+
+    ids, t = np.array([9, 5, 7]), np.array([0.5, 0.25, 1.0], dtype=np.float32)
+    q, d = device_draft_distribution(ids, t, 10, 0)
+    assert q.ids.tolist() == [5, 7, 9] and q.probs.tolist() == [0.25, 0.5, 0.25] and d == 9
+    assert device_draft_distribution(ids, t, 10, 1 << 22)[1] == 5          # u = 0.25
+    assert device_draft_distribution(ids, t, 10, 1 << 23)[1] == 7          # u = 0.5
+
+
+def _device_spec_counts(p, draft_logits, cfg, n, seed, q_of=None):
+    """Output counts of n device-drawn drafts (uniforms from one RNG) through the accept test
+    against p, with the q the host learns (or `q_of(q)`: a wrong one, for the power check)."""
+    from mtplx.sampling import device_draft_distribution, device_draft_draw, draft_uniform
+
+    rng = np.random.default_rng(seed)
+    m = np.array([draft_uniform(rng) for _ in range(n)])
+    logits = mx.broadcast_to(mx.array(draft_logits, dtype=mx.float32), (n, draft_logits.size))
+    drafts, ids, t = device_draft_draw(logits, [cfg] * n, m)
+    drafts, ids, t = np.array(drafts), np.array(ids), np.array(t)
+    counts = np.zeros(p.size, dtype=np.int64)
+    for i in range(n):
+        q, d = device_draft_distribution(ids[i], t[i], p.size, int(m[i]))
+        assert d == drafts[i]
+        counts[verify_one_token(p, q if q_of is None else q_of(q), d, rng)[1]] += 1
+    return counts
+
+
+def test_device_drawn_drafts_keep_the_target_distribution():
+    """Drafts drawn on the device, verified with the q the host learns afterwards: the output is
+    distributed as p (chi-square, df 6); with a wrong q (uniform over its support) the same test
+    fails, so it has the power to see a q that is not the draw's."""
+    from mtplx.sampling import Distribution
+
+    rng = np.random.default_rng(8)
+    p = rng.dirichlet(np.ones(7) * 0.7)
+    draft_logits = rng.normal(scale=1.5, size=7)
+    cfg = SamplerConfig(temperature=0.9, top_p=0.95, top_k=0)
+    counts = _device_spec_counts(p, draft_logits, cfg, 20_000, seed=1)
+    assert chi2_sf_even(chi2_stat(counts, p), 6) > ALPHA
+    flat = _device_spec_counts(p, draft_logits, cfg, 20_000, seed=1,
+                               q_of=lambda q: Distribution(q.ids, np.full(q.ids.size, 1.0 / q.ids.size), q.vocab))
+    assert chi2_sf_even(chi2_stat(flat, p), 6) < ALPHA

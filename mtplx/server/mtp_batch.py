@@ -474,7 +474,7 @@ _LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycl
                   "admitted": "admissions", "shared_prefills": "shared_prefills", "widenings": "widenings",
                   "narrowings": "narrowings",
                   "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
-                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps"}
+                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "device_drafts": "device_drafts"}
 
 
 def _add_lane_counters(stats: dict, running) -> None:
@@ -565,7 +565,9 @@ class MTPBatchGenerationService:
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
             "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
-            "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0, "widenings": 0, "narrowings": 0,
+            "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "device_drafts": 0,
+            "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
+            "widenings": 0, "narrowings": 0,
             "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
@@ -1253,6 +1255,8 @@ class MTPBatchGenerationService:
     # -- introspection -----------------------------------------------------------------------
 
     def snapshot(self) -> dict:
+        from ..a3b_mtp_batch import default_draft_draw
+
         with self._cond:
             s = dict(self._stats, fixed_width_histogram=dict(self._stats["fixed_width_histogram"]))
             for lane in self._running.values():
@@ -1323,6 +1327,9 @@ class MTPBatchGenerationService:
                 # of the lanes' cycles: MTP cycles and plain AR steps (generation_mode "auto", AR rows)
                 "mtp_cycles": s["mtp_cycles"],
                 "ar_steps": s["ar_steps"],
+                # sampled rows' drafts: drawn on the device (one wait a cycle) or on the host
+                "draft_draw": default_draft_draw(),
+                "device_drafts": s["device_drafts"],
                 "accepted_draft_tokens": s["accepted_draft_tokens"],
                 "rejected_draft_tokens": s["rejected_draft_tokens"],
                 "solo_runs": s["solo_runs"],
