@@ -102,11 +102,11 @@ def save_figure(fig, path: Path, record: dict) -> None:
 
 
 def write_report(record: dict, render: Callable[[dict, str], str], plot: Callable[[dict, Path], None],
-                 root: Path = ROOT) -> dict:
+                 root: Path = ROOT, name: Optional[str] = None) -> dict:
     """The record's chart (`docs/bench_NAME.png`), its section of `BENCHMARKS.md` (`render(record,
     image path relative to root)`) and the record itself (`build/bench/NAME-STAMP.json`, the
-    artifacts' paths included); returns the artifacts."""
-    name = record["bench"]
+    artifacts' paths included); returns the artifacts. NAME: the bench's unless given."""
+    name = name or record["bench"]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     png = root / "docs" / f"bench_{name}.png"
     md = root / "BENCHMARKS.md"

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _generate(a):
@@ -80,7 +81,9 @@ def _bench(a):
     record = new_record(a.what, result, a.command_line, a.model or "shipped", options, machine,
                         time.time() - started)
     if not a.no_report:
-        artifacts = write_report(record, render, plot)
+        # a run on another checkpoint gets a section of its own: bench:lane-qwen3_5_moe-bf16-v248320
+        section = f"{a.what}-{Path(a.model).name}" if a.model else None
+        artifacts = write_report(record, render, plot, name=section)
         print(f"JSON: {artifacts['json']}\nchart: {artifacts['png']}\nsection: {artifacts['markdown']}",
               file=sys.stderr, flush=True)
     print(json.dumps(record, default=str) if a.json else json.dumps(record, indent=2, default=str))
