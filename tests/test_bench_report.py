@@ -66,3 +66,13 @@ def test_report_writes_json_png_and_only_its_own_section(tmp_path, model, name):
     write_report(record, render, plot, root=tmp_path)      # a rerun replaces, never appends
     again = md.read_text()
     assert again.count(start) == 1 and replace_section(again, name, "X") == replace_section(OTHER_SECTIONS, name, "X")
+
+
+def test_a_run_on_another_checkpoint_writes_a_section_of_its_own(tmp_path):
+    """`mtplx bench lane --model DIR` writes `bench:lane-DIRNAME`; the shipped model's stays."""
+    record = new_record("http", _http_result(), "mtplx bench http", "shipped", BENCHES["http"][1], machine_info(), 1.0)
+    (tmp_path / "BENCHMARKS.md").write_text(OTHER_SECTIONS)
+    artifacts = write_report(record, *WRITERS["http"], root=tmp_path, name="http-qwen3-bf16")
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "<!-- bench:http-qwen3-bf16 -->" in text and "<!-- bench:http -->" not in text
+    assert artifacts["png"].endswith("bench_http-qwen3-bf16.png") and "load table" in text
