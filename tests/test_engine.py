@@ -49,13 +49,19 @@ def test_shipped_model_loads_with_mtp_and_chat_template(model):
     assert model.eos_token_ids
 
 
+@pytest.fixture(scope="module")
+def ar_references(model):
+    """Plain greedy AR of every prompt, 128 tokens: computed once for both depths."""
+    return {text: generate_ar(model, model.tokenizer.encode(text), 128, GREEDY) for text in PROMPTS}
+
+
 @pytest.mark.parametrize("depth", [1, 2])
-def test_greedy_mtp_equals_ar(model, depth):
+def test_greedy_mtp_equals_ar(model, ar_references, depth):
     tok = model.tokenizer
     mismatches, accepted = [], 0
     for text in PROMPTS:
         ids = tok.encode(text)
-        ar = generate_ar(model, ids, 128, GREEDY)
+        ar = ar_references[text]
         mtp = generate_mtpk(model, ids, 128, GREEDY, depth=depth)
         accepted += mtp.stats["accepted_drafts"]
         if mtp.tokens != ar.tokens:
