@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from ray import serve
 
@@ -73,9 +73,13 @@ def _node_id() -> Optional[str]:
 class _CohortBuffer:
     """Thread-safe hand-over of row tokens and row outcomes from the owner thread to the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, in_lane_step: Callable[[], bool] = lambda: False):
         self._loop = loop
         self._lock = threading.Lock()
+        # While a lane step runs, a row's later tokens wait for the step's end (`lane_step_ended`):
+        # a cycle's draft and bonus token go out in one message, not split by the work between them.
+        self._in_lane_step = in_lane_step
+        self._deferred = False
         self._tokens: Dict[int, List[int]] = {}
         self._logprobs: Dict[int, list] = {}          # row -> entries parallel to its tokens (if asked)
         self._finals: Dict[int, Any] = {}
@@ -112,7 +116,18 @@ class _CohortBuffer:
             pending.extend(int(t) for t in tokens)
             if logprobs is not None:
                 self._logprobs.setdefault(row, []).extend(logprobs)
-            self._wake_locked(urgent=self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS)
+            urgent = self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS
+            if not urgent and self._in_lane_step():
+                self._deferred = True
+            else:
+                self._wake_locked(urgent=urgent)
+
+    def lane_step_ended(self) -> None:
+        """Called on the owner thread after each lane step: send what the step left waiting."""
+        with self._lock:
+            if self._deferred:
+                self._deferred = False
+                self._wake_locked()
 
     def push_final(self, row: int, outcome) -> None:
         with self._lock:
@@ -210,9 +225,11 @@ class MTPReplica:
         self._mtp_batch = mtp_batch
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)
+        self._buffers: set = set()            # the live cohort calls' buffers (see _lane_step_ended)
+        self._buffers_lock = threading.Lock()
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
             self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
-            numerics=numerics)
+            numerics=numerics, on_lane_step=self._lane_step_ended)
         self.load_s = time.perf_counter() - t0
         self.replica_id = _replica_id()
         self.node_id = _node_id()
@@ -291,7 +308,9 @@ class MTPReplica:
         """Stream one cohort. Messages: first {"replica": id}; then {"t": {row: [tokens]},
         "f": {row: result | {"error": ...}}} until every row has its final entry."""
         loop = asyncio.get_running_loop()
-        buf = _CohortBuffer(loop)
+        buf = _CohortBuffer(loop, lambda: self.service.in_lane_step)
+        with self._buffers_lock:
+            self._buffers.add(buf)
         started = time.perf_counter()
         received_at = time.time()
         jobs, modes = [], []
@@ -360,6 +379,8 @@ class MTPReplica:
                     self._stream_messages += 1
                     yield msg
         finally:
+            with self._buffers_lock:
+                self._buffers.discard(buf)
             # The cohort call ended (normally, or cancelled because the ingress went away): no row
             # may keep decoding for nobody.
             for job in jobs:
@@ -374,6 +395,12 @@ class MTPReplica:
                             pass
                         if not lst:
                             self._jobs.pop(key, None)
+
+    def _lane_step_ended(self) -> None:
+        with self._buffers_lock:
+            buffers = list(self._buffers)
+        for buf in buffers:
+            buf.lane_step_ended()
 
     def _admit_within_limits(self, jobs: list) -> list:
         """The jobs that fit their key's bound on waiting rows; the others fail at once with

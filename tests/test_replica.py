@@ -123,3 +123,58 @@ def test_serve_proxy_is_reniced_to_the_apps_niceness():
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_cycles_tokens_wait_for_the_lane_steps_end():
+    """During a lane step a row's tokens past its first few wait for the step's end, so that the
+    step's draft and bonus token go out as one message; a row's first tokens and tokens pushed
+    outside a lane step go at once."""
+    from deployments.replica import URGENT_TOKENS, _CohortBuffer
+
+    async def go():
+        in_step = [True]
+        buf = _CohortBuffer(asyncio.get_running_loop(), lambda: in_step[0])
+
+        async def woken() -> bool:
+            await asyncio.sleep(0.01)     # the wake is scheduled thread-safely onto the loop
+            return buf.event.is_set()
+
+        buf.push_tokens(0, list(range(URGENT_TOKENS)))          # first tokens: urgent, at once
+        assert await woken() and buf.urgent_event.is_set()
+        assert buf.take()[0] == {0: list(range(URGENT_TOKENS))}
+        buf.push_tokens(0, [7], [(-0.5, ())])
+        buf.push_tokens(0, [8], [(-0.25, ())])
+        assert not await woken()                                  # mid-step: held
+        buf.lane_step_ended()
+        assert await woken() and not buf.urgent_event.is_set()
+        assert buf.take()[:2] == ({0: [7, 8]}, {0: [(-0.5, ()), (-0.25, ())]})
+        buf.lane_step_ended()                                     # nothing held: no wake
+        assert not await woken()
+        in_step[0] = False
+        buf.push_tokens(0, [9])                                   # outside a lane step (solo paths)
+        assert await woken()
+
+    asyncio.run(go())
+
+
+def test_streamed_rows_arrive_whole_and_before_their_ends(replica):
+    rows = [dict(_row(replica, 40 + i, max_tokens=24), logprobs=1) for i in range(3)]
+
+    async def go():
+        msgs = []
+        async for msg in replica.run_cohort(rows):
+            msgs.append(msg)
+        return msgs
+
+    msgs = asyncio.run(go())
+    finals = {i: f for m in msgs for i, f in (m.get("f") or {}).items()}
+    for i in range(3):
+        toks = [t for m in msgs for t in (m.get("t") or {}).get(i, [])]
+        entries = [e for m in msgs for e in (m.get("lp") or {}).get(i, [])]
+        assert toks and len(entries) == len(toks) == finals[i]["completion_tokens"]
+        carrying = [k for k, m in enumerate(msgs) if i in (m.get("t") or {})]
+        ended = next(k for k, m in enumerate(msgs) if i in (m.get("f") or {}))
+        assert carrying[0] < ended     # streamed, not held until the row's end
+        # one message per lane step at most once its first tokens are out
+        from deployments.replica import URGENT_TOKENS
+        assert len(carrying) <= URGENT_TOKENS + finals[i]["stats"]["verify_calls"] + 1

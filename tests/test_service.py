@@ -505,25 +505,6 @@ def test_duplicate_request_ids_keep_rows_apart(model, service, prompts):
         assert r["tokens"] == ref and streams[i] == ref
 
 
-def test_a_rows_tokens_of_one_cycle_reach_its_stream_together(model, service, prompts):
-    """An accepted draft and its bonus token are one cycle's output: they reach the stream as one
-    update (with their entries), after the cycle, so that a consumer sends them as one message."""
-    calls = {i: [] for i in range(3)}
-    jobs = [job(prompts[i], max_tokens=24, seed=i, logprobs=2,
-                token_callback=lambda toks, entries, i=i: calls[i].append((list(toks), list(entries))))
-            for i in range(3)]
-    results = run_held(service, jobs)
-    for i, r in enumerate(results):
-        assert r["stats"]["mtp_batch_real_width"] == 3
-        assert [t for toks, _ in calls[i] for t in toks] == r["tokens"]
-        assert all(len(entries) == len(toks) and None not in entries for toks, entries in calls[i])
-        # a cycle emits at most its 2 verify positions' tokens (3 in a row's first cycle, with
-        # the token its prefill chose); every accepted draft but one that ends the row brings its bonus
-        assert all(1 <= len(toks) <= 3 for toks, _ in calls[i])
-        accepted = r["stats"]["accepted_drafts"]
-        assert accepted > 0 and sum(len(toks) >= 2 for toks, _ in calls[i]) >= accepted - 1
-
-
 def test_submit_rejects_unrunnable_jobs_alone(model, service, prompts):
     bad_empty = job([], seed=1)
     bad_ctx = job(prompts[0], max_tokens=model.max_context, seed=2)

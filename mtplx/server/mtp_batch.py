@@ -3,8 +3,7 @@
 Three stages (as in MTPLX's lane, with cohorts that never seal):
 
 1. **Job creation.** One ``MTPBatchJob`` per request: prompt ids, budget, samplers, seed, stop ids,
-   a ``token_callback`` that receives committed non-stop tokens as lists (a lane row's tokens of
-   one cycle together, once the cycle ends), and the
+   a ``token_callback`` that receives ``[token]`` per committed non-stop token, and the
    ``compatibility_key`` that decides which jobs may decode together.
 2. **Admission into running lanes.** ``submit(job)`` queues the job for the one model-owner
    thread, which keeps one ``RunningLane`` per compatibility key: the job joins its key's lane at
@@ -192,7 +191,7 @@ class MTPBatchJob:
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.token_callback = token_callback
         # None: off; k >= 0: each streamed token comes with the target's (logprob, k alternatives),
-        # as token_callback(tokens, entries) (lane rows only: b1-exact serves them in its one-row lane)
+        # as token_callback([token], [entry]) (lane rows only: b1-exact serves them in its one-row lane)
         self.logprobs = None if logprobs is None else int(logprobs)
         self.omit_speculative_bonus = bool(omit_speculative_bonus)
         self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
@@ -225,8 +224,6 @@ class MTPBatchJob:
         self._lock = threading.Lock()
         self._resolved = False
         self._service: Optional["MTPBatchGenerationService"] = None
-        self._held_tokens: list[int] = []         # emitted during a lane cycle, not yet forwarded
-        self._held_logprobs: list = []
         self._ready = False                       # submitted as a cohort: no gather wait
 
     def __repr__(self) -> str:
@@ -236,9 +233,8 @@ class MTPBatchJob:
     # -- streaming ---------------------------------------------------------------------------
 
     def emit_token(self, token: int, logprob: Optional[tuple] = None) -> None:
-        """Record a committed token (stop tokens included) and forward non-stop tokens (with their
-        log-probability entries, when the job asked for them): at once, or, for a token of a lane
-        cycle, with the row's other tokens of that cycle once the cycle ends (``flush_tokens``).
+        """Record a committed token (stop tokens included); forward non-stop tokens as ``[token]``
+        (with ``[logprob]``, its log-probability entry, when the job asked for them).
 
         A no-op once the job is cancelled. A raising ``token_callback`` cancels this job and fails
         its future with that exception; it never raises into the driver.
@@ -250,27 +246,11 @@ class MTPBatchJob:
         self.token_times.append(time.perf_counter())
         if self.token_callback is None or token in self.stop_token_ids:
             return
-        with self._lock:
-            self._held_tokens.append(token)
-            self._held_logprobs.append(logprob)
-        service = self._service
-        if service is None or not service._in_lane_cycle:
-            self.flush_tokens()
-
-    def flush_tokens(self) -> None:
-        """Forward the tokens held since the last flush as one ``token_callback(tokens)`` (or
-        ``(tokens, entries)``): a cycle's two tokens of a row travel as one update, so that the
-        consumer's stream does not split a cycle into two messages."""
-        with self._lock:
-            tokens, entries = self._held_tokens, self._held_logprobs
-            if not tokens:
-                return
-            self._held_tokens, self._held_logprobs = [], []
         try:
             if self.logprobs is None:
-                self.token_callback(tokens)
+                self.token_callback([token])
             else:
-                self.token_callback(tokens, entries)
+                self.token_callback([token], [logprob])
         except Exception as exc:  # row-local: the cohort and its peers never see it
             self.callback_error = exc
             self.cancel_event.set()
@@ -332,7 +312,6 @@ class MTPBatchJob:
             return True
 
     def _succeed(self, result: dict) -> bool:
-        self.flush_tokens()            # every token reaches the consumer before the result
         if not self._claim():
             return False
         self.completed_s = result.get("_completed_s", self.completed_s)
@@ -340,7 +319,6 @@ class MTPBatchJob:
         return True
 
     def _fail(self, exc: BaseException) -> bool:
-        self.flush_tokens()
         if not self._claim():
             return False
         self.future.set_exception(exc)
@@ -531,15 +509,21 @@ class MTPBatchGenerationService:
     its rows (width 1, the solo lane, for a lone row, unless a width is forced), widening when more
     rows want in and narrowing when few remain. ``owner_finalize(jobs) -> receipt``: runs on the
     owner thread each time a key's lane drains (with the jobs still in it); raising, or a receipt with ``cleared: False``,
-    poisons the service. ``running_lane_cls``: the running lane class (tests pass a subclass to
-    force a fault). Use ``for_model`` to build one with its own lanes.
+    poisons the service. ``on_lane_step()``: runs on the owner thread after each lane step (one
+    cycle of one key's lane), once every token of that step has reached its job's
+    ``token_callback``; ``in_lane_step`` is True while a step runs (a consumer that groups a row's
+    tokens by cycle waits for the hook instead of sending each token). ``running_lane_cls``: the
+    running lane class (tests pass a subclass to force a fault). Use ``for_model`` to build one with its own lanes.
     """
 
     def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
-                 running_lane_cls=None, kv_budget_bytes: Optional[int] = None):
+                 running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
+                 on_lane_step: Optional[Callable[[], None]] = None):
         self.model = model
+        self._on_lane_step = _failsafe(on_lane_step)
+        self.in_lane_step = False
         # Rows join lanes only while every lane's KV and recurrent state fits this budget; a row
         # that cannot fit even alone fails with KVBudgetError (see _kv_fits).
         self.kv_budget_bytes = int(kv_budget_bytes) if kv_budget_bytes is not None else _default_kv_budget()
@@ -574,7 +558,6 @@ class MTPBatchGenerationService:
         self._active: set = set()
         self._running: dict = {}              # compatibility key -> _KeyLane (owner thread writes)
         self._turn = 0
-        self._in_lane_cycle = False    # the owner thread is inside a lane's step
         self._calls: deque = deque()
         self._closed_error: Optional[BaseException] = None
         self._stopping = False
@@ -1024,11 +1007,13 @@ class MTPBatchGenerationService:
         self._turn += 1
         running = lane.running
         try:
-            self._in_lane_cycle = True    # rows' tokens are held until the cycle ends (flush_tokens)
+            self.in_lane_step = True
             try:
                 running.step()
             finally:
-                self._in_lane_cycle = False
+                self.in_lane_step = False
+                if self._on_lane_step is not None:
+                    self._on_lane_step()
         except Exception as exc:   # fails this lane's rows only; other keys keep running
             with self._cond:
                 self._stats["driver_errors"] += 1
@@ -1038,8 +1023,6 @@ class MTPBatchGenerationService:
             running.cancel_all()
             self._drain(lane)
             return
-        for job in lane.jobs:
-            job.flush_tokens()
         if any(job.future.done() for job in lane.jobs):   # a lane under steady load never drains
             lane.jobs = [job for job in lane.jobs if not job.future.done()]
         if not running.has_work:
