@@ -505,6 +505,21 @@ def test_duplicate_request_ids_keep_rows_apart(model, service, prompts):
         assert r["tokens"] == ref and streams[i] == ref
 
 
+def test_on_lane_step_runs_after_each_lane_step_once_its_tokens_are_out(make_service, prompts):
+    events = []
+    service = make_service(on_lane_step=lambda: events.append(("step", service.in_lane_step)))
+    jobs = [job(prompts[i], max_tokens=12, seed=i,
+                token_callback=lambda toks, i=i: events.append((i, service.in_lane_step))) for i in range(3)]
+    results = run_held(service, jobs)
+    settle(service)
+    steps = [e for e in events if e[0] == "step"]
+    assert steps and not any(during for _, during in steps)        # the hook runs after the step
+    assert all(during for row, during in events if row != "step")   # lane rows' tokens come within it
+    assert events[-1][0] == "step"                                  # the last step's tokens came before its hook
+    assert sum(len(r["tokens"]) for r in results) == len(events) - len(steps)
+    assert service.snapshot()["lane_cycles"] <= len(steps)
+
+
 def test_submit_rejects_unrunnable_jobs_alone(model, service, prompts):
     bad_empty = job([], seed=1)
     bad_ctx = job(prompts[0], max_tokens=model.max_context, seed=2)
