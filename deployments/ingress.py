@@ -775,7 +775,6 @@ class _RowRun:
         self.first_tokens_at: Optional[float] = None
         self._queue: Optional[asyncio.Queue] = None
         self._pump_task: Optional[asyncio.Task] = None
-        self._held = None          # a queue item taken while coalescing, for the next update
         self.usage: Optional[dict] = None               # set when the stream's finish chunk is built
         self.stats: Optional[dict] = None
 
@@ -815,18 +814,7 @@ class _RowRun:
     async def _next_update(self, timeout: Optional[float] = None) -> list:
         if self._queue is None:
             self._start_pump()
-        if self._held is not None:
-            item, self._held = self._held, None
-        else:
-            item = await (self._queue.get() if timeout is None else asyncio.wait_for(self._queue.get(), timeout))
-        # Whatever else is already queued for this row joins this update: a stream that falls
-        # behind its row catches up in fewer, larger chunks instead of one chunk per message.
-        while isinstance(item, list) and not self._queue.empty():
-            following = self._queue.get_nowait()
-            if not isinstance(following, list):
-                self._held = following
-                break
-            item = item + following
+        item = await (self._queue.get() if timeout is None else asyncio.wait_for(self._queue.get(), timeout))
         if item is _END:
             self._queue.put_nowait(_END)
             raise StopAsyncIteration
@@ -844,20 +832,12 @@ class _RowRun:
             except StopAsyncIteration:
                 log.error("mtplx ingress: the batch of request %s ended without a result for it", self.rid)
                 raise oa.internal_error(self.rid) from None
-            texts, failure = [], None
             for event in update:
                 if self.finished:
                     break
-                try:
-                    texts.append(self._apply(event))
-                except oa.OpenAIError as exc:   # the text before a failure still goes out first
-                    failure = exc
-                    break
-            text = "".join(texts)
-            if text:
-                yield text
-            if failure is not None:
-                raise failure
+                text = self._apply(event)
+                if text:
+                    yield text
             if self.stops.stopped:
                 return   # after a stop string the caller drains the cancelled row (bounded)
 

@@ -140,7 +140,8 @@ def _default_cancel_error(job: "MTPBatchJob") -> BaseException:
 
 
 def _failsafe(hook: Optional[Callable]) -> Optional[Callable]:
-    """Wrap a session hook so that it can never break a cohort (errors read as 'no state')."""
+    """Wrap a caller's hook (session, lane step) so that it can never break a cohort (errors read
+    as 'no state')."""
     if hook is None:
         return None
 
@@ -513,7 +514,8 @@ class MTPBatchGenerationService:
     cycle of one key's lane), once every token of that step has reached its job's
     ``token_callback``; ``in_lane_step`` is True while a step runs (a consumer that groups a row's
     tokens by cycle waits for the hook instead of sending each token). ``running_lane_cls``: the
-    running lane class (tests pass a subclass to force a fault). Use ``for_model`` to build one with its own lanes.
+    running lane class (tests pass a subclass to force a fault). Use ``for_model`` to build one
+    with its own lanes.
     """
 
     def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
