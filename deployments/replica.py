@@ -79,7 +79,6 @@ class _CohortBuffer:
         # While a lane step runs, a row's later tokens wait for the step's end (`lane_step_ended`):
         # a cycle's draft and bonus token go out in one message, not split by the work between them.
         self._in_lane_step = in_lane_step
-        self._deferred = False
         self._tokens: Dict[int, List[int]] = {}
         self._logprobs: Dict[int, list] = {}          # row -> entries parallel to its tokens (if asked)
         self._finals: Dict[int, Any] = {}
@@ -117,16 +116,13 @@ class _CohortBuffer:
             if logprobs is not None:
                 self._logprobs.setdefault(row, []).extend(logprobs)
             urgent = self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS
-            if not urgent and self._in_lane_step():
-                self._deferred = True
-            else:
+            if urgent or not self._in_lane_step():
                 self._wake_locked(urgent=urgent)
 
     def lane_step_ended(self) -> None:
         """Called on the owner thread after each lane step: send what the step left waiting."""
         with self._lock:
-            if self._deferred:
-                self._deferred = False
+            if self._tokens:
                 self._wake_locked()
 
     def push_final(self, row: int, outcome) -> None:

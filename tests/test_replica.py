@@ -158,6 +158,8 @@ def test_a_cycles_tokens_wait_for_the_lane_steps_end():
 
 
 def test_streamed_rows_arrive_whole_and_before_their_ends(replica):
+    from deployments.replica import URGENT_TOKENS
+
     rows = [dict(_row(replica, 40 + i, max_tokens=24), logprobs=1) for i in range(3)]
 
     async def go():
@@ -176,5 +178,4 @@ def test_streamed_rows_arrive_whole_and_before_their_ends(replica):
         ended = next(k for k, m in enumerate(msgs) if i in (m.get("f") or {}))
         assert carrying[0] < ended     # streamed, not held until the row's end
         # one message per lane step at most once its first tokens are out
-        from deployments.replica import URGENT_TOKENS
         assert len(carrying) <= URGENT_TOKENS + finals[i]["stats"]["verify_calls"] + 1
