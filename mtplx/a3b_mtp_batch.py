@@ -35,7 +35,8 @@ from .sampling import (Distribution, SamplerConfig, device_draft_distribution, d
 
 log = logging.getLogger("mtplx")
 
-DEPTH = 1
+DEPTH = 1                   # drafts a cycle chains by default (a lane's `depth`; sampled cycles always 1)
+DEPTHS = (1, 2, 3)
 VERIFY_T = 2
 MIN_WIDTH, MAX_WIDTH = 2, 32
 NUMERICS_PROFILES = ("throughput", "b1-exact")
@@ -157,8 +158,9 @@ class InstalledA3BMTPBatchLane:
 
 # ---------------------------------------------------------------- installation
 
-def _route_id(model, width: int, numerics: str) -> str:
-    return f"{model.model_id}_mtp_batch_b{width}_t{VERIFY_T}_m{VERIFY_T * width}_{numerics.replace('-', '_')}"
+def _route_id(model, width: int, numerics: str, depth: int = DEPTH) -> str:
+    t = 1 + depth          # a greedy cycle's verify positions
+    return f"{model.model_id}_mtp_batch_b{width}_t{t}_m{t * width}_{numerics.replace('-', '_')}"
 
 
 def _fingerprint(model, numerics: str, route_id: str) -> str:
@@ -166,8 +168,10 @@ def _fingerprint(model, numerics: str, route_id: str) -> str:
 
 
 def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughput",
-                               selfcheck: bool = True, compiled: Optional[bool] = None) -> InstalledA3BMTPBatchLane:
-    """Bind a fixed-width cohort lane to a model, after a numerical self-check at real shapes."""
+                               selfcheck: bool = True, compiled: Optional[bool] = None,
+                               depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
+    """Bind a fixed-width cohort lane to a model, after a numerical self-check at real shapes.
+    `depth`: drafts a greedy cycle chains (1 or 2; a sampled cycle drafts one)."""
     if getattr(model, "mtp", None) is None:
         raise ValueError(f"cannot install an MTP batch lane: the model has no MTP head "
                          f"({getattr(model, 'mtp_disabled_reason', 'no mtp.* weights')})")
@@ -175,7 +179,9 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
         raise ValueError(f"width={width!r} is invalid: must be an integer in [{MIN_WIDTH}, {MAX_WIDTH}]")
     if numerics not in NUMERICS_PROFILES:
         raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS_PROFILES}")
-    lane = _new_lane(model, width, numerics, {"skipped": True}, compiled)
+    if isinstance(depth, bool) or depth not in DEPTHS:
+        raise ValueError(f"depth={depth!r} is invalid: a lane chains {' or '.join(map(str, DEPTHS))} drafts")
+    lane = _new_lane(model, width, numerics, {"skipped": True}, compiled, depth)
     if selfcheck:
         receipt = run_selfcheck(lane)
         if not receipt["ok"]:
@@ -223,11 +229,12 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
     return dict(lane.step_costs)
 
 
-def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool]) -> InstalledA3BMTPBatchLane:
-    route_id = _route_id(model, width, numerics)
+def _new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool],
+              depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
+    route_id = _route_id(model, width, numerics, depth)
     compiled = _default_compile() if compiled is None else bool(compiled)
     return InstalledA3BMTPBatchLane(
-        model=model, width=width, depth=DEPTH, verify_t=VERIFY_T, numerics=numerics, route_id=route_id,
+        model=model, width=width, depth=depth, verify_t=1 + depth, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
         compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None)
 
@@ -407,8 +414,9 @@ def _graph_views(kinds, arrays, offset, span) -> list:
 
 
 class _CycleForwards:
-    """The two forwards of a cycle over fixed [W, 2] shapes: the MTP head (owed history entry +
-    draft entry) and the target verify. They run as `mx.compile`d graphs cached on the lane: each
+    """The forwards of a cycle over fixed shapes: the MTP head over [W, 1 + depth] (owed history
+    entries + draft entry), at depth 2-3 the head again over [W, 1] per chained draft, and the
+    target verify over [W, 1 + drafts]. They run as `mx.compile`d graphs cached on the lane: each
     cache enters as arrays (KV buffers, or a GDN layer's conv window and state) and comes back as
     arrays (updated buffers, or the GDN capture the commit rolls back from). A graph retraces
     when a KV buffer's capacity grows. With the lane's `span_bucket`, attention reads only the
@@ -430,14 +438,16 @@ class _CycleForwards:
             def draft(span, h_in, t_in, sel, offset, *arrays):
                 mc = _graph_views(mtp_kinds, arrays, offset, span)
                 g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mc), sel, axis=1)
-                return (model.logits(g)[:, 0],) + _graph_outputs(mc)
+                return (model.logits(g)[:, 0], g) + _graph_outputs(mc)
 
             def verify(span, tokens, offset, *arrays):   # [W, 2] a cycle's verify, [W, 1] an AR step
                 tc = _graph_views(kinds, arrays, offset, span)
                 H = model.hidden(tokens, tc)
                 return (H, model.logits(H)) + _graph_outputs(tc)
 
-            lane._graphs["fns"] = {"draft": draft, "verify": verify, "ar": verify}
+            # one name per input shape, so that a shape first met is a trace, not a retrace
+            lane._graphs["fns"] = {"draft": draft, "chain": draft, "verify": verify, "verify3": verify,
+                                   "verify4": verify, "ar": verify}
         self._graphs = lane._graphs
 
     def _run(self, name, caches, T, *args):
@@ -493,17 +503,20 @@ class _CycleForwards:
         self.compiled = False
         return ref
 
-    def draft(self, h_in, t_in, sel):
-        """Draft logits [W, V] from the head's output at slot `sel` per row."""
-        ran = self._run("draft", self.mtp_caches, h_in.shape[1], h_in, t_in, sel)
+    def draft(self, h_in, t_in, sel, graph: str = "draft"):
+        """Draft logits [W, V] and the head's output [W, 1, H] at slot `sel` per row: graph
+        "draft" over a cycle's history and draft entries, "chain" over [W, 1] = (the head's own
+        output, its draft) for a second draft."""
+        ran = self._run(graph, self.mtp_caches, h_in.shape[1], h_in, t_in, sel)
         if ran is None:
             g = mx.take_along_axis(self.model.draft_hidden(h_in, t_in, self.mtp_caches), sel, axis=1)
-            return self.model.logits(g)[:, 0]
-        return self._absorb(ran, self.mtp_caches, h_in.shape[1], 1)[0]
+            return self.model.logits(g)[:, 0], g
+        return tuple(self._absorb(ran, self.mtp_caches, h_in.shape[1], 2))
 
-    def verify(self, tokens, graph: str = "verify"):
-        """Target hidden [W, T, H] and logits [W, T, V]: T = 2 for [primary, draft] (graph
-        "verify"), T = 1 for a plain AR step (graph "ar")."""
+    def verify(self, tokens, graph: Optional[str] = None):
+        """Target hidden [W, T, H] and logits [W, T, V]: T = 1 + depth for [primary, drafts]
+        (graphs "verify", "verify3"), T = 1 for a plain AR step (graph "ar")."""
+        graph = graph or ("verify" if tokens.shape[1] == 2 else f"verify{tokens.shape[1]}")
         ran = self._run(graph, self.caches, tokens.shape[1], tokens)
         if ran is None:
             H = self.model.hidden(tokens, self.caches)
@@ -564,7 +577,7 @@ class _LaneRow:
         self.counts = {} if self.sampler.has_penalties else None     # completion token -> count
         self.result = A3BMTPBatchStreamResult(request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
         self.pending: Optional[int] = None
-        self.owes_history = False
+        self.owed = 0         # head-history entries owed for drafts its last MTP cycle accepted
         # its own drafting policy (adaptive rows): from its own accept/reject history only
         self.accept_est = prior
         self.drafting = prior >= ROW_STOP_BELOW
@@ -812,7 +825,9 @@ class StepPolicy:
     def __init__(self, hysteresis: float = 0.05, ar_probe_every: int = 256, mtp_probe_first: int = 16,
                  mtp_probe_max: int = 256, acceptance_ema: float = 0.1, probe_steps: int = 2):
         self.kind = "mtp"                      # the kind it runs between probes
-        self.acceptance: Optional[float] = None   # moving average over drafted rows' outcomes
+        # moving average of drafts accepted per drafting row and cycle (at depth 1 the acceptance
+        # rate; a cycle of depth d yields live + acceptance x drafting tokens, d + 1 at most a row)
+        self.acceptance: Optional[float] = None
         self.hysteresis, self.ar_probe_every = hysteresis, ar_probe_every
         self.mtp_probe_first, self.mtp_probe_max = mtp_probe_first, mtp_probe_max
         self.acceptance_ema = acceptance_ema
@@ -827,7 +842,7 @@ class StepPolicy:
             a = self.acceptance
             self.acceptance = rate if a is None else a + self.acceptance_ema * (rate - a)
 
-    def choose(self, costs: dict, live: int, drafting: int) -> str:
+    def choose(self, costs: dict, live: int, drafting: int, depth: int = DEPTH) -> str:
         mtp_s, ar_s = costs.get("mtp"), costs.get("ar")
         if ar_s is None:
             return "ar"                         # unmeasured at this width: measure it
@@ -838,7 +853,7 @@ class StepPolicy:
             self.kind, self.since_probe, self.mtp_probe_every, self._probe_left = "ar", 0, self.mtp_probe_first, 0
         elif self.kind == "ar" and self.last_gain > 1 + self.hysteresis:
             self.kind, self.since_probe, self._probe_left = "mtp", 0, 0
-        if self.kind == "ar" and (1 + DEPTH) * ar_s / mtp_s < 1 - self.hysteresis:
+        if self.kind == "ar" and (1 + depth) * ar_s / mtp_s < 1 - self.hysteresis:
             self.mtp_probe_every = self.mtp_probe_max
         other = "ar" if self.kind == "mtp" else "mtp"
         if self._probe_left:
@@ -873,10 +888,13 @@ class RunningLane:
     compiled [W, 2] graphs belong to the installed lanes, so rows coming and going never
     recompile. Shaped after mlx-lm's `BatchGenerator` (`insert`, `next`), with MTP inside.
 
-    Each cycle, for all rows at once: one MTP head forward [W, 2] (the row's owed history entry,
-    if any, and the draft entry (h_last, primary)), one target verify forward [W, 2] = [primary,
-    draft], then a per-row decision with the row's own RNG in the solo path's order (primary,
-    draft, accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions. Free slots are
+    Each cycle, for all rows at once: one MTP head forward [W, 1 + depth] (the row's owed history
+    entries, if any, and the draft entry (h_last, primary)), one target verify forward [W, 2] =
+    [primary, draft], then a per-row decision with the row's own RNG in the solo path's order
+    (primary, draft, accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions. In a
+    lane installed with `depth` 2 or 3, a cycle whose rows are all greedy chains that many drafts
+    (the head again on its own output and draft, as `generate_mtpk` does), verifies
+    [primary, drafts] and commits 0 to 1 + depth positions a row; sampled cycles draft one. Free slots are
     inert (commit 0). A row with `speculative=False` keeps one target token per cycle (plain AR in
     the same forwards; its output and RNG draws are `generate_ar`'s), and so does an `adaptive`
     row that has stopped drafting (`_LaneRow.drafted`).
@@ -897,6 +915,9 @@ class RunningLane:
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted(ladder, key=lambda ln: ln.width)
+        if len({ln.depth for ln in self.ladder}) > 1:
+            raise ValueError(f"a running lane's installed lanes must chain drafts equally deep (their rows' "
+                             f"history moves between them); got depths {sorted({ln.depth for ln in self.ladder})}")
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -924,7 +945,7 @@ class RunningLane:
         self.device_drafts = 0                         # drafts drawn on the device
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
-        self.draft_log = [] if keep_log else None      # (request id, output position, draft)
+        self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
         self.policy = StepPolicy()
         self.mtp_cycles = self.ar_steps = 0            # of `cycles`, by kind
         self.last_step: Optional[str] = None
@@ -1030,8 +1051,9 @@ class RunningLane:
             # from the model's prior, as its rows start: a lane starts with each request at one
             # client, and estimated from its first outcome alone, one rejected first draft sent it
             # to 16 + 32 AR steps (the acceptance then climbing back one weighted outcome a probe)
-            self.policy.acceptance = draft_acceptance_prior(self.model)
-        return self.policy.choose(self.lane.step_costs, len(live), len(wanting))
+            p = draft_acceptance_prior(self.model)       # per draft; a chain's j-th needs all before it
+            self.policy.acceptance = sum(p ** j for j in range(1, self.lane.depth + 1))
+        return self.policy.choose(self.lane.step_costs, len(live), len(wanting), self.lane.depth)
 
     def _run_step(self, kind: str) -> None:
         # an MTP cycle in which no row drafts is an AR step (and the head's history is owed)
@@ -1126,8 +1148,9 @@ class RunningLane:
         logits, hidden = adm.out
         self.logits_last = mx.zeros((W,) + logits.shape, logits.dtype)
         self.h_last = mx.zeros((W,) + hidden.shape[1:], hidden.dtype)
-        self.hist_h = mx.zeros_like(self.h_last)       # its own array: rows are written in place
-        self.hist_tok = np.zeros(W, dtype=np.int64)
+        D = self.lane.depth
+        self.hist_h = mx.zeros((W, D) + hidden.shape[2:], hidden.dtype)    # owed entries, oldest first
+        self.hist_tok = np.zeros((W, D), dtype=np.int64)
 
     def _admit(self) -> None:
         """Start prefills for free slots (FIFO), advance them within the prefill budget, and merge
@@ -1254,9 +1277,8 @@ class RunningLane:
 
     def _write_owed_history(self) -> None:
         """Write the head-history entries owed by AR steps into the head's KV: one head forward
-        over [W, n] (no logits), each row's entries left-aligned (a row's owed columns are one
-        contiguous run: it joined, or began to owe, at its first), then each row keeps its own
-        count. MTP history is then exactly what consecutive MTP cycles would have written."""
+        over [W, n] (no logits), each row's own columns left-aligned in order, then each row keeps
+        its own count. MTP history is then exactly what consecutive MTP cycles would have written."""
         cols, self._owed = self._owed, []
         if not cols or not self.mtp_caches:
             return
@@ -1265,8 +1287,10 @@ class RunningLane:
         if not counts.any():
             return
         n = len(cols)
-        first = np.where(counts > 0, owner.argmax(axis=1), 0)
-        idx = np.minimum(first[:, None] + np.arange(n)[None, :], n - 1).astype(np.int32)
+        idx = np.full(owner.shape, n - 1, dtype=np.int32)
+        for b in np.flatnonzero(counts):
+            own = np.flatnonzero(owner[b])
+            idx[b, :len(own)], idx[b, len(own):] = own, own[-1]
         h = mx.take_along_axis(mx.concatenate([c[0] for c in cols], axis=1), mx.array(idx)[:, :, None], axis=1)
         t = mx.take_along_axis(mx.stack([c[1] for c in cols], axis=1), mx.array(idx), axis=1)
         self.model.draft_hidden(h, t, self.mtp_caches)     # lazy: only the layer's keys and values are used
@@ -1283,14 +1307,15 @@ class RunningLane:
         active, has_pending, greedy, _, x0, x0_host = self._primaries()
         if self.mtp_caches:
             may_draft = np.array([r is not None and r.req.speculative for r in rows])
-            owes = np.array([r is not None and r.owes_history for r in rows]) & may_draft
-            if owes.any():
-                self._owed.append((self.hist_h, mx.array(self.hist_tok, dtype=mx.uint32), owes))
+            owed = np.array([r.owed if r is not None else 0 for r in rows]) * may_draft
+            for j in range(int(owed.max(initial=0))):      # from the last MTP cycle, oldest first
+                self._owed.append((self.hist_h[:, j:j + 1], mx.array(self.hist_tok[:, j], dtype=mx.uint32),
+                                   owed > j))
             if may_draft.any():
                 self._owed.append((self.h_last, x0, may_draft))
         for row in rows:
             if row is not None:
-                row.owes_history = False
+                row.owed = 0
         H, L = self.forwards.verify(x0[:, None], graph="ar")          # [W, 1, Hd], [W, 1, V]
         if greedy:
             target_ids = mx.argmax(L[:, 0], axis=-1)
@@ -1388,38 +1413,47 @@ class RunningLane:
         if self.forwards is None:
             self.forwards = _CycleForwards(self.lane, self.caches, self.mtp_caches, weakref.proxy(self))
         caches, mtp_caches, forwards = self.caches, self.mtp_caches, self.forwards
-        rows, W = self.rows, self.width
+        rows, W, D = self.rows, self.width, self.lane.depth
         # -- which rows draft (their own policy), with the history owed by AR steps written first
         self._write_owed_history()
         drafting = np.array([r is not None and r.wants_draft() for r in rows])
         active, has_pending, greedy, logits_host, x0, x0_host = self._primaries()
-        owes = np.array([r is not None and r.owes_history for r in rows])
-        h_last, hist_h = self.h_last, self.hist_h
+        owed = np.array([r.owed if r is not None else 0 for r in rows])
+        # greedy lanes chain the lane's depth of drafts; sampled ones (and the self-check) draft one
+        depth = D if greedy and self.inject_drafts is None else 1
 
-        # 2. draft: MTP head over [W, 2] = [owed history entry | (h_last, x0)] (non-drafting rows
-        #    write their history entries too)
-        d = x0
+        # 2. draft: MTP head over [W, 1 + D] = [owed history entries | (h_last, x0) | repeats of it]
+        #    (non-drafting rows write their history entries too); a greedy lane of depth 2 then
+        #    chains the head on its own output and first draft, an entry it drops at once
+        d = x0[:, None]
         q_probs = [None] * W                 # sampled rows' draft distributions (None: a point mass)
         on_device = np.zeros(W, dtype=bool)  # rows whose drafts were drawn on the device
         device_draw = None                   # their candidates and thresholds (lazy), and uniforms
         if drafting.any():
-            owes_mx = mx.array(owes)
-            slot0_h = mx.where(owes_mx[:, None, None], hist_h, h_last)
-            slot0_t = mx.where(owes_mx, mx.array(self.hist_tok, dtype=mx.uint32), x0)
-            q_logits = forwards.draft(mx.concatenate([slot0_h, h_last], axis=1), mx.stack([slot0_t, x0], axis=1),
-                                      mx.array(owes.astype(np.int32))[:, None, None])        # [W, V]
-            commit_rows(mtp_caches, 2, np.where(active, 1 + owes, 0))
+            slot = np.arange(D + 1)[None, :]
+            take = mx.array(np.where(slot < owed[:, None], slot, D).astype(np.int32))
+            h_in = mx.take_along_axis(mx.concatenate([self.hist_h, self.h_last], axis=1), take[:, :, None], axis=1)
+            t_in = mx.take_along_axis(mx.concatenate([mx.array(self.hist_tok, dtype=mx.uint32), x0[:, None]], axis=1),
+                                      take, axis=1)
+            q_logits, g = forwards.draft(h_in, t_in, mx.array(owed.astype(np.int32))[:, None, None])   # [W, V]
+            commit_rows(mtp_caches, D + 1, np.where(active, 1 + owed, 0))
             if greedy:
-                d = mx.argmax(q_logits, axis=-1).astype(mx.uint32)
-                mx.async_eval(d)        # the draft computes while the verify's graph is built
+                drafts = [mx.argmax(q_logits, axis=-1).astype(mx.uint32)]
+                for _ in range(1, depth):
+                    q_logits, g = forwards.draft(g, drafts[-1][:, None], mx.zeros((W, 1, 1), mx.int32), graph="chain")
+                    commit_rows(mtp_caches, 1, np.zeros(W, dtype=np.int64))
+                    drafts.append(mx.argmax(q_logits, axis=-1).astype(mx.uint32))
+                d = mx.stack(drafts, axis=1)
+                mx.async_eval(d)        # the drafts compute while the verify's graph is built
             else:
                 d, on_device, device_draw = self._sampled_drafts(q_logits, drafting, q_probs)
+                d = d[:, None]
 
         if self.inject_drafts is not None:
-            d = mx.array(self._injected(np.array(d), has_pending, drafting), dtype=mx.uint32)
+            d = mx.array(self._injected(np.array(d[:, 0]), has_pending, drafting), dtype=mx.uint32)[:, None]
 
-        # 3. verify: target forward over [W, 2] = [x0, draft]
-        H, L = forwards.verify(mx.stack([x0, d], axis=1))   # [W, 2, Hd], [W, 2, V]
+        # 3. verify: target forward over [W, 1 + depth] = [x0, drafts]
+        H, L = forwards.verify(mx.concatenate([x0[:, None], d], axis=1))   # [W, T, Hd], [W, T, V]
         if greedy:
             target_ids = mx.argmax(L, axis=-1)
             mx.eval(x0, d, target_ids)
@@ -1433,7 +1467,7 @@ class RunningLane:
         lp_host = self._logprob_logits(L, None if greedy else L_host)
 
         if not greedy and on_device.any():
-            self._device_draft_distributions(device_draw, on_device, d_host, q_probs)
+            self._device_draft_distributions(device_draw, on_device, d_host[:, 0], q_probs)
 
         def entry(b, j, tok):      # row b's log-probability entry for token `tok` at verify position j
             k = rows[b].req.logprobs
@@ -1452,38 +1486,48 @@ class RunningLane:
             if not drafting[b]:               # plain AR: the target's own next token
                 row.skipped()
                 tok = int(target_ids[b, 0]) if greedy else sample(row.dist(L_host[b, 0]), row.rng)
-                row.pending, row.owes_history, keep[b] = None, False, 1
+                row.pending, row.owed, keep[b] = None, 0, 1
                 if not row.emit(tok, entry(b, 0, tok)):
                     row.pending = tok
                 continue
-            draft = int(d_host[b])
-            if greedy:
-                ok, tok = draft == int(target_ids[b, 0]), int(target_ids[b, 0])
-            else:
-                q = q_probs[b] if q_probs[b] is not None else Distribution.point(draft, self.model.vocab_size)
-                ok, tok = verify_one_token(row.dist(L_host[b, 0]), q, draft, row.rng)
-            row.pending, row.owes_history = None, ok
-            row.drafted(ok)
-            n_drafted, n_accepted = n_drafted + 1, n_accepted + int(ok)
-            if self.draft_log is not None:
-                self.draft_log.append((row.req.request_id, len(r.tokens), draft))
-            if ok:
+            row.pending = None
+            n_drafted += 1
+            a, finished = 0, False           # drafts accepted; whether an accepted one ended the row
+            for j in range(depth):
+                draft = int(d_host[b, j])
+                if greedy:
+                    ok, tok = draft == int(target_ids[b, j]), int(target_ids[b, j])
+                else:
+                    q = q_probs[b] if q_probs[b] is not None else Distribution.point(draft, self.model.vocab_size)
+                    ok, tok = verify_one_token(row.dist(L_host[b, 0]), q, draft, row.rng)
+                if j == 0:
+                    row.drafted(ok)          # its policy reads its first draft's outcome
+                if self.draft_log is not None:
+                    self.draft_log.append((row.req.request_id, len(r.tokens), draft, j))
+                if not ok:
+                    self.rejected += 1
+                    r.rejected_drafts += 1
+                    keep[b] = 1 + a
+                    if not row.emit(tok, entry(b, j, tok)):
+                        row.pending = tok
+                    break
+                a += 1
                 self.accepted += 1
                 r.accepted_drafts += 1
-                if row.emit(tok, entry(b, 0, tok)):
-                    continue
-                keep[b] = 2
+                if row.emit(tok, entry(b, j, tok)):
+                    finished = True
+                    break
+            n_accepted += a
+            if finished:
+                continue
+            if a == depth:
+                keep[b] = 1 + depth
                 if not row.req.omit_speculative_bonus and len(r.tokens) < row.req.max_tokens:
-                    bonus = int(target_ids[b, 1]) if greedy else sample(row.dist(L_host[b, 1]), row.rng)
-                    if not row.emit(bonus, entry(b, 1, bonus)):
+                    bonus = int(target_ids[b, depth]) if greedy else sample(row.dist(L_host[b, depth]), row.rng)
+                    if not row.emit(bonus, entry(b, depth, bonus)):
                         row.pending = bonus
-            else:
-                self.rejected += 1
-                r.rejected_drafts += 1
-                keep[b] = 1
-                if not row.emit(tok, entry(b, 0, tok)):
-                    row.pending = tok
-            self.hist_tok[b] = draft
+            row.owed = a                     # entries (H[j], draft j) for its accepted drafts
+            self.hist_tok[b, :depth] = d_host[b]
         for b, row in enumerate(rows):
             if active[b] and row.live and row.req.repetition_stop:
                 row.check_repetition()
@@ -1495,10 +1539,10 @@ class RunningLane:
         self.policy.observe(n_drafted, n_accepted)
         self.host_s += time.perf_counter() - t_host
 
-        # 5. commit: each row keeps 0/1/2 verify positions; last logits/hidden follow
-        commit_rows(caches, VERIFY_T, keep)
+        # 5. commit: each row keeps 0..1 + depth verify positions; last logits/hidden follow
+        commit_rows(caches, 1 + depth, keep)
         sel = mx.array(np.maximum(keep - 1, 0).astype(np.int32))[:, None, None]
-        self.hist_h = H[:, 0:1]
+        self.hist_h = H[:, :D]
         self.h_last = mx.take_along_axis(H, sel, axis=1)
         self.logits_last = mx.take_along_axis(L, sel, axis=1)[:, 0]
         self.logits_host = None if greedy else L_host[np.arange(W), np.maximum(keep - 1, 0)]

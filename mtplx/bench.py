@@ -7,8 +7,9 @@ ratios from the same run, report medians).
           BLAS turned off (a child process, since BLAS loads at import).
   lane  - serial solo AR / solo MTP vs the B8 lane, B3 vs B8 at 3 rows, a 2-row cohort, and
           mlx-lm's BatchGenerator on the same prompts and weights; the B8 lane with its cycle
-          graphs compiled vs eager; forward costs [B,1]/[B,2]; ms and host ms per B8 cycle, and a
-          sampled B8 cycle against a greedy one run beside it (`b8_cycle_vs_greedy`).
+          graphs compiled vs eager; forward costs [B,T]; ms and host ms per B8 cycle, and a
+          sampled B8 cycle against a greedy one run beside it (`b8_cycle_vs_greedy`); greedy B8
+          and B2 lanes chaining 2 and 3 drafts a cycle against one (`depth_vs_one_draft`).
   Both report, for hybrid (GDN) models, capture-commit vs a plain verify forward.
 
 Each bench (and `service`, `http`) also has a report: `render_*` writes its section of
@@ -17,6 +18,7 @@ BENCHMARKS.md, `plot_*` its chart (`mtplx.bench_report.write_report` puts them i
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -292,7 +294,10 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
     prompts8 = _prompt_ids(model, 8)
     lanes = {w: install_a3b_mtp_batch_lane(model, w) for w in (2, 3, 8)}
     other8 = install_a3b_mtp_batch_lane(model, 8, selfcheck=False, compiled=not lanes[8].compiled)
-    _lane_round(lanes[8], prompts8, 8, GREEDY)  # warm up
+    # greedy cycles chaining 2-3 drafts (their exactness is the tests'; here only their speed)
+    chained = {(w, d): install_a3b_mtp_batch_lane(model, w, selfcheck=False, depth=d) for w in (2, 8) for d in (2, 3)}
+    for lane in [lanes[8], *chained.values()]:
+        _lane_round(lane, prompts8[:lane.width], 8, GREEDY)  # warm up
     draw = default_draft_draw()
     other_draw = "host" if draw == "device" else "device"
     out = {"draft_draw": draw}
@@ -312,6 +317,8 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
         if sampler is GREEDY:
             arms["mlx_lm_batch_8rows"] = lambda: _mlx_lm_batch_round(model, prompts8, tokens)
             arms["b8_8rows_other_mode"] = lambda: _lane_round(other8, prompts8, tokens, sampler)
+            for (w, d), lane in chained.items():   # greedy cycles chaining d drafts
+                arms[f"b{w}_{w}rows_depth{d}"] = functools.partial(_lane_round, lane, prompts8[:w], tokens, sampler)
         runs = {k: [] for k in arms}
         for _ in range(rounds):  # interleaved, so a noisy spell hits every arm alike
             for k, fn in arms.items():
@@ -323,6 +330,9 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
             compiled, eager = ((row["b8_8rows"], row["b8_8rows_other_mode"]) if lanes[8].compiled
                                else (row["b8_8rows_other_mode"], row["b8_8rows"]))
             row["b8_compiled_vs_eager"] = round(compiled["tok_s"] / eager["tok_s"], 3)
+            row["depth_vs_one_draft"] = {f"b{w}_depth{d}": round(row[f"b{w}_{w}rows_depth{d}"]["tok_s"]
+                                                                 / row[f"b{w}_{w}rows"]["tok_s"], 3)
+                                         for w, d in chained}
         else:
             row["b8_vs_serial_mtp"] = round(row["b8_8rows"]["tok_s"] / row["serial_mtp"]["tok_s"], 3)
             # the cost of sampling: a sampled B8 cycle against a greedy one measured beside it
@@ -334,7 +344,7 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
         row["b2_vs_serial_mtp_2rows"] = round(row["b2_2rows"]["tok_s"] / row["serial_mtp_2rows"]["tok_s"], 3)
         row["b3_vs_b8_at_3rows"] = round(row["b3_3rows"]["tok_s"] / row["b8_3rows"]["tok_s"], 3)
         out[name] = row
-    out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2), (2, 2), (3, 1), (3, 2), (8, 1), (8, 2)])
+    out["forward_ms"] = forward_costs(model, [(1, 1), (1, 2), (2, 2), (3, 1), (3, 2), (8, 1), (8, 2), (8, 3), (8, 4)])
     capture = capture_commit_costs(model, 8)
     if capture:
         out["capture_commit"] = capture
@@ -416,6 +426,10 @@ LANE_ARMS = {   # arm -> what it decodes
     "b8_3rows": "3 rows in the B8 lane",
     "b2_2rows": "2 rows in the B2 lane",
     "serial_mtp_2rows": "2 rows one after another, solo MTP",
+    "b8_8rows_depth2": "8 rows in a B8 lane chaining 2 drafts a cycle",
+    "b8_8rows_depth3": "8 rows in a B8 lane chaining 3 drafts a cycle",
+    "b2_2rows_depth2": "2 rows in a B2 lane chaining 2 drafts a cycle",
+    "b2_2rows_depth3": "2 rows in a B2 lane chaining 3 drafts a cycle",
 }
 
 
@@ -446,7 +460,11 @@ def render_lane(record: dict, image: str) -> str:
                  f"they give {s['b8_device_draw_vs_host']:.2f}x the tok/s of host draws. "
                  if "b8_device_draw_vs_host" in s else "") +
               f"B2 vs serial solo MTP at 2 rows: greedy {g['b2_vs_serial_mtp_2rows']:.2f}x; "
-              f"B3 vs B8 at 3 rows: greedy {g['b3_vs_b8_at_3rows']:.2f}x.",
+              f"B3 vs B8 at 3 rows: greedy {g['b3_vs_b8_at_3rows']:.2f}x."
+              + ("" if "depth_vs_one_draft" not in g else
+                 " Greedy cycles chaining 2 / 3 drafts against one (same rows, same width): B8 "
+                 f"{g['depth_vs_one_draft']['b8_depth2']:.2f}x / {g['depth_vs_one_draft']['b8_depth3']:.2f}x, "
+                 f"B2 {g['depth_vs_one_draft']['b2_depth2']:.2f}x / {g['depth_vs_one_draft']['b2_depth3']:.2f}x."),
               "",
               "Target forward, ms: " + ", ".join(f"{k} {v}" for k, v in record["forward_ms"].items()) + "."]
     lines += _capture_commit_lines(record)

@@ -81,8 +81,8 @@ def test_history_owed_by_ar_steps_is_what_mtp_cycles_would_have_written(model, l
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
     base, _ = _run([lane3], reqs, lambda i: "mtp", join_at={3: 12})
     mixed, _ = _run([lane3], reqs, PLANS["blocks"], join_at={3: 12})
-    want = {(rid, pos): d for rid, pos, d in base.draft_log}
-    got = {(rid, pos): d for rid, pos, d in mixed.draft_log}
+    want = {(rid, pos): d for rid, pos, d, _ in base.draft_log}
+    got = {(rid, pos): d for rid, pos, d, _ in mixed.draft_log}
     common = sorted(set(want) & set(got))
     assert len(common) >= 40 and {rid for rid, _ in common} == {"0", "1", "2", "3"}
     assert [got[k] for k in common] == [want[k] for k in common]
@@ -123,7 +123,7 @@ def test_row_stops_drafting_while_neighbours_speculate_and_resumes_on_a_probe(mo
         assert s.tokens == ref
     bad, good = streams[0], streams[1:]
     assert all(s.spec_cycles == s.cycles and s.drafts_skipped == 0 for s in good)
-    drafted_at = sorted(pos for rid, pos, _ in running.draft_log if rid == "0")
+    drafted_at = sorted(pos for rid, pos, _, _ in running.draft_log if rid == "0")
     early = [p for p in drafted_at if p < 40]
     # from the model's prior (1.0 on its fixed text) fourteen rejections stop it; a probe 16 cycles on fails
     assert draft_acceptance_prior(model) == 1.0
@@ -138,7 +138,7 @@ def test_rows_of_a_head_that_never_agrees_start_stopped(model, lane3, monkeypatc
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
     for r, s in zip(reqs, streams):
         assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
-    first = min(pos for _, pos, _ in running.draft_log)
+    first = min(pos for _, pos, _, _ in running.draft_log)
     assert first > ROW_PROBE_FIRST and running.mtp_cycles <= 2    # no drafts until their first probe
 
 
@@ -297,3 +297,66 @@ def test_bench_load_mode_arms_summary():
     assert s["auto_largest_drop"] == {"greedy": pytest.approx(1 - 37 / 40)}
     assert "| greedy/closed-8 | 40.0 | 42.0 | 30.0 |" in bl.format_modes_table(s)
     assert bl.summarize_modes([{"ours": {}}]) == {}
+
+
+# -- lanes that chain 2-3 drafts a greedy cycle (install_a3b_mtp_batch_lane(depth=...))
+
+@pytest.fixture(scope="module")
+def chained(model):
+    return {d: install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=d) for d in (2, 3)}
+
+
+@pytest.mark.parametrize("plan", ["mtp", "blocks", "random"])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_chained_drafts_equal_plain_ar_whichever_steps_run(model, chained, depth, plan):
+    """Greedy cycles that chain drafts stay exact: rows end inside a chain (their budgets), one
+    omits its bonus, one joins mid-run into a freed slot, AR steps owe up to `depth` entries."""
+    reqs = _greedy_reqs(model, (70, 41, 64, 55))
+    reqs[1] = dataclasses.replace(reqs[1], omit_speculative_bonus=True)
+    refs = [generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens for r in reqs]
+    step_plan = (lambda i: "mtp") if plan == "mtp" else PLANS[plan]
+    running, streams = _run([chained[depth]], reqs, step_plan, join_at={3: 12})
+    for i, (s, ref) in enumerate(zip(streams, refs)):
+        assert s.tokens == ref, f"row {i}"
+    assert max(running.keep_log) == 1 + depth                     # a whole chain accepted, and its bonus
+    assert {j for *_, j in running.draft_log} == set(range(depth))
+    assert running.accepted > running.rejected > 0 and running.graph_retraces == 0
+
+
+def test_history_owed_after_chained_drafts_is_what_mtp_cycles_would_have_written(model, chained):
+    """Each draft at an output position and chain index is the draft an all-MTP run made there:
+    the history a cycle owes for its accepted drafts (up to two entries a row) is exact, whether
+    the next cycle or an AR step writes it."""
+    reqs = _greedy_reqs(model, (70, 41, 64, 55))
+    base, _ = _run([chained[2]], reqs, lambda i: "mtp", join_at={3: 12})
+    mixed, _ = _run([chained[2]], reqs, PLANS["alternate"], join_at={3: 12})
+    want = {(rid, pos, j): d for rid, pos, d, j in base.draft_log}
+    got = {(rid, pos, j): d for rid, pos, d, j in mixed.draft_log}
+    common = sorted(set(want) & set(got))
+    assert len(common) >= 40 and {rid for rid, *_ in common} == {"0", "1", "2", "3"}
+    assert {j for *_, j in common} == {0, 1}
+    assert [got[k] for k in common] == [want[k] for k in common]
+
+
+def test_a_sampled_row_in_a_chaining_lane_draws_as_in_a_lane_of_one_draft(model, chained, lane3):
+    """A sampled row makes its lane's cycles draft one (rejection sampling of one draft); its
+    tokens are those it draws in a depth-1 lane, and the greedy rows beside it, chaining before it
+    joins and after it leaves, stay exact."""
+    p = [model.tokenizer.encode(t) for t in TEXTS]
+    greedy = _greedy_reqs(model, (90, 80))
+    me = A3BMTPBatchRequest(request_id="2", prompt_ids=p[2], sampler=SAMPLED, seed=11, max_tokens=40)
+    plain, plain_streams = _run([lane3], greedy + [me], join_at={2: 6})
+    deep, deep_streams = _run([chained[2]], greedy + [me], join_at={2: 6})
+    assert deep_streams[2].tokens == plain_streams[2].tokens
+    for r, s in zip(greedy, deep_streams):
+        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+    chains = [j for rid, _, _, j in deep.draft_log if rid == "0"]
+    assert 1 in chains and not [j for rid, _, _, j in deep.draft_log if rid == "2" and j > 0]
+
+
+def test_chain_depth_is_checked_at_install_and_shared_by_a_ladder(model, chained, lane3):
+    with pytest.raises(ValueError, match="depth=4 is invalid"):
+        install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=4)
+    assert chained[2].verify_t == 3 and "_t3_m9_" in chained[2].route_id and "_t2_m6_" in lane3.route_id
+    with pytest.raises(ValueError, match="equally deep"):
+        RunningLane([lane3, install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)])

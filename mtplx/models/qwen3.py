@@ -58,7 +58,7 @@ class MLP(qwen3.MLP):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-DECODE_POSITIONS = 2      # a lane's verify width: the widest input the fused decode path takes
+DECODE_POSITIONS = 4      # a lane's widest verify (primary and three drafts): the widest input the fused decode path takes
 
 
 class TransformerBlock(qwen3.TransformerBlock):
