@@ -714,14 +714,14 @@ def _host_logprob(logits_row, token: int, k: Optional[int]) -> Optional[tuple]:
     return None if k is None else logprob_entry(to_host(logits_row), token, k)
 
 
-def solo_lane(model) -> InstalledA3BMTPBatchLane:
-    """The one-row lane: the solo depth-1 path decodes through it, and a running lane with one
-    row runs at this width (compiled cycle graphs, same code as the cohorts). Cached on the model;
-    its numerics are covered by the cohort self-checks and the solo exactness tests."""
-    lane = getattr(model, "_solo_lane", None)
-    if lane is None:
-        lane = model._solo_lane = _new_lane(model, 1, "throughput", {"skipped": "solo lane"}, None)
-    return lane
+def solo_lane(model, depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
+    """The one-row lane chaining `depth` drafts: `generate_mtpk` decodes through it, and a running
+    lane with one row runs at this width (compiled cycle graphs, same code as the cohorts). Cached
+    on the model; its numerics are covered by the cohort self-checks and the solo exactness tests."""
+    lanes = model.__dict__.setdefault("_solo_lanes", {})
+    if depth not in lanes:
+        lanes[depth] = _new_lane(model, 1, "throughput", {"skipped": "solo lane"}, None, depth)
+    return lanes[depth]
 
 
 def ar_lanes(model, widths) -> list:
@@ -891,10 +891,10 @@ class RunningLane:
     Each cycle, for all rows at once: one MTP head forward [W, 1 + depth] (the row's owed history
     entries, if any, and the draft entry (h_last, primary)), one target verify forward [W, 2] =
     [primary, draft], then a per-row decision with the row's own RNG in the solo path's order
-    (primary, draft, accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions. In a
-    lane installed with `depth` 2 or 3, a cycle whose rows are all greedy chains that many drafts
-    (the head again on its own output and draft, as `generate_mtpk` does), verifies
-    [primary, drafts] and commits 0 to 1 + depth positions a row; sampled cycles draft one. Free slots are
+    (primary, draft, accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions. A
+    lane installed with `depth` 2 or 3 chains that many drafts a cycle (the head again on its own
+    output and last draft), verifies [primary, drafts], accepts left to right (the first rejection
+    takes the residual) and commits 0 to 1 + depth positions a row. Free slots are
     inert (commit 0). A row with `speculative=False` keeps one target token per cycle (plain AR in
     the same forwards; its output and RNG draws are `generate_ar`'s), and so does an `adaptive`
     row that has stopped drafting (`_LaneRow.drafted`).
@@ -1419,16 +1419,14 @@ class RunningLane:
         drafting = np.array([r is not None and r.wants_draft() for r in rows])
         active, has_pending, greedy, logits_host, x0, x0_host = self._primaries()
         owed = np.array([r.owed if r is not None else 0 for r in rows])
-        # greedy lanes chain the lane's depth of drafts; sampled ones (and the self-check) draft one
-        depth = D if greedy and self.inject_drafts is None else 1
+        depth = D if self.inject_drafts is None else 1      # the self-check injects single drafts
 
         # 2. draft: MTP head over [W, 1 + D] = [owed history entries | (h_last, x0) | repeats of it]
-        #    (non-drafting rows write their history entries too); a greedy lane of depth 2 then
-        #    chains the head on its own output and first draft, an entry it drops at once
+        #    (non-drafting rows write their history entries too); at depth 2-3 the head then chains
+        #    on its own output and last draft, entries it drops at once
         d = x0[:, None]
-        q_probs = [None] * W                 # sampled rows' draft distributions (None: a point mass)
-        on_device = np.zeros(W, dtype=bool)  # rows whose drafts were drawn on the device
-        device_draw = None                   # their candidates and thresholds (lazy), and uniforms
+        q_probs = [[None] * W for _ in range(depth)]   # sampled rows' draft distributions (None: a point mass)
+        draws = []       # per chained draft: rows drawn on the device, their candidates and thresholds, uniforms
         if drafting.any():
             slot = np.arange(D + 1)[None, :]
             take = mx.array(np.where(slot < owed[:, None], slot, D).astype(np.int32))
@@ -1437,17 +1435,22 @@ class RunningLane:
                                       take, axis=1)
             q_logits, g = forwards.draft(h_in, t_in, mx.array(owed.astype(np.int32))[:, None, None])   # [W, V]
             commit_rows(mtp_caches, D + 1, np.where(active, 1 + owed, 0))
+
+            def drafts_from(j, q_logits):      # the j-th draft of every row [W] (lazy)
+                if greedy:
+                    return mx.argmax(q_logits, axis=-1).astype(mx.uint32)
+                dj, on_device, device_draw = self._sampled_drafts(q_logits, drafting, q_probs[j])
+                draws.append((on_device, device_draw))
+                return dj
+
+            drafts = [drafts_from(0, q_logits)]
+            for j in range(1, depth):
+                q_logits, g = forwards.draft(g, drafts[-1][:, None], mx.zeros((W, 1, 1), mx.int32), graph="chain")
+                commit_rows(mtp_caches, 1, np.zeros(W, dtype=np.int64))
+                drafts.append(drafts_from(j, q_logits))
+            d = mx.stack(drafts, axis=1)
             if greedy:
-                drafts = [mx.argmax(q_logits, axis=-1).astype(mx.uint32)]
-                for _ in range(1, depth):
-                    q_logits, g = forwards.draft(g, drafts[-1][:, None], mx.zeros((W, 1, 1), mx.int32), graph="chain")
-                    commit_rows(mtp_caches, 1, np.zeros(W, dtype=np.int64))
-                    drafts.append(mx.argmax(q_logits, axis=-1).astype(mx.uint32))
-                d = mx.stack(drafts, axis=1)
                 mx.async_eval(d)        # the drafts compute while the verify's graph is built
-            else:
-                d, on_device, device_draw = self._sampled_drafts(q_logits, drafting, q_probs)
-                d = d[:, None]
 
         if self.inject_drafts is not None:
             d = mx.array(self._injected(np.array(d[:, 0]), has_pending, drafting), dtype=mx.uint32)[:, None]
@@ -1466,8 +1469,9 @@ class RunningLane:
         # one of its rows asked for them)
         lp_host = self._logprob_logits(L, None if greedy else L_host)
 
-        if not greedy and on_device.any():
-            self._device_draft_distributions(device_draw, on_device, d_host[:, 0], q_probs)
+        for j, (on_device, device_draw) in enumerate(draws):
+            if on_device.any():
+                self._device_draft_distributions(device_draw, on_device, d_host[:, j], q_probs[j])
 
         def entry(b, j, tok):      # row b's log-probability entry for token `tok` at verify position j
             k = rows[b].req.logprobs
@@ -1498,8 +1502,8 @@ class RunningLane:
                 if greedy:
                     ok, tok = draft == int(target_ids[b, j]), int(target_ids[b, j])
                 else:
-                    q = q_probs[b] if q_probs[b] is not None else Distribution.point(draft, self.model.vocab_size)
-                    ok, tok = verify_one_token(row.dist(L_host[b, 0]), q, draft, row.rng)
+                    q = q_probs[j][b] if q_probs[j][b] is not None else Distribution.point(draft, self.model.vocab_size)
+                    ok, tok = verify_one_token(row.dist(L_host[b, j]), q, draft, row.rng)
                 if j == 0:
                     row.drafted(ok)          # its policy reads its first draft's outcome
                 if self.draft_log is not None:

@@ -2,7 +2,8 @@
 decoding (`generate_mtpk`). Both share one prefill partition so greedy outputs are comparable
 token for token: the prompt body in chunks, then the last prompt token alone.
 
-One MTP cycle (depth K):
+`generate_mtpk` decodes as a one-row cohort of the batched lane (`mtplx.a3b_mtp_batch`, one
+decode engine for solo and batched rows). One MTP cycle (depth K):
   primary x0 (pending from the last cycle, or sampled from the last logits)
   -> K chained drafts from the MTP head (its history entries for accepted tokens folded into the
      same head forward)
@@ -10,8 +11,8 @@ One MTP cycle (depth K):
   -> accept drafts left to right (greedy: equal to argmax; sampled: verify_one_token), the first
      rejection emits the residual sample; if all are accepted a bonus token comes from the last
      verify row. The emitted correction/bonus is the next cycle's pending primary.
-  -> trim the target KV of rejected positions; the MTP head's history keeps target hiddens only.
-RNG order per cycle (same as the cohort lane): primary, drafts, accept draws/residual, bonus.
+  -> keep the target KV of accepted positions; the MTP head's history keeps target hiddens only.
+RNG order per cycle: primary, drafts, accept draws/residual, bonus.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Callable, Iterable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .sampling import SamplerConfig, row_distribution, sample, verify_one_token
+from .sampling import SamplerConfig, row_distribution, sample
 
 PREFILL_CHUNK = 256
 
@@ -145,17 +146,8 @@ def start_prefill(model, prompt: list[int], chunk: int = PREFILL_CHUNK, session_
     return cache, mtp_cache, prefill_steps(model, prompt, cache, mtp_cache, chunk, start, hook), start
 
 
-def prefill_with_prefix(model, prompt: list[int], chunk: int = PREFILL_CHUNK,
-                        cancelled: Callable[[], bool] = lambda: False,
-                        session_restore=None, session_commit=None):
-    """`start_prefill` run to the end: (cache, mtp_cache, prefill output or None if cancelled,
-    cached_tokens)."""
-    cache, mtp_cache, steps, start = start_prefill(model, prompt, chunk, session_restore, session_commit)
-    return cache, mtp_cache, run_steps(steps, cancelled), start
-
-
 class _Row:
-    """Per-request decode bookkeeping shared by the solo paths: budget, stops, penalties, RNG."""
+    """`generate_ar`'s per-request bookkeeping: budget, stops, penalties, RNG."""
 
     def __init__(self, model, sampler, max_tokens, seed, stop_token_ids):
         self.sampler = sampler
@@ -231,10 +223,10 @@ def generate_ar(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig 
     return GenerationResult(row.tokens, row.finish_reason, stats)
 
 
-def _generate_mtp1(model, prompt, max_tokens, sampler, draft_sampler, seed, stop_token_ids,
-                   omit_speculative_bonus, on_token, session_restore, session_commit) -> GenerationResult:
-    """Depth 1 runs as a one-row cohort of the batched lane: the same decode code and RNG order,
-    with the cycle's forwards compiled for fixed shapes."""
+def _generate_in_lane(model, prompt, max_tokens, sampler, draft_sampler, depth, seed, stop_token_ids,
+                      omit_speculative_bonus, on_token, session_restore, session_commit) -> GenerationResult:
+    """A one-row cohort of the batched lane chaining `depth` drafts: the same decode code and RNG
+    order as the lanes, with the cycle's forwards compiled for fixed shapes."""
     from .a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, solo_lane
 
     errors = []
@@ -253,7 +245,7 @@ def _generate_mtp1(model, prompt, max_tokens, sampler, draft_sampler, seed, stop
         on_token=forward_token if on_token is not None else (lambda _t: None),
         session_restore=session_restore, session_commit=session_commit)
     t_start = time.perf_counter()
-    res = generate_a3b_mtp_batch(solo_lane(model), [req])
+    res = generate_a3b_mtp_batch(solo_lane(model, depth), [req])
     if errors:
         raise errors[0]
     s = res.streams[0]
@@ -263,7 +255,7 @@ def _generate_mtp1(model, prompt, max_tokens, sampler, draft_sampler, seed, stop
     stats = {
         "prompt_tokens": len(prompt), "completion_tokens": n, "prompt_eval_time_s": res.prefill_s,
         "decode_elapsed_s": decode_s, "decode_tok_s": n / decode_s, "elapsed_s": elapsed,
-        "end_to_end_tok_s": n / elapsed, "mode": "mtp", "generation_mode": "mtp", "mtp_depth": 1,
+        "end_to_end_tok_s": n / elapsed, "mode": "mtp", "generation_mode": "mtp", "mtp_depth": depth,
         "cached_tokens": s.cached_tokens, "accepted_drafts": s.accepted_drafts,
         "rejected_drafts": s.rejected_drafts, "verify_calls": s.cycles,
         "acceptance_rate": s.accepted_drafts / max(s.accepted_drafts + s.rejected_drafts, 1),
@@ -283,97 +275,5 @@ def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfi
     if not 1 <= int(depth) <= 3:
         raise ValueError(f"depth={depth} is invalid: must be 1, 2 or 3")
     prompt = check_request(model, prompt_ids, max_tokens)
-    draft_sampler = draft_sampler or sampler
-    if int(depth) == 1:
-        return _generate_mtp1(model, prompt, max_tokens, sampler, draft_sampler, seed, stop_token_ids,
-                              omit_speculative_bonus, on_token, session_restore, session_commit)
-    row = _Row(model, sampler, max_tokens, seed, stop_token_ids)
-    greedy = sampler.is_greedy and draft_sampler.is_greedy and not sampler.has_penalties
-    t_start = time.perf_counter()
-    cache, mtp_cache, (logits_last, h_last), cached = prefill_with_prefix(
-        model, prompt, session_restore=session_restore, session_commit=session_commit)
-    t_decode = time.perf_counter()
-    hist_h, hist_t = [], []          # MTP history entries owed for accepted drafts (target hiddens)
-    pending: Optional[int] = None    # correction/bonus already emitted, next cycle's primary
-    accepted = rejected = cycles = 0
-
-    while True:
-        cycles += 1
-        if pending is None:
-            x0 = int(mx.argmax(logits_last).item()) if greedy else sample(row.dist(logits_last), row.rng)
-            if row.emit(x0, on_token):
-                break
-        else:
-            x0 = pending
-        k = min(int(depth), row.max_tokens - len(row.tokens))
-
-        # Drafts: history entries + (h_last, x0) in one head forward, then chain on its own output.
-        h_in = mx.concatenate(hist_h + [h_last], axis=1)
-        t_in = mx.array([hist_t + [x0]])
-        mtp_base = mtp_cache[0].offset + len(hist_t)   # MTP position of the (h_last, x0) entry
-        g = model.draft_hidden(h_in, t_in, mtp_cache)[:, -1:]
-        drafts, draft_probs = [], []
-        for j in range(k):
-            q_logits = model.logits(g)[0, -1]
-            if greedy:
-                d = mx.argmax(q_logits)
-            else:
-                q = row.dist(q_logits, draft_sampler)
-                d = sample(q, row.rng)
-                draft_probs.append(q)
-            drafts.append(d)
-            if j + 1 < k:
-                d_arr = d.reshape(1, 1) if greedy else mx.array([[d]])
-                g = model.draft_hidden(g, d_arr, mtp_cache)
-        d_ids = mx.stack(drafts).reshape(1, k) if greedy else mx.array([drafts])
-
-        # One verify forward over [x0, d1..dk].
-        H = model.hidden(mx.concatenate([mx.array([[x0]]), d_ids], axis=1), cache)
-        L = model.logits(H)[0]
-        if greedy:
-            target_ids = mx.argmax(L, axis=-1)
-            mx.eval(target_ids, d_ids)
-            target_ids, drafts = target_ids.tolist(), d_ids[0].tolist()
-
-        # Accept left to right; emit accepted drafts, then correction or bonus.
-        a, finished, pending = 0, False, None
-        for j in range(k):
-            if greedy:
-                ok, tok = drafts[j] == target_ids[j], target_ids[j]
-            else:
-                ok, tok = verify_one_token(row.dist(L[j]), draft_probs[j], drafts[j], row.rng)
-            if ok:
-                a += 1
-                accepted += 1
-                if row.emit(tok, on_token):
-                    finished = True
-                    break
-            else:
-                rejected += 1
-                finished = row.emit(tok, on_token)
-                pending = tok
-                break
-        if finished:
-            break
-        if a == k and not omit_speculative_bonus and len(row.tokens) < row.max_tokens:
-            bonus = target_ids[k] if greedy else sample(row.dist(L[k]), row.rng)
-            if row.emit(bonus, on_token):
-                break
-            pending = bonus
-
-        # Commit: keep x0 and the accepted drafts; the head's history keeps target hiddens.
-        for c in cache:
-            c.trim(k - a)
-        for c in mtp_cache:
-            c.trim(c.offset - (mtp_base + 1))
-        hist_h = [H[:, j:j + 1] for j in range(a)]
-        hist_t = drafts[:a]
-        h_last, logits_last = H[:, a:a + 1], L[a]
-
-    stats = _finish_stats(row, t_start, t_decode, len(prompt), {
-        "mode": "mtp", "generation_mode": "mtp", "mtp_depth": int(depth), "cached_tokens": cached,
-        "accepted_drafts": accepted, "rejected_drafts": rejected, "verify_calls": cycles,
-        "acceptance_rate": accepted / max(accepted + rejected, 1),
-        "mean_tokens_per_verify": len(row.tokens) / max(cycles, 1),
-    })
-    return GenerationResult(row.tokens, row.finish_reason, stats)
+    return _generate_in_lane(model, prompt, max_tokens, sampler, draft_sampler or sampler, int(depth), seed,
+                             stop_token_ids, omit_speculative_bonus, on_token, session_restore, session_commit)

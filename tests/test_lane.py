@@ -474,3 +474,51 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft,
     outside = sum(v for k, v in bad.items() if k not in joint)
     lam = n * (sum((bad.get(k, 0.0) - v) ** 2 / v for k, v in joint.items()) + (1e9 if outside > 0.01 else 0.0))
     assert lam > 100, lam
+
+
+@pytest.mark.parametrize("draw", lane_mod.DRAFT_DRAWS)
+def test_chained_sampled_drafts_keep_the_target_joint_distribution(model, draw):
+    """A lane chaining two sampled drafts a cycle, drawn from a draft sampler unlike the target:
+    a row's second and third tokens go through two drafts, their accept tests left to right and
+    the residual at the first rejection; (t1, t2, t3) follows the target's exact joint, presence
+    penalty counting the tokens before. Chi-square at a false-alarm rate of 1e-4, fixed seeds."""
+    import mlx.core as mx
+    from test_sampling import ALPHA, chi2_test
+
+    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.sampling import row_distribution
+
+    cfg = SamplerConfig(temperature=1.0, top_k=3, top_p=1.0, presence_penalty=0.5)
+    draft = SamplerConfig(temperature=1.5, top_k=4, top_p=1.0)
+    ids = model.tokenizer.encode("def ")
+
+    def dist(seq, done):
+        counts = {t: done.count(t) for t in done}
+        return row_distribution(model.logits(model.hidden(mx.array([ids + seq]), model.make_cache()))[0, -1],
+                                cfg, counts)
+
+    joint = {}
+    p1 = dist([], [])
+    for t1, a in zip(p1.ids.tolist(), p1.probs):
+        p2 = dist([t1], [t1])
+        for t2, b in zip(p2.ids.tolist(), p2.probs):
+            p3 = dist([t1, t2], [t1, t2])
+            joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
+    n = 800
+    running = RunningLane(install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), keep_log=True,
+                          draft_draw=draw)
+    streams = []
+    for s in range(n):
+        streams.append(running.add(_req(s, ids, 3, sampler=cfg, seed=s, draft_sampler=draft)))
+        if len(streams) % 3 == 0:
+            running.step()
+    while running.has_work:
+        running.step()
+    chained = [j for *_, j in running.draft_log]
+    assert chained.count(1) > 100 and sum(s.rejected_drafts for s in streams) > 100
+    assert (running.device_drafts > 100) == (draw == "device")
+    counts: dict = {}
+    for s in streams:
+        counts[tuple(s.tokens)] = counts.get(tuple(s.tokens), 0) + 1
+    p_value, df = chi2_test(counts, joint)
+    assert df >= 8 and p_value > ALPHA, (p_value, df, counts)
