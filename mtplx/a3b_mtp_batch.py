@@ -413,6 +413,23 @@ def _graph_views(kinds, arrays, offset, span) -> list:
     return [kind.graph_view([next(it), next(it)], offset, span) for kind in kinds]
 
 
+def _draft(model, mtp_caches, h_hist, h_last, t_hist, x0, owed):
+    """`_CycleForwards.draft`'s forward (the input's gather inside it: in a compiled graph it
+    costs no dispatch of its own)."""
+    D = h_hist.shape[1]
+    slot = mx.arange(D + 1)[None, :]
+    take = mx.where(slot < owed[:, None], slot, D)
+    h_in = mx.take_along_axis(mx.concatenate([h_hist, h_last], axis=1), take[:, :, None], axis=1)
+    t_in = mx.take_along_axis(mx.concatenate([t_hist, x0[:, None]], axis=1), take, axis=1)
+    g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mtp_caches), owed[:, None, None], axis=1)
+    return model.logits(g)[:, 0], g
+
+
+def _chain(model, mtp_caches, g, d):
+    g = model.draft_hidden(g, d[:, None], mtp_caches)
+    return model.logits(g)[:, 0], g
+
+
 class _CycleForwards:
     """The forwards of a cycle over fixed shapes: the MTP head over [W, 1 + depth] (owed history
     entries + draft entry), at depth 2-3 the head again over [W, 1] per chained draft, and the
@@ -435,10 +452,13 @@ class _CycleForwards:
             kinds = [type(c) for c in caches]
             mtp_kinds = [type(c) for c in mtp_caches]
 
-            def draft(span, h_in, t_in, sel, offset, *arrays):
+            def draft(span, h_hist, h_last, t_hist, x0, owed, offset, *arrays):
                 mc = _graph_views(mtp_kinds, arrays, offset, span)
-                g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mc), sel, axis=1)
-                return (model.logits(g)[:, 0], g) + _graph_outputs(mc)
+                return _draft(model, mc, h_hist, h_last, t_hist, x0, owed) + _graph_outputs(mc)
+
+            def chain(span, g, d, offset, *arrays):
+                mc = _graph_views(mtp_kinds, arrays, offset, span)
+                return _chain(model, mc, g, d) + _graph_outputs(mc)
 
             def verify(span, tokens, offset, *arrays):   # [W, 2] a cycle's verify, [W, 1] an AR step
                 tc = _graph_views(kinds, arrays, offset, span)
@@ -446,7 +466,7 @@ class _CycleForwards:
                 return (H, model.logits(H)) + _graph_outputs(tc)
 
             # one name per input shape, so that a shape first met is a trace, not a retrace
-            lane._graphs["fns"] = {"draft": draft, "chain": draft, "verify": verify, "verify3": verify,
+            lane._graphs["fns"] = {"draft": draft, "chain": chain, "verify": verify, "verify3": verify,
                                    "verify4": verify, "ar": verify}
         self._graphs = lane._graphs
 
@@ -503,15 +523,24 @@ class _CycleForwards:
         self.compiled = False
         return ref
 
-    def draft(self, h_in, t_in, sel, graph: str = "draft"):
-        """Draft logits [W, V] and the head's output [W, 1, H] at slot `sel` per row: graph
-        "draft" over a cycle's history and draft entries, "chain" over [W, 1] = (the head's own
-        output, its draft) for a second draft."""
-        ran = self._run(graph, self.mtp_caches, h_in.shape[1], h_in, t_in, sel)
+    def draft(self, h_hist, h_last, t_hist, x0, owed):
+        """The cycle's first draft logits [W, V] and the head's output [W, 1, H] there: the head over
+        [W, 1 + D] = each row's `owed` history entries (of `h_hist` [W, D, H], `t_hist` [W, D]),
+        then (h_last, x0) to the end."""
+        args = (h_hist, h_last, t_hist, x0, owed)
+        T = h_hist.shape[1] + 1
+        ran = self._run("draft", self.mtp_caches, T, *args)
         if ran is None:
-            g = mx.take_along_axis(self.model.draft_hidden(h_in, t_in, self.mtp_caches), sel, axis=1)
-            return self.model.logits(g)[:, 0], g
-        return tuple(self._absorb(ran, self.mtp_caches, h_in.shape[1], 2))
+            return _draft(self.model, self.mtp_caches, *args)
+        return tuple(self._absorb(ran, self.mtp_caches, T, 2))
+
+    def chain(self, g, d):
+        """The next chained draft's logits [W, V] and the head's output: the head over [W, 1] =
+        (its own last output `g`, the last draft `d`)."""
+        ran = self._run("chain", self.mtp_caches, 1, g, d)
+        if ran is None:
+            return _chain(self.model, self.mtp_caches, g, d)
+        return tuple(self._absorb(ran, self.mtp_caches, 1, 2))
 
     def verify(self, tokens, graph: Optional[str] = None):
         """Target hidden [W, T, H] and logits [W, T, V]: T = 1 + depth for [primary, drafts]
@@ -1428,12 +1457,8 @@ class RunningLane:
         q_probs = [[None] * W for _ in range(depth)]   # sampled rows' draft distributions (None: a point mass)
         draws = []       # per chained draft: rows drawn on the device, their candidates and thresholds, uniforms
         if drafting.any():
-            slot = np.arange(D + 1)[None, :]
-            take = mx.array(np.where(slot < owed[:, None], slot, D).astype(np.int32))
-            h_in = mx.take_along_axis(mx.concatenate([self.hist_h, self.h_last], axis=1), take[:, :, None], axis=1)
-            t_in = mx.take_along_axis(mx.concatenate([mx.array(self.hist_tok, dtype=mx.uint32), x0[:, None]], axis=1),
-                                      take, axis=1)
-            q_logits, g = forwards.draft(h_in, t_in, mx.array(owed.astype(np.int32))[:, None, None])   # [W, V]
+            q_logits, g = forwards.draft(self.hist_h, self.h_last, mx.array(self.hist_tok, dtype=mx.uint32), x0,
+                                         mx.array(owed.astype(np.int32)))        # [W, V], [W, 1, H]
             commit_rows(mtp_caches, D + 1, np.where(active, 1 + owed, 0))
 
             def drafts_from(j, q_logits):      # the j-th draft of every row [W] (lazy)
@@ -1445,10 +1470,10 @@ class RunningLane:
 
             drafts = [drafts_from(0, q_logits)]
             for j in range(1, depth):
-                q_logits, g = forwards.draft(g, drafts[-1][:, None], mx.zeros((W, 1, 1), mx.int32), graph="chain")
+                q_logits, g = forwards.chain(g, drafts[-1])
                 commit_rows(mtp_caches, 1, np.zeros(W, dtype=np.int64))
                 drafts.append(drafts_from(j, q_logits))
-            d = mx.stack(drafts, axis=1)
+            d = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
             if greedy:
                 mx.async_eval(d)        # the drafts compute while the verify's graph is built
 
