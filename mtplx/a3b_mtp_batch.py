@@ -35,7 +35,7 @@ from .sampling import (Distribution, SamplerConfig, device_draft_distribution, d
 
 log = logging.getLogger("mtplx")
 
-DEPTH = 1                   # drafts a cycle chains by default (a lane's `depth`; sampled cycles always 1)
+DEPTH = 1                   # drafts a cycle chains unless its lane is installed with another `depth`
 DEPTHS = (1, 2, 3)
 VERIFY_T = 2
 MIN_WIDTH, MAX_WIDTH = 2, 32
@@ -159,7 +159,7 @@ class InstalledA3BMTPBatchLane:
 # ---------------------------------------------------------------- installation
 
 def _route_id(model, width: int, numerics: str, depth: int = DEPTH) -> str:
-    t = 1 + depth          # a greedy cycle's verify positions
+    t = 1 + depth          # a cycle's verify positions
     return f"{model.model_id}_mtp_batch_b{width}_t{t}_m{t * width}_{numerics.replace('-', '_')}"
 
 
@@ -171,7 +171,7 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
                                selfcheck: bool = True, compiled: Optional[bool] = None,
                                depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
     """Bind a fixed-width cohort lane to a model, after a numerical self-check at real shapes.
-    `depth`: drafts a greedy cycle chains (1 or 2; a sampled cycle drafts one)."""
+    `depth`: drafts a cycle chains (1-3; the self-check's injected cycles draft one)."""
     if getattr(model, "mtp", None) is None:
         raise ValueError(f"cannot install an MTP batch lane: the model has no MTP head "
                          f"({getattr(model, 'mtp_disabled_reason', 'no mtp.* weights')})")
@@ -544,7 +544,7 @@ class _CycleForwards:
 
     def verify(self, tokens, graph: Optional[str] = None):
         """Target hidden [W, T, H] and logits [W, T, V]: T = 1 + depth for [primary, drafts]
-        (graphs "verify", "verify3"), T = 1 for a plain AR step (graph "ar")."""
+        (graphs "verify", "verify3", "verify4"), T = 1 for a plain AR step (graph "ar")."""
         graph = graph or ("verify" if tokens.shape[1] == 2 else f"verify{tokens.shape[1]}")
         ran = self._run(graph, self.caches, tokens.shape[1], tokens)
         if ran is None:
