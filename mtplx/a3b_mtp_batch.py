@@ -1316,10 +1316,9 @@ class RunningLane:
         if not counts.any():
             return
         n = len(cols)
-        idx = np.full(owner.shape, n - 1, dtype=np.int32)
-        for b in np.flatnonzero(counts):
-            own = np.flatnonzero(owner[b])
-            idx[b, :len(own)], idx[b, len(own):] = own, own[-1]
+        own = np.argsort(~owner, axis=1, kind="stable")              # each row's own columns first, in order
+        last = np.take_along_axis(own, np.maximum(counts - 1, 0)[:, None], axis=1)
+        idx = np.where(np.arange(n)[None, :] < counts[:, None], own, last).astype(np.int32)
         h = mx.take_along_axis(mx.concatenate([c[0] for c in cols], axis=1), mx.array(idx)[:, :, None], axis=1)
         t = mx.take_along_axis(mx.stack([c[1] for c in cols], axis=1), mx.array(idx), axis=1)
         self.model.draft_hidden(h, t, self.mtp_caches)     # lazy: only the layer's keys and values are used
@@ -1521,7 +1520,7 @@ class RunningLane:
                 continue
             row.pending = None
             n_drafted += 1
-            a, finished = 0, False           # drafts accepted; whether an accepted one ended the row
+            a = 0                            # drafts accepted
             for j in range(depth):
                 draft = int(d_host[b, j])
                 if greedy:
@@ -1544,10 +1543,9 @@ class RunningLane:
                 self.accepted += 1
                 r.accepted_drafts += 1
                 if row.emit(tok, entry(b, j, tok)):
-                    finished = True
                     break
             n_accepted += a
-            if finished:
+            if not row.live:
                 continue
             if a == depth:
                 keep[b] = 1 + depth
@@ -1556,7 +1554,7 @@ class RunningLane:
                     if not row.emit(bonus, entry(b, depth, bonus)):
                         row.pending = bonus
             row.owed = a                     # entries (H[j], draft j) for its accepted drafts
-            self.hist_tok[b, :depth] = d_host[b]
+        self.hist_tok[:, :depth] = d_host    # read only for the entries rows owe
         for b, row in enumerate(rows):
             if active[b] and row.live and row.req.repetition_stop:
                 row.check_repetition()
