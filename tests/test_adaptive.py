@@ -10,9 +10,10 @@ import pytest
 import mtplx
 from mtplx.a3b_mtp_batch import (HISTORY_FLUSH_AT, ROW_PROBE_FIRST, A3BMTPBatchRequest, RunningLane, StepPolicy,
                                  draft_acceptance_prior, install_a3b_mtp_batch_lane, solo_lane)
-from mtplx.generation import generate_ar
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+
+from references import greedy_ar
 
 GREEDY = SamplerConfig(temperature=0.0)
 COSTS = {"mtp": 1.3, "ar": 1.0}      # a machine where an MTP cycle costs 1.3 AR steps
@@ -64,7 +65,7 @@ def _greedy_reqs(model, budgets, **kw):
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_greedy_equals_plain_ar_whichever_steps_run(model, lane3, plan):
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
-    refs = [generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens for r in reqs]
+    refs = [greedy_ar(model, r.prompt_ids, r.max_tokens) for r in reqs]
     # row 3 joins mid-run (into an AR run in "blocks"), after row 1 frees its slot
     running, streams = _run([solo_lane(model), lane3], reqs, PLANS[plan], join_at={3: 12})
     for i, (s, ref) in enumerate(zip(streams, refs)):
@@ -98,7 +99,7 @@ def test_hybrid_compiled_lane_mixed_steps_equal_plain_ar(tmp_path):
             for i, (p, n) in enumerate(zip(prompts, (40, 25, 33)))]
     running, streams = _run([lane], reqs, PLANS["random"])
     for i, (r, s) in enumerate(zip(reqs, streams)):
-        assert s.tokens == generate_ar(m, r.prompt_ids, r.max_tokens, GREEDY).tokens, f"row {i}"
+        assert s.tokens == greedy_ar(m, r.prompt_ids, r.max_tokens), f"row {i}"
     assert running.accepted > 0 and running.ar_steps > 0 and running.graph_retraces == 0
 
 
@@ -117,7 +118,7 @@ def _wrong_until(position_limit, rows=None, then=None):
 def test_row_stops_drafting_while_neighbours_speculate_and_resumes_on_a_probe(model, lane3):
     reqs = _greedy_reqs(model, (90, 60, 60))
     reqs = [dataclasses.replace(reqs[0], adaptive=True)] + reqs[1:]     # row 0 "auto", rows 1-2 "mtp"
-    refs = [generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens for r in reqs]
+    refs = [greedy_ar(model, r.prompt_ids, r.max_tokens) for r in reqs]
     running, streams = _run([lane3], reqs, inject=_wrong_until(40, rows={0}, then=refs[0]), costs=COSTS)
     for ref, s in zip(refs, streams):
         assert s.tokens == ref
@@ -137,7 +138,7 @@ def test_rows_of_a_head_that_never_agrees_start_stopped(model, lane3, monkeypatc
     reqs = _greedy_reqs(model, (40, 40), adaptive=True)
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
     for r, s in zip(reqs, streams):
-        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+        assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
     first = min(pos for _, pos, _, _ in running.draft_log)
     assert first > ROW_PROBE_FIRST and running.mtp_cycles <= 2    # no drafts until their first probe
 
@@ -214,7 +215,7 @@ def test_early_rejections_keep_a_greedy_auto_row_and_its_lane_drafting(model):
     stops nor the lane steps aside (a lane starts with each request at one client)."""
     reqs = _greedy_reqs(model, (60,), adaptive=True)
     running, streams = _run([solo_lane(model)], reqs, inject=_wrong_until(5), costs=COSTS)
-    assert streams[0].tokens == generate_ar(model, reqs[0].prompt_ids, 60, GREEDY).tokens
+    assert streams[0].tokens == greedy_ar(model, reqs[0].prompt_ids, 60)
     assert running.rejected >= 4 and running.accepted > 0
     assert running.ar_steps == 0 and streams[0].drafts_skipped == 0
 
@@ -244,7 +245,7 @@ def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
     reqs = _greedy_reqs(model, (80, 80, 80), adaptive=True)
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
     for r, s in zip(reqs, streams):
-        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+        assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
     # from the prior 1.0, fourteen straight rejections bring the rows' and the lane's estimates low
     assert running.mtp_cycles <= 16 and running.ar_steps >= 60 and running.policy.kind == "ar"
 
@@ -270,7 +271,7 @@ def test_service_auto_is_the_default_and_reports_its_steps(model):
         results = [f.result(timeout=120) for f in futures]
         for r, p in zip(results, ids + [ids[0]]):
             st = r["stats"]
-            assert r["tokens"] == generate_ar(model, p, 40, GREEDY).tokens
+            assert r["tokens"] == greedy_ar(model, p, 40)
             assert st["speculated_cycles"] + st["drafts_skipped"] == st["target_verify_cycles"]
             assert st["speculated_cycle_share"] == round(st["speculated_cycles"] / st["target_verify_cycles"], 4)
         assert [r["stats"]["generation_mode"] for r in results] == ["auto"] * 3 + ["mtp"]
@@ -310,7 +311,7 @@ def chained(model):
 def chain_refs(model):
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
     reqs[1] = dataclasses.replace(reqs[1], omit_speculative_bonus=True)
-    return reqs, [generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens for r in reqs]
+    return reqs, [greedy_ar(model, r.prompt_ids, r.max_tokens) for r in reqs]
 
 
 @pytest.mark.parametrize("depth,plan", [(2, "blocks"), (3, "mtp")])
@@ -356,7 +357,7 @@ def test_a_sampled_row_chaining_drafts_depends_only_on_its_seed(model, chained):
     _, alone = _run([chained[2]], [me])
     assert beside_streams[2].tokens == alone[0].tokens == solo.tokens
     for r, s in zip(greedy, beside_streams):
-        assert s.tokens == generate_ar(model, r.prompt_ids, r.max_tokens, GREEDY).tokens
+        assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
     assert [j for rid, _, _, j in beside.draft_log if rid == "2"].count(1) > 3
 
 

@@ -13,6 +13,8 @@ from mtplx.models.loader import (SHIPPED_MODEL, CheckpointShapeError, ModelLoadE
                                  ModelNotFoundError, UnsupportedModelError)
 from mtplx.sampling import SamplerConfig
 
+from references import greedy_ar
+
 GREEDY = SamplerConfig(temperature=0.0)
 
 PROMPTS = [
@@ -49,22 +51,15 @@ def test_shipped_model_loads_with_mtp_and_chat_template(model):
     assert model.eos_token_ids
 
 
-@pytest.fixture(scope="module")
-def ar_references(model):
-    """Plain greedy AR of every prompt, 128 tokens: computed once for both depths."""
-    return {text: generate_ar(model, model.tokenizer.encode(text), 128, GREEDY) for text in PROMPTS}
-
-
 @pytest.mark.parametrize("depth", [1, 2])
-def test_greedy_mtp_equals_ar(model, ar_references, depth):
+def test_greedy_mtp_equals_ar(model, depth):
     tok = model.tokenizer
     mismatches, accepted = [], 0
     for text in PROMPTS:
         ids = tok.encode(text)
-        ar = ar_references[text]
         mtp = generate_mtpk(model, ids, 128, GREEDY, depth=depth)
         accepted += mtp.stats["accepted_drafts"]
-        if mtp.tokens != ar.tokens:
+        if mtp.tokens != greedy_ar(model, ids, 128):
             mismatches.append(text)
         assert mtp.stats["verify_calls"] < len(mtp.tokens)  # speculation did something
     assert not mismatches
@@ -92,9 +87,13 @@ def test_sampled_runs_reproducible_per_seed(model):
 def test_sampled_mtp_keeps_target_joint_distribution(model):
     """End to end through the real model: the (t1, t2) pair from MTP (t2 goes through draft,
     verify and residual) follows the target's exact joint p(t1) p(t2 | t1). Chi-square, df 8,
-    false-alarm rate 1e-4, fixed seeds."""
+    false-alarm rate 1e-4, fixed seeds. `generate_mtpk` is a one-row lane and a sampled row's
+    draws depend only on its seed, so the 1500 seeds' rows run eight at a time in a running lane;
+    the first 24 seeds also run through `generate_mtpk` and must give the same tokens."""
+    from test_lane import _seeded_outcomes
     from test_sampling import ALPHA, chi2_sf_even, chi2_stat
 
+    from mtplx.a3b_mtp_batch import RunningLane, install_a3b_mtp_batch_lane
     from mtplx.sampling import distribution
 
     ids = model.tokenizer.encode("def ")
@@ -107,12 +106,15 @@ def test_sampled_mtp_keeps_target_joint_distribution(model):
         for t2 in np.flatnonzero(p2):
             joint[(int(t1), int(t2))] = p1[t1] * p2[t2]
     cells = sorted(joint)
+    running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False))
+    streams, _ = _seeded_outcomes(running, ids, 1500, 2, cfg, cfg)
+    for s in range(24):
+        assert generate_mtpk(model, ids, 2, cfg, seed=s).tokens == streams[s].tokens, s
     counts = np.zeros(len(cells), dtype=np.int64)
-    for s in range(1500):
-        r = generate_mtpk(model, ids, 2, cfg, seed=s)
-        counts[cells.index(tuple(r.tokens))] += 1
+    for stream in streams:
+        counts[cells.index(tuple(stream.tokens))] += 1
     probs = np.array([joint[c] for c in cells])
-    assert len(cells) == 9
+    assert len(cells) == 9 and sum(s.accepted_drafts for s in streams) > 300
     assert chi2_sf_even(chi2_stat(counts, probs), len(cells) - 1) > ALPHA
 
 
@@ -196,4 +198,4 @@ def test_quantized_checkpoint_loads(tmp_path):
     q = mtplx.load_model(dst)
     assert q.mtp is not None
     ids = q.tokenizer.encode("def main():")
-    assert generate_mtpk(q, ids, 32, GREEDY).tokens == generate_ar(q, ids, 32, GREEDY).tokens
+    assert generate_mtpk(q, ids, 32, GREEDY).tokens == greedy_ar(q, ids, 32)

@@ -27,13 +27,15 @@ from mlx_lm.utils import _get_classes
 import mtplx
 from mtplx.a3b_mtp_batch import (A3BMTPBatchRequest, LaneSelfCheckError, generate_a3b_mtp_batch,
                                  install_a3b_mtp_batch_lane)
-from mtplx.generation import generate_ar, generate_mtpk
+from mtplx.generation import generate_mtpk
 from mtplx.models import recurrent_cache as rc
 from mtplx.models.loader import SHIPPED_MODEL, CheckpointShapeError, _architectures
 from mtplx.models.mtp_head import MTPHead
 from mtplx.models.recurrent_cache import RecurrentCache
 from mtplx.sampling import GREEDY
 from mtplx.session_bank import SessionBank
+
+from references import greedy_ar
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 VOCAB = 4096                        # the shipped tokenizer's
@@ -177,7 +179,7 @@ def test_hf_layout_loads_to_the_same_model(paths, models, kind, tmp_path):
     g1 = ref.draft_hidden(h1, mx.array([ids[1:] + [5]]), mc1)
     g2 = m.draft_hidden(h2, mx.array([ids[1:] + [5]]), mc2)
     assert np.allclose(np.array(g1), np.array(g2), atol=1e-5)
-    assert generate_mtpk(m, ids, 24, GREEDY).tokens == generate_ar(ref, ids, 24, GREEDY).tokens
+    assert generate_mtpk(m, ids, 24, GREEDY).tokens == greedy_ar(ref, ids, 24)
 
 
 def test_quantized_mtp_head_loads_with_mixed_widths(paths, tmp_path):
@@ -197,7 +199,7 @@ def test_quantized_mtp_head_loads_with_mixed_widths(paths, tmp_path):
     assert q.mtp.layers[0].mlp.switch_mlp.up_proj.bits == 4
     for ids in _prompts(3, seed=4):
         r = generate_mtpk(q, ids, 32, GREEDY)
-        assert r.tokens == generate_ar(q, ids, 32, GREEDY).tokens
+        assert r.tokens == greedy_ar(q, ids, 32)
     assert r.stats["accepted_drafts"] > 0
 
 
@@ -317,7 +319,7 @@ def test_greedy_solo_mtp_equals_ar(models, kind, depth):
     acc = rej = 0
     for ids in _prompts(4, seed=depth):
         r = generate_mtpk(m, ids, 40, GREEDY, depth=depth)
-        assert r.tokens == generate_ar(m, ids, 40, GREEDY).tokens
+        assert r.tokens == greedy_ar(m, ids, 40)
         acc += r.stats["accepted_drafts"]
         rej += r.stats["rejected_drafts"]
     assert acc > 0 and rej > 0
@@ -326,7 +328,7 @@ def test_greedy_solo_mtp_equals_ar(models, kind, depth):
 def test_depth3_solo_exact(models):
     m = models["qwen3_next"]
     for ids in _prompts(2, seed=9):
-        assert generate_mtpk(m, ids, 40, GREEDY, depth=3).tokens == generate_ar(m, ids, 40, GREEDY).tokens
+        assert generate_mtpk(m, ids, 40, GREEDY, depth=3).tokens == greedy_ar(m, ids, 40)
 
 
 @pytest.mark.parametrize("kind", ARCHS)
@@ -338,7 +340,7 @@ def test_broken_rollback_is_caught(models, monkeypatch, kind):
     monkeypatch.setattr(rc.RecurrentCache, "rollback", lambda self, kept: self.clear_capture())
     monkeypatch.setattr(rc.RecurrentCache, "advance_all",
                         classmethod(lambda cls, caches, delta: [c.clear_capture() for c in caches]))
-    diverged = [generate_mtpk(m, ids, 40, GREEDY).tokens != generate_ar(m, ids, 40, GREEDY).tokens
+    diverged = [generate_mtpk(m, ids, 40, GREEDY).tokens != greedy_ar(m, ids, 40)
                 for ids in _prompts(3, seed=2, lengths=(40, 5, 17))]
     assert any(diverged)
     with pytest.raises(LaneSelfCheckError):
@@ -353,7 +355,7 @@ def test_prefix_reuse_restores_recurrent_state(models):
     generate_mtpk(m, p1, 8, GREEDY, session_restore=lambda: bank.lookup(p1), session_commit=bank.commit)
     warm = generate_mtpk(m, p2, 32, GREEDY, session_restore=lambda: bank.lookup(p2), session_commit=bank.commit)
     assert warm.stats["cached_tokens"] == 256
-    assert warm.tokens == generate_ar(m, p2, 32, GREEDY).tokens
+    assert warm.tokens == greedy_ar(m, p2, 32)
 
 
 # ------------------------------------------------------------------ cohorts
@@ -367,7 +369,7 @@ def test_every_cohort_row_equals_solo_ar(models, lanes, kind, width):
     budgets = [24 + 7 * i for i in range(width)]
     res = generate_a3b_mtp_batch(lane, [_req(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))])
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert res.streams[i].tokens == generate_ar(m, p, n, GREEDY).tokens, f"{kind} B{width} row {i}"
+        assert res.streams[i].tokens == greedy_ar(m, p, n), f"{kind} B{width} row {i}"
     assert res.accepted_drafts > 0 and res.rejected_drafts > 0
     assert len({s.rejected_drafts for s in res.streams}) > 1     # rows reject at different cycles
 
@@ -386,7 +388,7 @@ def test_row_isolation_with_recurrent_state(models, lanes, kind):
     reqs[2] = _req(2, prompts[2], 48, on_token=seen.append, cancelled=lambda: len(seen) >= 7)
     reqs[3] = _req(3, prompts[3], 3)                                           # tiny budget
     res = generate_a3b_mtp_batch(lane, reqs)
-    assert res.streams[0].tokens == generate_ar(m, reqs[0].prompt_ids, 48, GREEDY).tokens
+    assert res.streams[0].tokens == greedy_ar(m, reqs[0].prompt_ids, 48)
     assert res.streams[1].finish_reason == "stop" and len(res.streams[1].tokens) <= 6
     assert res.streams[2].finish_reason == "cancelled"
     assert res.streams[2].tokens == base.streams[2].tokens[:len(res.streams[2].tokens)]
@@ -413,7 +415,7 @@ def test_running_lane_admits_widens_and_narrows_with_recurrent_state(models, lan
         running.step()
     assert running.widenings == 1 and running.narrowings >= 1 and set(running.width_cycles) >= {3, 8}
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert streams[i].tokens == generate_ar(m, p, n, GREEDY).tokens, f"{kind} row {i}"
+        assert streams[i].tokens == greedy_ar(m, p, n), f"{kind} row {i}"
         assert (streams[i].admitted_at_cycle == 0) if i < 2 else (streams[i].admitted_at_cycle >= 4)
 
 
@@ -497,4 +499,4 @@ def test_compiled_lane_never_retraces_while_decoding(models, lanes):
         running.step()
     assert running.graph_retraces == joined + 2
     for s, p in zip(streams + [late], prompts + [prompts[0] * 2]):
-        assert s.tokens == generate_ar(m, p, 40, GREEDY).tokens
+        assert s.tokens == greedy_ar(m, p, 40)

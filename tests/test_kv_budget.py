@@ -3,10 +3,12 @@
 import pytest
 
 from mtplx.a3b_mtp_batch import install_a3b_mtp_batch_lane
-from mtplx.generation import CapacityError, KVBudgetError, generate_ar
+from mtplx.generation import CapacityError, KVBudgetError
 from mtplx.models.cache import STEP
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob, row_state_bytes
+
+from references import greedy_ar
 
 GREEDY = SamplerConfig(temperature=0.0)
 TEXTS = ["def add(a, b):\n", "import os\n", "class Node:\n", "for i in range(3):\n", "x = [1, 2, 3]\n"]
@@ -36,7 +38,7 @@ def test_rows_wait_for_memory_and_a_row_that_never_fits_fails_alone(model):
         assert isinstance(err.value, CapacityError)             # the HTTP layer answers 400
         for p, f in zip(prompts, futures):
             result = f.result(timeout=120)
-            assert result["tokens"] == generate_ar(model, p, 40, GREEDY).tokens
+            assert result["tokens"] == greedy_ar(model, p, 40)
             assert result["stats"]["mtp_batch_fixed_width"] <= 3     # never widened past the budget
     finally:
         service.shutdown(timeout_s=30)

@@ -12,6 +12,8 @@ from mtplx.a3b_mtp_batch import (A3BMTPBatchCapacityError, A3BMTPBatchRequest, L
 from mtplx.generation import generate_ar
 from mtplx.sampling import SamplerConfig
 
+from references import greedy_ar
+
 GREEDY = SamplerConfig(temperature=0.0)
 TEXTS = [
     "def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
@@ -50,14 +52,14 @@ def test_every_greedy_row_equals_solo_ar(model, lanes, width, real):
     res = generate_a3b_mtp_batch(lanes[width], [_req(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))])
     assert res.real_width == real and res.fixed_width == width and res.width_histogram == {width: res.cycles}
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert res.streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+        assert res.streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
         assert res.streams[i].finish_reason == "length"
     assert res.accepted_drafts > 0
 
 
 def test_stops_at_different_cycles_and_first_token_finish(model, lanes):
     prompts = _prompts(model, 6)
-    solo = [generate_ar(model, p, 48, GREEDY).tokens for p in prompts]
+    solo = [greedy_ar(model, p, 48) for p in prompts]
     stops = [{s[k]} for s, k in zip(solo, (0, 3, 9, 20, 30, 47))]
     reqs = [_req(i, p, 48, stop_token_ids=st) for i, (p, st) in enumerate(zip(prompts, stops))]
     reqs[5] = _req(5, prompts[5], 1)
@@ -254,7 +256,7 @@ def test_a_compiled_graph_that_disagrees_with_its_eager_forward_is_dropped(model
     with caplog.at_level("ERROR", logger="mtplx"):
         res = generate_a3b_mtp_batch(lane, [_req(i, p, 90) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
-        assert res.streams[i].tokens == generate_ar(model, p, 90, GREEDY).tokens, f"row {i}"
+        assert res.streams[i].tokens == greedy_ar(model, p, 90), f"row {i}"
     assert "span 128" in lane._graphs["eager_since"]
     assert "disagrees with its eager forward" in caplog.text
 
@@ -294,7 +296,7 @@ def test_rows_admitted_mid_flight_equal_solo_ar_including_a_long_prompt(model, l
     _drain(running)
     assert streams[2].admitted_at_cycle > 7 and running.caches[0].keys.shape[2] > capacity
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+        assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
     assert streams[2].cycles < streams[1].cycles and streams[2].real_width == 3
 
 
@@ -312,7 +314,7 @@ def test_admission_into_a_slot_freed_by_a_cancel(model, lanes):
     assert running.width == 3 and streams[3].admitted_at_cycle == 5 and running.widenings == 0
     for i in (0, 2, 3):
         n = 50 if i == 3 else 60
-        assert streams[i].tokens == generate_ar(model, prompts[i], n, GREEDY).tokens, f"row {i}"
+        assert streams[i].tokens == greedy_ar(model, prompts[i], n), f"row {i}"
 
 
 def test_widen_b3_to_b8_mid_flight_then_narrow(model, lanes):
@@ -328,7 +330,7 @@ def test_widen_b3_to_b8_mid_flight_then_narrow(model, lanes):
     _drain(running)
     assert running.narrowings >= 1 and set(running.width_cycles) == {3, 8}
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+        assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
     assert streams[0].fixed_width == 8 and streams[0].mean_occupancy < streams[0].real_width
 
 
@@ -359,7 +361,7 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
     assert running.width == 3 and running.widenings == 1
     _drain(running)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
-        assert streams[i].tokens == generate_ar(model, p, n, GREEDY).tokens, f"row {i}"
+        assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
 
 
 @pytest.mark.parametrize("draw", lane_mod.DRAFT_DRAWS)
@@ -402,12 +404,15 @@ def test_non_speculative_rows_decode_plain_ar_beside_drafting_rows(model, lanes,
 
 
 def _seeded_outcomes(running, ids, n, tokens, cfg, draft, first_seed=0):
-    """n rows of seeds first_seed.. through a running lane, joining three at a time as others
-    leave: their streams, and how often each token tuple came out."""
-    streams = []
+    """n rows of seeds first_seed.. through a running lane, joining a lane's width at a time as
+    others leave: their streams, and how often each token tuple came out. The rows share a
+    prefill group (as a request's n choices do), so rows joining together take one prefill (the
+    prompt state each would compute alone); each row draws from its own seed."""
+    streams, join = [], running.ladder[-1].width
     for s in range(first_seed, first_seed + n):
-        streams.append(running.add(_req(s, ids, tokens, sampler=cfg, seed=s, draft_sampler=draft)))
-        if len(streams) % 3 == 0:
+        streams.append(running.add(_req(s, ids, tokens, sampler=cfg, seed=s, draft_sampler=draft,
+                                        prefill_group="seeded")))
+        if len(streams) % join == 0:
             running.step()
     while running.has_work:
         running.step()
@@ -439,7 +444,7 @@ def _target_joint(model, ids, cfg):
                                         (SamplerConfig(temperature=0.0), "host")],
                          ids=["sampled_draft", "sampled_draft_on_device", "greedy_draft"])
 def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft, draw):
-    """End to end in a running W=3 lane (rows joining as others leave, each with its own seed):
+    """End to end in a running B8 lane (rows joining as others leave, each with its own seed):
     top_p, min_p and both penalties on the target, a draft sampler that differs from it; the
     (t1, t2) pairs follow the target's exact joint (t2 goes through draft, accept test and
     residual). A sampled draft is drawn on the host from its whole q, or on the device from its
@@ -458,9 +463,9 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft,
     joint = _target_joint(model, ids, cfg)
     assert 4 <= len(joint) <= 40
     n = 800
-    running = RunningLane(lanes[3], draft_draw=draw)
+    running = RunningLane(lanes[8], draft_draw=draw)
     streams, counts = _seeded_outcomes(running, ids, n, 2, cfg, draft)
-    assert running.peak_rows == 3 and sum(s.accepted_drafts for s in streams) > 100
+    assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 100
     assert (running.device_drafts > 100) == (draw == "device" and not draft.is_greedy)
     p_value, df = chi2_test(counts, joint)
     assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
@@ -511,7 +516,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
         for t2, b in zip(p2.ids.tolist(), p2.probs):
             p3 = dist([t1, t2], [t1, t2])
             joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
-    running = RunningLane(install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), keep_log=True,
+    running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), keep_log=True,
                           draft_draw="host")
     streams, counts = _seeded_outcomes(running, ids, 400, 3, cfg, draft)
     assert running.device_drafts == 0

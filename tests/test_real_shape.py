@@ -15,6 +15,8 @@ from mtplx.generation import generate_ar, generate_mtpk
 from mtplx.sampling import GREEDY, SamplerConfig
 from mtplx.synthetic import QWEN3_VOCAB, QWEN35_VOCAB, write_checkpoint
 
+from references import greedy_ar
+
 SAMPLED = SamplerConfig(temperature=0.6, top_p=0.95, top_k=0)
 KINDS = {
     "qwen3_bf16_tied": dict(arch="qwen3", vocab=QWEN3_VOCAB, tied=True),
@@ -79,7 +81,7 @@ def test_lane_installs_and_rows_equal_solo(models, name):
     greedy = generate_a3b_mtp_batch(lane, [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, max_tokens=12)
                                            for i, p in enumerate(prompts)])
     for s, p in zip(greedy.streams, prompts):
-        assert s.tokens == generate_ar(m, p, 12, GREEDY).tokens
+        assert s.tokens == greedy_ar(m, p, 12)
     reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=SAMPLED, seed=10 + i, max_tokens=12)
             for i, p in enumerate(prompts)]
     a, b = generate_a3b_mtp_batch(lane, reqs), generate_a3b_mtp_batch(lane, reqs)
@@ -100,7 +102,7 @@ def test_repetition_stop_through_the_service(models, monkeypatch):
     monkeypatch.setattr(lane_mod, "REPETITION_LIMITS", RepetitionLimits(20, 12, 4, 8))
     m = models["qwen3_bf16_tied"]
     ids = _prompts(m, 1)[0]
-    ar = generate_ar(m, ids, 40, GREEDY).tokens
+    ar = greedy_ar(m, ids, 40)
     assert len(set(ar[-12:])) == 1                        # the model does repeat
     service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.01)
     try:

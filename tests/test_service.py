@@ -18,6 +18,8 @@ from mtplx.server.mtp_batch import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchC
                                     MTPBatchGenerationService, MTPBatchJob,
                                     MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
 
+from references import greedy_ar
+
 GREEDY = SamplerConfig(temperature=0.0)
 HOT = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)   # sampled, wide support
 SNIPPETS = ["def add(a, b):\n", "import os\n", "class Node:\n", "for i in range(3):\n",
@@ -209,7 +211,7 @@ def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n
         assert s["mtp_batch_route_id"] == lanes[fixed].route_id
         assert r["_mtp_batch_solo"] is False
         # greedy cohort rows equal plain AR (exactness through the service wiring)
-        assert r["tokens"] == generate_ar(model, prompts[i], 6 + 3 * i, GREEDY).tokens
+        assert r["tokens"] == greedy_ar(model, prompts[i], 6 + 3 * i)
     snap = settle(service)
     assert snap["lanes_started"] == 1 and snap["admissions"] == n and snap["lanes"] == []
     assert snap["last_fixed_width"] == fixed
@@ -252,7 +254,7 @@ def test_ninth_row_joins_the_running_b8_lane_when_a_slot_frees(model, service, p
     assert results[8]["stats"]["admitted_at_cycle"] > 0
     assert results[8]["stats"]["lane_mean_occupancy"] > 6
     for i, r in enumerate(results):
-        assert r["tokens"] == generate_ar(model, prompts[i], budgets[i], GREEDY).tokens
+        assert r["tokens"] == greedy_ar(model, prompts[i], budgets[i])
     snap = settle(service)
     assert snap["lanes_started"] == 1 and snap["admissions"] == 9 and set(snap["fixed_width_histogram"]) == {"8"}
 
@@ -501,7 +503,7 @@ def test_duplicate_request_ids_keep_rows_apart(model, service, prompts):
     results = run_held(service, jobs)
     for i, r in enumerate(results):
         assert r["request_id"] == "same-id" and r["stats"]["mtp_batch_real_width"] == 3
-        ref = generate_ar(model, prompts[i], 10, GREEDY).tokens
+        ref = greedy_ar(model, prompts[i], 10)
         assert r["tokens"] == ref and streams[i] == ref
 
 
@@ -671,7 +673,7 @@ def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkey
         assert snap["installed_widths"] == [] and "failed self-check row_isolation" in snap["refused_widths"]["8"]
         results = [f.result(TIMEOUT) for f in [service.submit(job(prompts[i], seed=i)) for i in range(3)]]
         for r, p in zip(results, prompts):
-            assert r["tokens"] == generate_ar(model, p, 8, GREEDY).tokens
+            assert r["tokens"] == greedy_ar(model, p, 8)
             assert r["stats"]["mtp_batch_fixed_width"] == 1
         service.install_lanes([3]).result(TIMEOUT)
         assert service.snapshot()["selfchecks"]["3"] == {"ok": True, "dtype": "float32", "parity_tolerance": 0.0,
