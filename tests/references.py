@@ -3,9 +3,7 @@ prompt for the whole test session: greedy decoding of n tokens is the first n to
 run, so one run serves every shorter budget."""
 
 from mtplx.generation import generate_ar
-from mtplx.sampling import SamplerConfig
-
-GREEDY = SamplerConfig(temperature=0.0)
+from mtplx.sampling import GREEDY
 
 
 def greedy_ar(model, prompt_ids, max_tokens: int) -> list:

@@ -90,7 +90,7 @@ def test_sampled_mtp_keeps_target_joint_distribution(model):
     false-alarm rate 1e-4, fixed seeds. `generate_mtpk` is a one-row lane and a sampled row's
     draws depend only on its seed, so the 1500 seeds' rows run eight at a time in a running lane;
     the first 24 seeds also run through `generate_mtpk` and must give the same tokens."""
-    from test_lane import _seeded_outcomes
+    from test_lane import seeded_outcomes
     from test_sampling import ALPHA, chi2_sf_even, chi2_stat
 
     from mtplx.a3b_mtp_batch import RunningLane, install_a3b_mtp_batch_lane
@@ -107,7 +107,7 @@ def test_sampled_mtp_keeps_target_joint_distribution(model):
             joint[(int(t1), int(t2))] = p1[t1] * p2[t2]
     cells = sorted(joint)
     running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False))
-    streams, _ = _seeded_outcomes(running, ids, 1500, 2, cfg, cfg)
+    streams, _ = seeded_outcomes(running, ids, 1500, 2, cfg, cfg)
     for s in range(24):
         assert generate_mtpk(model, ids, 2, cfg, seed=s).tokens == streams[s].tokens, s
     counts = np.zeros(len(cells), dtype=np.int64)

@@ -403,7 +403,7 @@ def test_non_speculative_rows_decode_plain_ar_beside_drafting_rows(model, lanes,
             assert s.accepted_drafts + s.rejected_drafts > 0
 
 
-def _seeded_outcomes(running, ids, n, tokens, cfg, draft, first_seed=0):
+def seeded_outcomes(running, ids, n, tokens, cfg, draft, first_seed=0):
     """n rows of seeds first_seed.. through a running lane, joining a lane's width at a time as
     others leave: their streams, and how often each token tuple came out. The rows share a
     prefill group (as a request's n choices do), so rows joining together take one prefill (the
@@ -464,7 +464,7 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft,
     assert 4 <= len(joint) <= 40
     n = 800
     running = RunningLane(lanes[8], draft_draw=draw)
-    streams, counts = _seeded_outcomes(running, ids, n, 2, cfg, draft)
+    streams, counts = seeded_outcomes(running, ids, n, 2, cfg, draft)
     assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 100
     assert (running.device_drafts > 100) == (draw == "device" and not draft.is_greedy)
     p_value, df = chi2_test(counts, joint)
@@ -518,10 +518,10 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
             joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
     running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), keep_log=True,
                           draft_draw="host")
-    streams, counts = _seeded_outcomes(running, ids, 400, 3, cfg, draft)
+    streams, counts = seeded_outcomes(running, ids, 400, 3, cfg, draft)
     assert running.device_drafts == 0
     running.draft_draw = "device"
-    more, more_counts = _seeded_outcomes(running, ids, 400, 3, cfg, draft, first_seed=400)
+    more, more_counts = seeded_outcomes(running, ids, 400, 3, cfg, draft, first_seed=400)
     streams += more
     counts = {k: counts.get(k, 0) + more_counts.get(k, 0) for k in set(counts) | set(more_counts)}
     chained = [j for *_, j in running.draft_log]
