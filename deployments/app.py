@@ -32,6 +32,10 @@ class AppArgs(BaseModel):
     served_model_name: Optional[str] = Field(None, description="Name in /v1/models; default: the dir name")
     widths: List[int] = Field(default_factory=lambda: [3, 8, 16, 32],
                               description="Lane widths to install; a key's running lane moves between them")
+    greedy_depths: Dict[int, int] = Field(
+        default_factory=lambda: {1: 3, 3: 3, 8: 3},
+        description="Drafts a cycle chains in greedy lanes, by lane width (1: the one-row lane); "
+                    "unlisted widths chain 1. Sampled lanes always chain 1")
     numerics: Literal["throughput", "b1-exact"] = "throughput"
     max_batch_size: int = Field(8, ge=1, le=64, description="@serve.batch max_batch_size (rows per window)")
     batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=5.0, description="@serve.batch window")
@@ -97,6 +101,14 @@ class AppArgs(BaseModel):
             raise ValueError("widths must be a non-empty list of lane widths in [2, 32]")
         return sorted(set(v))
 
+    @field_validator("greedy_depths")
+    @classmethod
+    def _greedy_depths(cls, v):
+        bad = {w: d for w, d in v.items() if not 1 <= w <= 32 or d not in (1, 2, 3)}
+        if bad:
+            raise ValueError(f"greedy_depths {bad}: widths are 1-32, depths 1, 2 or 3")
+        return v
+
 
 def ingress_max_ongoing(a: AppArgs) -> int:
     """The least max_ongoing_requests an ingress replica needs: its open batches' rows, its waiting
@@ -123,7 +135,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.router:ReplicaPinningRouter"),
     )(MTPReplica).bind(
-        model_path=a.model_path, widths=tuple(a.widths), batch_wait_s=a.service_batch_wait_s,
+        model_path=a.model_path, widths=tuple(a.widths), greedy_depths=dict(a.greedy_depths),
+        batch_wait_s=a.service_batch_wait_s,
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
         warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,

@@ -24,21 +24,22 @@ SECONDS_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.
 TPOT_BOUNDARIES = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0]
 CYCLE_BOUNDARIES = [0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5]
 WIDTH_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 16.5, 32.5]
-# depth-1 MTP keeps 1 or 2 tokens per cycle: a row's mean acceptance length lies in [1, 2]
-ACCEPT_LENGTH_BOUNDARIES = [1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0]
+# a cycle chaining d drafts keeps 1 to 1 + d tokens a row (d = 1, or 2-3 in greedy lanes where
+# greedy_depths says so): a row's mean acceptance length lies in [1, 4]
+ACCEPT_LENGTH_BOUNDARIES = [1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5, 4.0]
 FINISH_REASONS = ("stop", "length", "cancelled", "repetition", "overloaded", "capacity", "unavailable", "internal")
 LANE_WORDS = ("greedy", "sampled", "ar", "omit_bonus")
 
 # key -> (kind, series name, description, tag keys, histogram boundaries)
 REPLICA_SERIES = {
-    # speculative decoding, vLLM's names (MTP depth 1: one draft of one token per row and cycle)
-    "drafts": ("counter", "mtplx_spec_decode_num_drafts", "Draft proposals (one per speculative row per cycle)", (), None),
-    "draft_tokens": ("counter", "mtplx_spec_decode_num_draft_tokens", "Draft tokens proposed", (), None),
+    # speculative decoding, vLLM's names (a proposal: one drafting row's chain of 1-3 drafts in a cycle)
+    "drafts": ("counter", "mtplx_spec_decode_num_drafts", "Draft proposals (one per drafting row per cycle)", (), None),
+    "draft_tokens": ("counter", "mtplx_spec_decode_num_draft_tokens", "Draft tokens proposed (chained drafts)", (), None),
     "accepted": ("counter", "mtplx_spec_decode_num_accepted_tokens", "Draft tokens accepted", (), None),
     "accepted_per_pos": ("counter", "mtplx_spec_decode_num_accepted_tokens_per_pos",
                          "Draft tokens accepted, by draft position", ("position",), None),
     "accept_length": ("histogram", "mtplx_spec_decode_acceptance_length",
-                      "A finished row's mean acceptance length (1 + accepted / drafts)", (), ACCEPT_LENGTH_BOUNDARIES),
+                      "A finished row's mean acceptance length (1 + accepted / proposals)", (), ACCEPT_LENGTH_BOUNDARIES),
     # lanes and the queue
     "waiting_rows": ("gauge", "mtplx_waiting_rows",
                      "Rows waiting for a lane slot (prefilling included); lane=queue: not yet at a lane", ("lane",), None),
@@ -48,7 +49,8 @@ REPLICA_SERIES = {
                          "Share of running lanes whose step is now an MTP cycle (1) rather than a plain AR step (0)",
                          ("lane", "width"), None),
     "lane_acceptance": ("gauge", "mtplx_lane_acceptance_estimate",
-                        "A running lane's draft acceptance estimate (the moving average its step choice uses)",
+                        "A running lane's draft acceptance estimate (the moving average its step choice uses): "
+                        "accepted drafts per drafting row and cycle, up to the drafts its cycles chain",
                         ("lane", "width"), None),
     "lane_step_cost": ("gauge", "mtplx_lane_step_cost_seconds",
                        "A running lane's cost model: the measured time of one step of each kind (mtp cycle, ar step)",
@@ -199,28 +201,34 @@ class CohortMonitor:
 
     @staticmethod
     def _totals(snap: dict) -> dict:
-        keys = ("accepted_draft_tokens", "rejected_draft_tokens", "lane_row_cycles", "admissions",
+        keys = ("accepted_draft_tokens", "rejected_draft_tokens", "draft_proposals", "draft_tokens",
+                "lane_row_cycles", "admissions",
                 "cycle_seconds_total", "prefill_seconds_total", "completion_tokens", "requests_completed",
                 "requests_failed", "requests_cancelled", "lane_cycles", "mtp_cycles", "ar_steps")
         out = {k: snap.get(k) or 0 for k in keys}
         out["by_width"] = dict(snap.get("fixed_width_histogram") or {})
+        out["by_position"] = list(snap.get("accepted_by_position") or [])
         return out
 
     def _new_period(self) -> dict:
-        return {"started": time.monotonic(), "lanes": {}, "totals": dict(self._prev, by_width={})}
+        return {"started": time.monotonic(), "lanes": {}, "totals": dict(self._prev, by_width={}, by_position=[])}
 
     def sample(self) -> dict:
         """Take one snapshot; record what grew since the last one. Returns the snapshot."""
         snap = self._snapshot()
         cur = self._totals(snap)
-        d = {k: max(0, cur[k] - self._prev[k]) for k in cur if k != "by_width"}
+        d = {k: max(0, cur[k] - self._prev[k]) for k in cur if k not in ("by_width", "by_position")}
         m = self._metrics
-        acc, rej = d["accepted_draft_tokens"], d["rejected_draft_tokens"]
-        if acc + rej:
-            record(m, "drafts", acc + rej)
-            record(m, "draft_tokens", acc + rej)
-            record(m, "accepted", acc)
-            record(m, "accepted_per_pos", acc, {"position": "0"})
+        if d["draft_proposals"]:
+            record(m, "drafts", d["draft_proposals"])
+            record(m, "draft_tokens", d["draft_tokens"])
+        if d["accepted_draft_tokens"]:
+            record(m, "accepted", d["accepted_draft_tokens"])
+        seen = self._prev.get("by_position") or []
+        for pos, n in enumerate(cur["by_position"]):
+            grew = n - (seen[pos] if pos < len(seen) else 0)
+            if grew > 0:
+                record(m, "accepted_per_pos", grew, {"position": str(pos)})
         for w, c in cur["by_width"].items():
             grew = c - self._prev["by_width"].get(w, 0)
             if grew > 0:

@@ -196,7 +196,7 @@ def _partial_result(job, generation_mode: str, reason: str) -> dict:
 class MTPReplica:
     """Serve deployment class (decorated in `deployments.app`); see the module docstring."""
 
-    def __init__(self, model_path: Optional[str] = None, widths=(3, 8), batch_wait_s: float = 0.02,
+    def __init__(self, model_path: Optional[str] = None, widths=(3, 8), greedy_depths=None, batch_wait_s: float = 0.02,
                  stream_interval_ms: float = 0.0, blas_threads: Optional[int] = None,
                  numerics: str = "throughput", warmup: bool = True, num_cpus: float = 1.0,
                  niceness: Optional[int] = 0, max_waiting_rows_per_key: int = 64,
@@ -225,7 +225,7 @@ class MTPReplica:
         self._buffers_lock = threading.Lock()
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
             self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
-            numerics=numerics, on_lane_step=self._lane_step_ended)
+            numerics=numerics, on_lane_step=self._lane_step_ended, greedy_depths=greedy_depths)
         self.load_s = time.perf_counter() - t0
         self.replica_id = _replica_id()
         self.node_id = _node_id()
@@ -286,7 +286,8 @@ class MTPReplica:
             "max_context": m.max_context, "vocab_size": m.vocab_size,
             "eos_token_ids": sorted(m.eos_token_ids), "mtp": m.mtp is not None,
             "mtp_disabled_reason": m.mtp_disabled_reason,
-            "installed_widths": self.service.installed_widths, "load_s": self.load_s,
+            "installed_widths": self.service.installed_widths, "greedy_depths": self.service.greedy_depths,
+            "load_s": self.load_s,
             "blas_threads": self.blas_threads,
         }
 
@@ -448,9 +449,10 @@ class MTPReplica:
         if st.get("decode_tok_s"):
             self._observe("decode_tok_s", float(st["decode_tok_s"]))
         accepted = int(st.get("accepted_drafts") or 0)
-        drafts = accepted + int(st.get("rejected_drafts") or 0)
-        if drafts:   # rows that drafted (an auto row's plain AR steps draft nothing and do not count)
-            self._observe("accept_length", 1 + accepted / drafts)
+        # proposals: the cycles it drafted in (a chain of 1-3 drafts each); the solo path drafts one
+        proposals = st.get("speculated_cycles") or accepted + int(st.get("rejected_drafts") or 0)
+        if proposals:   # rows that drafted (an auto row's plain AR steps draft nothing and do not count)
+            self._observe("accept_length", 1 + accepted / proposals)
 
     def _error_class(self, job, exc: BaseException) -> dict:
         """A failed row's error event, by class. Only messages written for clients leave this

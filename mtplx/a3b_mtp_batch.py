@@ -120,6 +120,7 @@ class A3BMTPBatchStreamResult:
     spec_cycles: int = 0                            # cycles in which this row drafted
     drafts_skipped: int = 0                         # cycles of a speculative row without a draft
     shared_prefill: bool = False                    # took a sibling row's prefill (same prefill_group)
+    mtp_depth: int = 0                              # most drafts it chained in one cycle's lane (0: never drafted)
 
 
 @dataclass
@@ -944,9 +945,9 @@ class RunningLane:
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted(ladder, key=lambda ln: ln.width)
-        if len({ln.depth for ln in self.ladder}) > 1:
-            raise ValueError(f"a running lane's installed lanes must chain drafts equally deep (their rows' "
-                             f"history moves between them); got depths {sorted({ln.depth for ln in self.ladder})}")
+        if len({ln.width for ln in self.ladder}) < len(self.ladder):
+            raise ValueError(f"a running lane's installed lanes need distinct widths; got "
+                             f"{[ln.width for ln in self.ladder]}")
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -961,6 +962,8 @@ class RunningLane:
         self.hist_tok: Optional[np.ndarray] = None
         self.forwards: Optional[_CycleForwards] = None
         self.cycles = self.accepted = self.rejected = 0
+        self.draft_proposals = self.draft_tokens = 0    # rows' drafting cycles, the drafts they chained
+        self.accepted_at = [0] * max(DEPTHS)           # accepted drafts by position in their chain
         self.row_cycles = self.peak_rows = 0            # live rows: summed over cycles, most in one
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
@@ -975,7 +978,7 @@ class RunningLane:
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
         self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
-        self.policy = StepPolicy()
+        self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)
         self.mtp_cycles = self.ar_steps = 0            # of `cycles`, by kind
         self.last_step: Optional[str] = None
         self._owed: list = []       # owed head-history columns: (hidden [W, 1, H], token [W], owner mask [W])
@@ -994,6 +997,11 @@ class RunningLane:
     @property
     def route_id(self) -> Optional[str]:
         return self.lane.route_id if self.lane is not None else None
+
+    @property
+    def policy(self) -> StepPolicy:
+        """The step policy of the current lane's draft depth."""
+        return self._policies.setdefault(self.lane.depth if self.lane is not None else DEPTH, StepPolicy())
 
     @property
     def live_rows(self) -> int:
@@ -1138,7 +1146,13 @@ class RunningLane:
             self._low_demand = 0
 
     def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
-        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state."""
+        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state.
+        Onto a lane chaining another number of drafts, rows first settle the head history their
+        last cycle left owed (its layout is [W, depth]), as before an AR step."""
+        if self.lane is not None and lane.depth != self.lane.depth and self.hist_h is not None:
+            self._owe_cycle_history()
+            self.hist_h = mx.zeros((self.width, lane.depth) + self.hist_h.shape[2:], self.hist_h.dtype)
+            self.hist_tok = np.zeros((self.width, lane.depth), dtype=np.int64)
         self._write_owed_history()       # its columns are as wide as the old width
         W = lane.width
         index = keep + [None] * (W - len(keep))
@@ -1324,6 +1338,20 @@ class RunningLane:
         self.model.draft_hidden(h, t, self.mtp_caches)     # lazy: only the layer's keys and values are used
         commit_rows(self.mtp_caches, n, counts)
 
+    def _owe_cycle_history(self) -> np.ndarray:
+        """Move the head-history entries the last MTP cycle left owed (rows' accepted drafts) to
+        the owed columns `_write_owed_history` writes; rows then owe none. Returns which rows may
+        draft (their entries are kept)."""
+        rows = self.rows
+        may_draft = np.array([r is not None and r.req.speculative for r in rows])
+        owed = np.array([r.owed if r is not None else 0 for r in rows]) * may_draft
+        for j in range(int(owed.max(initial=0))):      # oldest first
+            self._owed.append((self.hist_h[:, j:j + 1], mx.array(self.hist_tok[:, j], dtype=mx.uint32), owed > j))
+        for row in rows:
+            if row is not None:
+                row.owed = 0
+        return may_draft
+
     def _ar_step(self) -> None:
         """One plain AR step for every live row: one target forward over [W, 1] = [primary], no
         head forward; each row keeps its target's next token (the same draws, in the same order,
@@ -1334,16 +1362,9 @@ class RunningLane:
         rows, W = self.rows, self.width
         active, has_pending, greedy, _, x0, x0_host = self._primaries()
         if self.mtp_caches:
-            may_draft = np.array([r is not None and r.req.speculative for r in rows])
-            owed = np.array([r.owed if r is not None else 0 for r in rows]) * may_draft
-            for j in range(int(owed.max(initial=0))):      # from the last MTP cycle, oldest first
-                self._owed.append((self.hist_h[:, j:j + 1], mx.array(self.hist_tok[:, j], dtype=mx.uint32),
-                                   owed > j))
+            may_draft = self._owe_cycle_history()
             if may_draft.any():
                 self._owed.append((self.h_last, x0, may_draft))
-        for row in rows:
-            if row is not None:
-                row.owed = 0
         H, L = self.forwards.verify(x0[:, None], graph="ar")          # [W, 1, Hd], [W, 1, V]
         if greedy:
             target_ids = mx.argmax(L[:, 0], axis=-1)
@@ -1530,6 +1551,9 @@ class RunningLane:
                     ok, tok = verify_one_token(row.dist(L_host[b, j]), q, draft, row.rng)
                 if j == 0:
                     row.drafted(ok)          # its policy reads its first draft's outcome
+                    r.mtp_depth = max(r.mtp_depth, depth)
+                    self.draft_proposals += 1
+                    self.draft_tokens += depth
                 if self.draft_log is not None:
                     self.draft_log.append((row.req.request_id, len(r.tokens), draft, j))
                 if not ok:
@@ -1541,6 +1565,7 @@ class RunningLane:
                     break
                 a += 1
                 self.accepted += 1
+                self.accepted_at[j] += 1
                 r.accepted_drafts += 1
                 if row.emit(tok, entry(b, j, tok)):
                     break

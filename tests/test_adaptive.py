@@ -361,9 +361,9 @@ def test_a_sampled_row_chaining_drafts_depends_only_on_its_seed(model, chained):
     assert [j for rid, _, _, j in beside.draft_log if rid == "2"].count(1) > 3
 
 
-def test_chain_depth_is_checked_at_install_and_shared_by_a_ladder(model, chained, lane3):
+def test_chain_depth_is_checked_at_install_and_a_ladder_needs_distinct_widths(model, chained, lane3):
     with pytest.raises(ValueError, match="depth=4 is invalid"):
         install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=4)
     assert chained[2].verify_t == 3 and "_t3_m9_" in chained[2].route_id and "_t2_m6_" in lane3.route_id
-    with pytest.raises(ValueError, match="equally deep"):
-        RunningLane([lane3, install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)])
+    with pytest.raises(ValueError, match="distinct widths"):
+        RunningLane([lane3, chained[2]])      # both B3: a ladder moves between widths

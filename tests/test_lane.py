@@ -529,3 +529,71 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
     assert running.device_drafts > 100
     p_value, df = chi2_test(counts, joint)
     assert df >= 8 and p_value > ALPHA, (p_value, df, counts)
+
+
+
+def _head_history_is_the_rows_own(model, running) -> int:
+    """Every live row's MTP-head KV equals the head history of one prefill over its prompt and
+    output (entries (h_i, token_i+1)); returns how many entries were compared."""
+    import mlx.core as mx
+
+    from mtplx.generation import prefill
+
+    compared = 0
+    for b, row in enumerate(running.rows):
+        if row is None:
+            continue
+        layer = running.mtp_caches[0]
+        n = int(layer.lengths[b])
+        cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
+        prefill(model, list(row.req.prompt_ids) + list(row.result.tokens), cache, mtp_cache)
+        ref = mtp_cache[0].keys[0, :, :n]
+        got = layer.keys[b, :, :n]
+        assert ref.shape == got.shape, f"slot {b}: head history {got.shape} vs {ref.shape}"
+        assert mx.allclose(got, ref, atol=1e-3).item(), f"slot {b}: head history differs from its own"
+        compared += n
+    return compared
+
+
+def test_ladder_of_mixed_depths_widens_and_narrows_exactly(model, lanes):
+    """Greedy rows run in a one-row lane chaining 3 drafts, widen into a B3 chaining 2 and a B8
+    chaining 1, then narrow back. At each change of depth a row that owes head-history entries
+    (its last cycle accepted drafts) settles them first: the head's history stays each row's own
+    (checked after every change), and every row's tokens equal plain greedy decoding."""
+    from mtplx.a3b_mtp_batch import solo_lane
+
+    ladder = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), lanes[8]]
+    prompts = _prompts(model, 6)
+    budgets = [160, 40, 30, 50, 45, 35]
+    running = lane_mod.RunningLane(ladder, narrow_after=3)
+    owed_at_change, reshape = [], running._reshape
+
+    def spy(lane, keep):
+        changes = running.lane is not None and lane.depth != running.lane.depth
+        if changes:
+            owed_at_change.append(sum(r.owed for r in running.rows if r is not None))
+        reshape(lane, keep)
+        if changes:
+            assert all(r.owed == 0 for r in running.rows if r is not None)
+
+    running._reshape = spy
+    streams = [running.add(_req(0, prompts[0], budgets[0]))]
+    _steps(running, 6)
+    assert running.width == 1 and running.lane.depth == 3
+    streams += [running.add(_req(i, prompts[i], budgets[i])) for i in (1, 2)]
+    _steps(running, 4)
+    assert running.width == 3 and running.lane.depth == 2
+    assert _head_history_is_the_rows_own(model, running)
+    streams += [running.add(_req(i, prompts[i], budgets[i])) for i in (3, 4, 5)]
+    _steps(running, 3)
+    assert running.width == 8 and running.lane.depth == 1
+    assert _head_history_is_the_rows_own(model, running)
+    while running.width != 1:
+        running.step()
+    assert _head_history_is_the_rows_own(model, running)
+    _drain(running)
+    assert set(running.width_cycles) == {1, 3, 8} and running.narrowings >= 1
+    assert any(owed_at_change), "no depth change happened while a row owed history: the test lost its power"
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
+    assert streams[0].mtp_depth == 3 and streams[3].mtp_depth == 1

@@ -97,7 +97,8 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
 
     greedy = SamplerConfig(temperature=0.0)
     key = mtp_batch_compatibility_key(model.model_id, False, greedy, None)
-    service = MTPBatchGenerationService.for_model(model, widths=(3,), batch_wait_s=0.0)
+    # the B3 lane chains 2 drafts a cycle: proposals, draft tokens and positions differ
+    service = MTPBatchGenerationService.for_model(model, widths=(3,), batch_wait_s=0.0, greedy_depths={3: 2})
     try:
         calls, metrics = recording_metrics()
         monitor = CohortMonitor(service.snapshot, metrics, logging.getLogger("test"), log_every_s=0)
@@ -124,7 +125,11 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     rejected = after["rejected_draft_tokens"] - before["rejected_draft_tokens"]
     assert accepted + rejected > 0
     assert total("accepted") == accepted == total("accepted_per_pos")
-    assert total("drafts") == total("draft_tokens") == accepted + rejected
+    by_pos = {dict(t)["position"] for v, t in calls["accepted_per_pos"] if v > 0}
+    assert by_pos == {"0", "1"}
+    proposals = after["draft_proposals"] - before["draft_proposals"]
+    assert total("drafts") == proposals and total("draft_tokens") == 2 * proposals
+    assert proposals >= rejected and accepted + rejected > proposals
     assert total("lane_cycles") == after["lane_cycles"] - before["lane_cycles"]
     assert total("row_cycles") == after["lane_row_cycles"] - before["lane_row_cycles"]
     assert total("steps") == sum(after[k] - before[k] for k in ("mtp_cycles", "ar_steps")) > 0
@@ -136,7 +141,7 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     assert any(dict(tags) == {"lane": "queue"} for _, tags in calls["waiting_rows"])
     lane3 = {"lane": "greedy", "width": "3"}
     assert any(v == 1.0 and dict(t) == lane3 for v, t in calls["lane_speculating"])
-    assert any(0 <= v <= 1 and dict(t) == lane3 for v, t in calls["lane_acceptance"])
+    assert any(0 <= v <= 2 and dict(t) == lane3 for v, t in calls["lane_acceptance"])   # chains of 2
     costs = {dict(t)["kind"] for v, t in calls["lane_step_cost"] if v > 0}
     assert costs == {"mtp", "ar"}, calls["lane_step_cost"]
     assert calls["lane_speculating"][-1][0] == 0   # the ended lane reads 0

@@ -707,3 +707,31 @@ def test_idle_owner_returns_free_heap_once_per_busy_spell(service, prompts, monk
         time.sleep(3 * mb.IDLE_HEAP_RELEASE_S)
         assert len(calls) == n + 1               # idle on: no second release
     assert not any(calls)
+
+
+def test_greedy_keys_chain_deeper_drafts_where_configured_sampled_keys_do_not(model, make_service, prompts):
+    """greedy_depths={1: 3, 3: 2}: a lone greedy row chains 3 drafts a cycle, three greedy rows 2,
+    tokens equal to plain greedy decoding either way; a lone sampled row keeps depth 1 (its draws
+    are generate_mtpk's at depth 1, whoever its neighbours are)."""
+    service = make_service(greedy_depths={1: 3, 3: 2})
+    service.install_lanes([3]).result(TIMEOUT)        # B3 is installed: only the deeper greedy lanes
+    alone = service.submit(job(prompts[0], max_tokens=40, seed=1, rid="alone")).result(TIMEOUT)
+    assert alone["tokens"] == greedy_ar(model, prompts[0], 40)
+    assert alone["stats"]["mtp_depth"] == 3 and alone["stats"]["mtp_batch_fixed_width"] == 1
+    three = run_held(service, [job(prompts[i], max_tokens=30, seed=i, rid=f"g{i}") for i in (1, 2, 3)])
+    for i, r in zip((1, 2, 3), three):
+        assert r["tokens"] == greedy_ar(model, prompts[i], 30)
+        assert r["stats"]["mtp_depth"] == 2 and r["stats"]["mtp_batch_fixed_width"] == 3
+        assert r["stats"]["mtp_batch_route_id"] == three[0]["stats"]["mtp_batch_route_id"]
+    hot = service.submit(job(prompts[4], max_tokens=24, sampler=HOT, seed=7, adaptive=False)).result(TIMEOUT)
+    assert hot["tokens"] == generate_mtpk(model, prompts[4], 24, HOT, seed=7).tokens
+    assert hot["stats"]["mtp_depth"] == 1
+    snap = settle(service)
+    assert sum(snap["accepted_by_position"]) == snap["accepted_draft_tokens"] and snap["accepted_by_position"][2] > 0
+    assert snap["draft_proposals"] < snap["draft_tokens"] <= 3 * snap["draft_proposals"]
+
+
+@pytest.mark.parametrize("depths", [{3: 4}, {0: 2}, {3: True}, {64: 1}])
+def test_greedy_depths_are_checked(make_service, depths):
+    with pytest.raises(ValueError, match="greedy_depths"):
+        make_service(greedy_depths=depths)

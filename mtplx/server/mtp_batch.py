@@ -135,6 +135,19 @@ def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus:
     return key if generation_mode == "mtp" else (str(generation_mode),) + key
 
 
+def _checked_depths(depths) -> dict:
+    from ..a3b_mtp_batch import DEPTHS, MAX_WIDTH
+
+    out = {}
+    for w, d in dict(depths or {}).items():
+        if isinstance(d, bool) or int(d) != d or int(d) not in DEPTHS:
+            raise ValueError(f"greedy_depths[{w}]={d!r} is invalid: a lane chains {DEPTHS} drafts")
+        if isinstance(w, bool) or int(w) != float(w) or not 1 <= int(w) <= MAX_WIDTH:
+            raise ValueError(f"greedy_depths has width {w!r}: widths are integers in [1, {MAX_WIDTH}]")
+        out[int(w)] = int(d)
+    return out
+
+
 def _default_cancel_error(job: "MTPBatchJob") -> BaseException:
     return MTPBatchCancelled(f"request {job.request_id} cancelled")
 
@@ -353,8 +366,10 @@ class _Cohort:
 
 def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycles: int,
                   accepted: int, rejected: int, terminal_perf_s: Optional[float],
-                  cached_tokens: int, solo: bool, extra_stats: Optional[dict] = None) -> dict:
-    """The per-request result dict and its stats, from the job's own timestamps."""
+                  cached_tokens: int, solo: bool, extra_stats: Optional[dict] = None,
+                  depth: Optional[int] = None) -> dict:
+    """The per-request result dict and its stats, from the job's own timestamps. `depth`: most
+    drafts the row chained in a cycle (default: MTP_DEPTH for a speculative row)."""
     completed_s = time.perf_counter()
     decode_started_s = job.decode_started_s
     if not _valid_time(decode_started_s, cohort.started_s, completed_s):
@@ -366,7 +381,8 @@ def _build_result(job: MTPBatchJob, cohort: _Cohort, *, finish_reason: str, cycl
     admitted_s = job.admitted_s if job.admitted_s is not None else cohort.started_s
     n = len(job.tokens)
     prompt_tokens = len(job.prompt_ids)
-    mode, depth = job.generation_mode, (MTP_DEPTH if job.speculative else 0)
+    mode = job.generation_mode
+    depth = (MTP_DEPTH if depth is None else int(depth)) if job.speculative else 0
     stats = dict(extra_stats or {})
     stats.update({
         "request_id": job.request_id,
@@ -475,12 +491,14 @@ _LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycl
                   "admitted": "admissions", "shared_prefills": "shared_prefills", "widenings": "widenings",
                   "narrowings": "narrowings",
                   "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
-                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "device_drafts": "device_drafts"}
+                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "device_drafts": "device_drafts",
+                  "draft_proposals": "draft_proposals", "draft_tokens": "draft_tokens"}
 
 
 def _add_lane_counters(stats: dict, running) -> None:
     for attr, key in _LANE_COUNTERS.items():
         stats[key] += getattr(running, attr)
+    stats["accepted_by_position"] = [a + b for a, b in zip(stats["accepted_by_position"], running.accepted_at)]
     hist = stats["fixed_width_histogram"]
     for w, c in dict(running.width_cycles).items():
         hist[str(w)] = hist.get(str(w), 0) + c
@@ -522,8 +540,14 @@ class MTPBatchGenerationService:
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
-                 on_lane_step: Optional[Callable[[], None]] = None):
+                 on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None):
         self.model = model
+        # Greedy keys' lanes may chain more drafts at some widths (width -> depth; 1 is the
+        # solo lane): a greedy row's tokens are the same at any depth, so its lane can change depth
+        # as it widens and narrows. Sampled keys keep depth MTP_DEPTH at every width: a chain's
+        # depth decides which draws a row makes, and a row's draws must not depend on its neighbours.
+        self.greedy_depths = _checked_depths(greedy_depths)
+        self._greedy_lanes: dict[int, Any] = {}    # width -> lane at greedy_depths[width] (not MTP_DEPTH)
         self._on_lane_step = _failsafe(on_lane_step)
         self.in_lane_step = False
         # Rows join lanes only while every lane's KV and recurrent state fits this budget; a row
@@ -568,11 +592,14 @@ class MTPBatchGenerationService:
         self._step_began_s = time.monotonic()   # when the owner began its current unit of work (watchdogs)
         self._thread: Optional[threading.Thread] = None
         self._owner_ident: Optional[int] = None
+        from ..a3b_mtp_batch import DEPTHS
+
         self._stats = {
             "last_real_width": None, "last_fixed_width": None, "last_route_id": None,
             "last_error": None, "last_owner_finalize": None, "poisoned": None,
             "fixed_width_histogram": {},
             "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
+            "draft_proposals": 0, "draft_tokens": 0, "accepted_by_position": [0] * max(DEPTHS),
             "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "device_drafts": 0,
             "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
             "widenings": 0, "narrowings": 0,
@@ -617,7 +644,8 @@ class MTPBatchGenerationService:
             raise ValueError("widths is empty: install at least one lane width")
 
         def install():
-            from ..a3b_mtp_batch import LaneSelfCheckError, install_a3b_mtp_batch_lane
+            from ..a3b_mtp_batch import (LaneSelfCheckError, install_a3b_mtp_batch_lane, measure_step_costs,
+                                         solo_lane)
 
             lanes = dict(self._lanes)
             for w in widths:
@@ -627,6 +655,15 @@ class MTPBatchGenerationService:
                     except LaneSelfCheckError as exc:    # rows that would run at w run narrower (solo at worst)
                         self.refused_widths[w] = str(exc)
                         logger.warning("MTP batch lane B%d refused: %s", w, exc)
+            # deeper greedy lanes only where the width's own lane passed its self-check (the same
+            # forwards at that width; the self-check injects single drafts at any depth)
+            for w, d in sorted(self.greedy_depths.items()):
+                if d != MTP_DEPTH and w not in self._greedy_lanes and (w == 1 or w in lanes):
+                    lane = (solo_lane(self.model, d) if w == 1 else
+                            install_a3b_mtp_batch_lane(self.model, w, numerics=self.numerics, selfcheck=False, depth=d))
+                    if not lane.step_costs:
+                        measure_step_costs(lane)
+                    self._greedy_lanes[w] = lane
             self._set_lanes(lanes)
             return sorted(lanes)
 
@@ -677,9 +714,16 @@ class MTPBatchGenerationService:
         raise ValueError(f"no installed lane fits a cohort of {real_width} rows "
                          f"(installed widths {self.installed_widths})")
 
-    def _ladder(self) -> list:
+    def _ladder(self, greedy: bool = False) -> list:
         """The widths a key's running lane may run at: from the forced width (or the one-row solo
-        lane) up to the widest installed lane within ``max_cohort_rows``."""
+        lane) up to the widest installed lane within ``max_cohort_rows``; for a greedy key, each
+        at its ``greedy_depths`` depth where that lane is installed."""
+        lanes = self._ladder_at_depth_1()
+        if greedy and self.numerics != "b1-exact":
+            lanes = [self._greedy_lanes.get(ln.width, ln) for ln in lanes]
+        return lanes
+
+    def _ladder_at_depth_1(self) -> list:
         from ..a3b_mtp_batch import solo_lane
 
         if self.numerics == "b1-exact":     # rows asking for logprobs: one at a time, in the one-row
@@ -939,7 +983,8 @@ class MTPBatchGenerationService:
 
                 with self._cond:
                     self._stats["lanes_started"] += 1
-                    lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(self._ladder()),
+                    ladder = self._ladder(greedy=job.sampler.is_greedy and job.speculative)
+                    lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(ladder),
                                     serial=self._stats["lanes_started"])
                     self._running[key] = lane
             try:
@@ -1164,7 +1209,7 @@ class MTPBatchGenerationService:
             job, placement, finish_reason=stream.finish_reason, cycles=stream.cycles,
             accepted=stream.accepted_drafts, rejected=stream.rejected_drafts,
             terminal_perf_s=stream.terminal_perf_s, cached_tokens=stream.cached_tokens, solo=w <= 1,
-            extra_stats=extra)
+            extra_stats=extra, depth=stream.mtp_depth or None)
         job._succeed(result)
 
     # -- alone (b1-exact, or a lone job with its own solo runner) -------------------------------
@@ -1229,6 +1274,9 @@ class MTPBatchGenerationService:
             self._stats["target_verify_cycles"] += cycles
             self._stats["accepted_draft_tokens"] += accepted
             self._stats["rejected_draft_tokens"] += rejected
+            self._stats["draft_proposals"] += accepted + rejected      # depth 1: one draft a proposal
+            self._stats["draft_tokens"] += accepted + rejected
+            self._stats["accepted_by_position"][0] += accepted
             hist = self._stats["fixed_width_histogram"]
             hist["1"] = hist.get("1", 0) + cycles
         result = _build_result(job, cohort, finish_reason=finish_reason or "length", cycles=cycles,
@@ -1272,7 +1320,8 @@ class MTPBatchGenerationService:
         from ..a3b_mtp_batch import default_draft_draw
 
         with self._cond:
-            s = dict(self._stats, fixed_width_histogram=dict(self._stats["fixed_width_histogram"]))
+            s = dict(self._stats, fixed_width_histogram=dict(self._stats["fixed_width_histogram"]),
+                     accepted_by_position=list(self._stats["accepted_by_position"]))
             for lane in self._running.values():
                 _add_lane_counters(s, lane.running)
             lanes = [{"key": lane_label(k), "width": ln.running.width, "route_id": ln.running.route_id,
@@ -1346,6 +1395,11 @@ class MTPBatchGenerationService:
                 "device_drafts": s["device_drafts"],
                 "accepted_draft_tokens": s["accepted_draft_tokens"],
                 "rejected_draft_tokens": s["rejected_draft_tokens"],
+                # chained drafts (greedy_depths): rows' drafting cycles, the drafts they proposed,
+                # and accepted drafts by position in the chain (vLLM's spec-decode counters)
+                "draft_proposals": s["draft_proposals"],
+                "draft_tokens": s["draft_tokens"],
+                "accepted_by_position": s["accepted_by_position"],
                 "solo_runs": s["solo_runs"],
                 "driver_errors": s["driver_errors"],
                 "requests_submitted": s["requests_submitted"],
