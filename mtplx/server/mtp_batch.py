@@ -1028,9 +1028,9 @@ class MTPBatchGenerationService:
 
     @staticmethod
     def _row_need(job: MTPBatchJob) -> int:
-        from ..a3b_mtp_batch import VERIFY_T
+        from ..a3b_mtp_batch import DEPTHS
 
-        return len(job.prompt_ids) + job.max_tokens + VERIFY_T
+        return len(job.prompt_ids) + job.max_tokens + 1 + max(DEPTHS)    # a verify's positions at most
 
     def _lane_bytes(self, needs: list) -> int:
         """A lane's decode state for rows of these lengths: the narrowest width that holds them,
