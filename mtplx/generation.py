@@ -118,16 +118,21 @@ def start_prefill(model, prompt: list[int], chunk: int = PREFILL_CHUNK, session_
     """A prefill with the MTP history that reuses a banked prefix state when one matches.
 
     `session_restore()` returns a PrefixState or None; `session_commit(state)` receives the
-    state at the last chunk boundary. Both hooks are fail-safe: a bank problem only costs reuse.
+    state at the last chunk boundary and, when the prefill ends, the whole prompt's state. A
+    whole-prompt state of this exact prompt leaves nothing to prefill. Both hooks are fail-safe:
+    a bank problem only costs reuse.
     Returns (cache, mtp_cache, steps, cached_tokens); `steps` is a `prefill_steps` generator.
     """
-    from .prefix_cache import restore, snapshot
+    from .prefix_cache import restore, snapshot, snapshot_whole
 
     cache, mtp_cache, start = None, None, 0
     if session_restore is not None:
         try:
             state = session_restore()
-            if state is not None and 0 < state.cached_tokens < len(prompt) \
+            if state is not None and state.whole and state.key == tuple(prompt):
+                cache, mtp_cache = restore(state)
+                return cache, mtp_cache, _finished(state.out), len(prompt)
+            if state is not None and not state.whole and 0 < state.cached_tokens < len(prompt) \
                     and state.cached_tokens % chunk == 0 and tuple(prompt[:len(state.key)]) == state.key:
                 cache, mtp_cache = restore(state)
                 start = state.cached_tokens
@@ -136,14 +141,26 @@ def start_prefill(model, prompt: list[int], chunk: int = PREFILL_CHUNK, session_
     if cache is None:
         cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
 
-    def commit_boundary(m):
+    def commit(make_state, *args):
         try:
-            session_commit(snapshot(prompt, m, cache, mtp_cache))
+            session_commit(make_state(prompt, *args))
         except Exception:
             pass
 
-    hook = commit_boundary if session_commit is not None else None
-    return cache, mtp_cache, prefill_steps(model, prompt, cache, mtp_cache, chunk, start, hook), start
+    def steps():
+        out = yield from prefill_steps(model, prompt, cache, mtp_cache, chunk, start, hook)
+        if session_commit is not None and len(prompt) > 1:   # (one token: the head holds no history yet)
+            commit(snapshot_whole, cache, mtp_cache, out)
+        return out
+
+    hook = (lambda m: commit(snapshot, m, cache, mtp_cache)) if session_commit is not None else None
+    return cache, mtp_cache, steps(), start
+
+
+def _finished(out):
+    """A `prefill_steps` generator with no chunk left: it returns `out` at once."""
+    return out
+    yield  # noqa: unreachable; makes this a generator
 
 
 class _Row:

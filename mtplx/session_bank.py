@@ -1,4 +1,5 @@
-"""An in-memory bank of prompt-prefix states, keyed by exact token prefix.
+"""An in-memory bank of prompt-prefix states, keyed by exact token prefix (boundary states) or
+by the exact prompt (whole-prompt states; see mtplx.prefix_cache).
 
 LRU within a byte budget; each entry carries the fingerprint of the model it was computed by
 and only matches that model. Hooks for one request come from `hooks(prompt)`; they are what
@@ -22,24 +23,26 @@ class SessionBank:
             raise ValueError(f"max_bytes={max_bytes} must be >= 0")
         self.fingerprint = fingerprint
         self.max_bytes = int(max_bytes)
-        self._entries: "OrderedDict[tuple, PrefixState]" = OrderedDict()
+        self._entries: "OrderedDict[tuple, PrefixState]" = OrderedDict()   # (key, whole) -> state
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = self.commits = 0
 
     def lookup(self, prompt) -> Optional[PrefixState]:
-        """The longest banked prefix of `prompt` (at least one token of it left to prefill)."""
+        """The whole-prompt state of exactly `prompt`, else its longest banked boundary prefix (at
+        least one token of it left to prefill)."""
         prompt = tuple(prompt)
         with self._lock:
-            best = None
-            for key, state in self._entries.items():
-                if len(key) <= len(prompt) and (best is None or len(key) > len(best.key)) \
-                        and prompt[:len(key)] == key:
-                    best = state
+            best = self._entries.get((prompt, True))
+            if best is None:
+                for (key, whole), state in self._entries.items():
+                    if not whole and len(key) <= len(prompt) and (best is None or len(key) > len(best.key)) \
+                            and prompt[:len(key)] == key:
+                        best = state
             if best is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(best.key)
+            self._entries.move_to_end((best.key, best.whole))
             self.hits += 1
             return best
 
@@ -48,10 +51,10 @@ class SessionBank:
         if size > self.max_bytes:
             return
         with self._lock:
-            old = self._entries.pop(state.key, None)
+            old = self._entries.pop((state.key, state.whole), None)
             if old is not None:
                 self._bytes -= old.nbytes
-            self._entries[state.key] = state
+            self._entries[(state.key, state.whole)] = state
             self._bytes += size
             self.commits += 1
             while self._bytes > self.max_bytes:

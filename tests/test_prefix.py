@@ -23,7 +23,8 @@ def test_second_turn_reuses_prefix_with_identical_output(model):
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write a parser."}]
     p1 = _ids(_chat(model, turn1))
     r1 = generate_mtpk(model, p1, 24, GREEDY, session_restore=lambda: bank.lookup(p1), session_commit=bank.commit)
-    assert r1.stats["cached_tokens"] == 0 and bank.stats()["entries"] == 1
+    # banked: the last chunk boundary's state and the whole prompt's
+    assert r1.stats["cached_tokens"] == 0 and bank.stats()["entries"] == 2
     answer = model.tokenizer.decode(r1.tokens)
     turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Now test it."}]
     p2 = _ids(_chat(model, turn2))
@@ -59,6 +60,41 @@ def test_cohort_rows_reuse_prefix(model):
     assert [s.tokens for s in second.streams] == [s.tokens for s in cold.streams]
 
 
+def test_repeated_prompt_needs_no_prefill_and_decodes_the_same(model):
+    """A prompt seen before restores its whole prefill (cached_tokens = the prompt) and decodes as
+    a cold run does, greedy and seeded sampled rows alike; a longer prompt that starts with it
+    does not take that state (it would continue off the chunk partition)."""
+    lane = install_a3b_mtp_batch_lane(model, 3)
+    bank = SessionBank("test")
+    tok = model.tokenizer
+    prompts = [tok.encode(t) for t in ("def add(a, b):\n", "class Queue:\n    def __init__(self):\n", "import os\n")]
+    sampled = SamplerConfig(temperature=0.8, top_p=0.95)
+
+    def run(use_bank, sampler, ps=prompts):
+        reqs = []
+        for i, p in enumerate(ps):
+            restore, commit = bank.hooks(p) if use_bank else (None, None)
+            reqs.append(A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=sampler, max_tokens=24, seed=7 + i,
+                                           session_restore=restore, session_commit=commit))
+        return generate_a3b_mtp_batch(lane, reqs).streams
+
+    for sampler in (GREEDY, sampled):
+        cold = run(False, sampler)
+        first = run(True, sampler)
+        again = run(True, sampler)
+        assert [s.cached_tokens for s in again] == [len(p) for p in prompts]
+        assert [s.tokens for s in first] == [s.tokens for s in cold]
+        assert [s.tokens for s in again] == [s.tokens for s in cold]
+    longer = [p + tok.encode("    return a + b\n") for p in prompts[:2]]
+    warm = run(True, GREEDY, longer)
+    assert [s.cached_tokens for s in warm] == [0, 0]
+    assert [s.tokens for s in warm] == [s.tokens for s in run(False, GREEDY, longer)]
+    solo = generate_mtpk(model, prompts[1], 24, GREEDY, session_restore=lambda: bank.lookup(prompts[1]),
+                         session_commit=bank.commit)
+    assert solo.stats["cached_tokens"] == len(prompts[1])
+    assert solo.tokens == generate_mtpk(model, prompts[1], 24, GREEDY).tokens
+
+
 def test_broken_bank_never_breaks_decoding(model):
     def boom(*_a):
         raise RuntimeError("bank down")
@@ -83,6 +119,11 @@ def test_bank_lru_budget_and_longest_match(model):
     assert bank.lookup([7]) is None
     bank.commit(state([5, 6], 400))      # over budget: evicts the least recently used
     assert bank.stats()["evictions"] == 1 and bank.lookup([1, 2, 3, 4, 0]).key == (1, 2)
+    # a whole prompt's state serves that exact prompt only, before any boundary prefix of it
+    whole = PrefixState((1, 2, 7), ((mx.zeros((10,)), mx.zeros((0,))),), (), out=(mx.zeros((4,)), mx.zeros((1, 1, 2))))
+    bank.commit(whole)
+    assert bank.lookup([1, 2, 7]) is whole and whole.cached_tokens == 3
+    assert bank.lookup([1, 2, 7, 8]).key == (1, 2)
 
 
 def test_service_reuses_prefixes_for_jobs_without_hooks(model):
