@@ -356,6 +356,10 @@ def test_prefix_reuse_restores_recurrent_state(models):
     warm = generate_mtpk(m, p2, 32, GREEDY, session_restore=lambda: bank.lookup(p2), session_commit=bank.commit)
     assert warm.stats["cached_tokens"] == 256
     assert warm.tokens == greedy_ar(m, p2, 32)
+    # the same prompt again: its whole prefill's state (KV, conv window, recurrent state) comes back
+    again = generate_mtpk(m, p2, 32, GREEDY, session_restore=lambda: bank.lookup(p2), session_commit=bank.commit)
+    assert again.stats["cached_tokens"] == len(p2)
+    assert again.tokens == greedy_ar(m, p2, 32)
 
 
 # ------------------------------------------------------------------ cohorts
