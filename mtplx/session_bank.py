@@ -9,7 +9,7 @@ and only matches that model. Hooks for one request come from `hooks(prompt)`; th
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Optional
 
 from .prefix_cache import PrefixState
@@ -24,6 +24,9 @@ class SessionBank:
         self.fingerprint = fingerprint
         self.max_bytes = int(max_bytes)
         self._entries: "OrderedDict[tuple, PrefixState]" = OrderedDict()   # (key, whole) -> state
+        # boundary keys' lengths (few: chunk multiples + 1), so that a lookup is one dict probe per
+        # length instead of a scan of every entry (one whole-prompt entry per distinct prompt)
+        self._boundary_lengths: Counter = Counter()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = self.commits = 0
@@ -35,10 +38,10 @@ class SessionBank:
         with self._lock:
             best = self._entries.get((prompt, True))
             if best is None:
-                for (key, whole), state in self._entries.items():
-                    if not whole and len(key) <= len(prompt) and (best is None or len(key) > len(best.key)) \
-                            and prompt[:len(key)] == key:
-                        best = state
+                for n in sorted((n for n in self._boundary_lengths if n <= len(prompt)), reverse=True):
+                    best = self._entries.get((prompt[:n], False))
+                    if best is not None:
+                        break
             if best is None:
                 self.misses += 1
                 return None
@@ -53,14 +56,24 @@ class SessionBank:
         with self._lock:
             old = self._entries.pop((state.key, state.whole), None)
             if old is not None:
-                self._bytes -= old.nbytes
+                self._forget(old)
             self._entries[(state.key, state.whole)] = state
             self._bytes += size
+            if not state.whole:
+                self._boundary_lengths[len(state.key)] += 1
             self.commits += 1
             while self._bytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+                self._forget(evicted)
                 self.evictions += 1
+
+    def _forget(self, state: PrefixState) -> None:
+        """Bookkeeping for an entry that has left `_entries`."""
+        self._bytes -= state.nbytes
+        if not state.whole:
+            self._boundary_lengths[len(state.key)] -= 1
+            if not self._boundary_lengths[len(state.key)]:
+                del self._boundary_lengths[len(state.key)]
 
     def hooks(self, prompt):
         """(session_restore, session_commit) for one request's prompt."""
