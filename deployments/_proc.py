@@ -18,6 +18,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ray Serve's direct ingress: the ingress replica answers HTTP on its own port, next to Serve's
+# proxy (which keeps the configured port). Read by Ray's processes at start, so it is set in the
+# environment of whatever starts Ray (`serve run --address local`, `ray start`).
+DIRECT_HTTP_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                   "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+                   "RAY_SERVE_PORT_QUARANTINE_S")
+
+
+def direct_http_env(port: Optional[int]) -> dict:
+    """The environment for Ray that makes the ingress replica serve HTTP itself on `port` (None:
+    only through Serve's proxy). Every request then skips the proxy process and a Ray hop each way:
+    under a 128-client overload burst on two cores, refusals took 12-14 ms (p50) and 89-166 ms
+    (p99) direct against 43-57 and 585-595 ms through the proxy (same server, alternating). One
+    port (Ray's range excludes its upper end): one ingress replica per node. Tuned for a port with
+    no load balancer in front: the drain before an ingress replica stops (30 s by default, for
+    balancers to notice) is 1 s, and a port freed by a replica that stopped is not held back from
+    its successor (by default it is, for a balancer's stale entries to expire)."""
+    if port is None:
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    return dict(zip(DIRECT_HTTP_ENV, ("1", str(port), str(port + 1), "1", "0")))
+
+
 def freeze_startup_objects() -> None:
     """Collect, then move every object alive now into the collector's permanent generation.
     A serving process builds its long-lived objects at start (Ray and Serve internals, the

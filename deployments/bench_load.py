@@ -73,7 +73,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 from mtplx.bench_report import machine_info, replace_section
 
-from ._proc import free_port
+from ._proc import DIRECT_HTTP_ENV, direct_http_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODEL = ROOT / "mtplx" / "assets" / "mtplx-tiny-py"
@@ -385,9 +385,11 @@ class ServerProcess:
 
 
 def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float,
-               args_overrides: Optional[dict] = None) -> ServerProcess:
+               args_overrides: Optional[dict] = None, direct_http: bool = False) -> ServerProcess:
     """`serve run` of the shipped config with a free port (and `model_path` when given, and any
-    app `args` overridden), on a fresh local Ray whose temp dir is private to this start."""
+    app `args` overridden), on a fresh local Ray whose temp dir is private to this start. With
+    `direct_http` the ingress replica also answers HTTP on a port of its own (`direct_http_env`),
+    and the returned server's url is that port's."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "serve_configs" / "config.yaml").read_text())
@@ -400,11 +402,13 @@ def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_
     cfg_path = work_dir / f"serve_config_{port}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     ray_tmp = Path(tempfile.mkdtemp(prefix="mtplx-bl-", dir="/tmp"))   # short: Ray's socket paths
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in DIRECT_HTTP_ENV}
     env.update({"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"})
+    direct_port = free_port() if direct_http else None
+    env.update(direct_http_env(direct_port))
     server = ServerProcess("ours", [_venv_bin("serve"), "run", "--address", "local", str(cfg_path)], env,
-                           log_path, f"http://127.0.0.1:{port}", model="", stop_signal=signal.SIGINT,
-                           cleanup_dir=ray_tmp)
+                           log_path, f"http://127.0.0.1:{direct_port or port}", model="",
+                           stop_signal=signal.SIGINT, cleanup_dir=ray_tmp)
     try:
         health = server.wait_ready("/health", ready_timeout_s)
     except BaseException:
@@ -412,6 +416,7 @@ def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_
         raise
     server.model = health.get("model") or ""
     server.info = {"config": cfg["applications"][0]["args"], "command": server.cmd,
+                   "http": "direct" if direct_http else "proxy",
                    "replicas": {rid: {k: rep.get(k) for k in ("blas_threads", "niceness", "installed_widths")}
                                 for rid, rep in (health.get("replicas") or {}).items() if isinstance(rep, dict)}}
     return server
@@ -748,7 +753,8 @@ def _brief(s: dict) -> str:
 def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = DEFAULT_CLIENTS,
                temperatures: Iterable[float] = DEFAULT_TEMPERATURES, per_client: int = 6, min_requests: int = 12,
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
-               modes: Iterable[str] = (), logprobs: Optional[int] = None, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+               modes: Iterable[str] = (), logprobs: Optional[int] = None, direct_http: bool = False,
+               log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
     started = time.time()
     clients = sorted(set(int(c) for c in clients))
@@ -760,7 +766,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     plan = {"clients": clients, "temperatures": temperatures, "per_client": per_client,
             "min_requests": min_requests, "open_requests": open_requests, "seed": seed,
-            "capacity_clients": capacity_clients, "modes": list(modes), "logprobs": logprobs}
+            "capacity_clients": capacity_clients, "modes": list(modes), "logprobs": logprobs,
+            "direct_http": direct_http}
     record = {"bench": "load", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "model": str(model_path) if model_path else "shipped", "runs": runs, "plan": plan,
               "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
@@ -783,7 +790,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                 result["peer_stop"] = peer.stop()
             record["peer"] = peer.info
             log(f"run {run + 1}/{runs}: ours (serve run)")
-            ours = start_ours(model_path, out_dir / "logs" / f"load-{stamp}-ours-{run}.log", work, ready_timeout_s)
+            ours = start_ours(model_path, out_dir / "logs" / f"load-{stamp}-ours-{run}.log", work, ready_timeout_s,
+                              direct_http=direct_http)
             try:
                 o = run_turn(ours, plan, run, p["rates"], send_seed=True, log=log)
                 if plan["modes"]:
@@ -912,7 +920,9 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
         f"mlx {rt.get('mlx_version')} on `{rt.get('mlx_device')}`, mlx-lm {rt.get('mlx_lm_version')}, "
         f"Python {rt.get('python')}. Model: {record['model']}.",
         "",
-        "Ours: `serve run serve_configs/config.yaml` on a free port. Peer: `mlx_lm.server "
+        "Ours: `serve run serve_configs/config.yaml` on a free port" + (
+            ", clients on the ingress replica's own port (`--direct-http`: Serve's direct ingress, no proxy hop)"
+            if record["plan"].get("direct_http") else "") + ". Peer: `mlx_lm.server "
         f"--decode-concurrency {n} --prompt-concurrency {n}` on the same checkpoint without its `mtp.*`",
         f"tensors, with `LD_PRELOAD={peer.get('ld_preload')}`. One server at a time; runs alternate peer, ours.",
         "",
@@ -946,6 +956,8 @@ def section_name(record: dict) -> str:
     plan, parts = record["plan"], []
     if record["model"] != "shipped":
         parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
+    if plan.get("direct_http"):
+        parts.append("direct")
     if plan.get("modes"):
         parts.append("modes")
     if plan.get("logprobs") is not None:
@@ -980,7 +992,7 @@ def write_outputs(record: dict, command: str) -> dict:
 def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
             json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None,
             modes: Optional[str] = None, logprobs: Optional[int] = None,
-            temperatures: Optional[str] = None) -> dict:
+            temperatures: Optional[str] = None, direct_http: bool = False) -> dict:
     """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
@@ -999,14 +1011,15 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
         opts["modes"] = [m.strip() for m in modes.split(",")]
     if logprobs is not None:
         opts["logprobs"] = logprobs
-    record = bench_load(model_dir=model, **opts)
+    record = bench_load(model_dir=model, direct_http=direct_http, **opts)
     record["quick"] = quick
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
         (f" --clients {clients}" if clients else "") + (f" --temperatures {temperatures}" if temperatures else "") + \
         (f" --model {model}" if model else "") + \
         (f" --requests-per-client {per_client}" if per_client else "") + \
         (f" --open-requests {open_requests}" if open_requests else "") + \
-        (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "")
+        (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "") + \
+        (" --direct-http" if direct_http else "")
     out = write_outputs(record, command)
     if json_out:
         print(json.dumps(record, default=str), flush=True)
@@ -1031,7 +1044,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
             per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
-            logprobs=a.logprobs, temperatures=a.temperatures)
+            logprobs=a.logprobs, temperatures=a.temperatures, direct_http=a.direct_http)
     return 0
 
 

@@ -199,12 +199,13 @@ def summarize_probe(rows: List[dict]) -> dict:
             "refused_within_bound": sum(1 for v in refused if v <= REFUSAL_BOUND_S)}
 
 
-def proxy_refusals(ray_tmp: Optional[Path]) -> Optional[dict]:
-    """Refusal times as Serve's HTTP proxy logged them (its access lines end with the time from the
-    request reaching the proxy to its response): the server's own share of the time, with no client
-    on the path."""
+def server_refusals(ray_tmp: Optional[Path], direct_http: bool = False) -> Optional[dict]:
+    """Refusal times as the server's HTTP front logged them (Serve's proxy, or with direct HTTP the
+    ingress replica; access lines end with the time from the request reaching it to its response):
+    the server's own share of the time, with no client on the path."""
     times = []
-    logs = {f.resolve() for f in Path(ray_tmp or "/nonexistent").glob("ray/session_*/logs/serve/proxy_*.log")}
+    pattern = "replica_mtplx_OpenAIIngress_*.log" if direct_http else "proxy_*.log"
+    logs = {f.resolve() for f in Path(ray_tmp or "/nonexistent").glob(f"ray/session_*/logs/serve/{pattern}")}
     for f in logs:     # (session_latest links to the session's own folder)
         for line in f.read_text(errors="replace").splitlines():
             parts = line.split()
@@ -360,7 +361,7 @@ def summarize_overload(rows: List[dict], wall: float) -> dict:
 
 def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, clients: int = CLIENTS,
                overload_clients: int = OVERLOAD_CLIENTS, overload_s: float = OVERLOAD_S,
-               ready_timeout_s: float = 600.0,
+               ready_timeout_s: float = 600.0, direct_http: bool = False,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     import mtplx
 
@@ -372,6 +373,7 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
     record = {"bench": "soak", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "model": str(model_path) if model_path else "shipped",
               "plan": {"requests": requests, "clients": clients, "drop_fraction": DROP_FRACTION,
+                       "direct_http": direct_http,
                        "budgets": [MIN_BUDGET, MAX_BUDGET], "sampled": SAMPLED,
                        "overload_clients": overload_clients, "overload_s": overload_s,
                        "overload_args": OVERLOAD_ARGS, "refusal_bound_s": REFUSAL_BOUND_S},
@@ -381,7 +383,8 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
     with tempfile.TemporaryDirectory(prefix="mtplx-bench-soak-") as tmp:
         work = Path(tmp)
         log(f"soak: {requests} streaming requests from {clients} clients ({DROP_FRACTION:.0%} dropped)")
-        server = start_ours(model_path, out_dir / "logs" / f"soak-{stamp}-soak.log", work, ready_timeout_s)
+        server = start_ours(model_path, out_dir / "logs" / f"soak-{stamp}-soak.log", work, ready_timeout_s,
+                            direct_http=direct_http)
         try:
             model = server.model
             # warm-up (WARMUP_PER_CLIENT requests per client, same mix), so that memory is measured
@@ -409,7 +412,7 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
             record["soak_stop"] = server.stop()
         log(f"overload: {overload_clients} clients for {overload_s:.0f} s against a small queue {OVERLOAD_ARGS}")
         server = start_ours(model_path, out_dir / "logs" / f"soak-{stamp}-overload.log", work, ready_timeout_s,
-                            args_overrides=OVERLOAD_ARGS)
+                            args_overrides=OVERLOAD_ARGS, direct_http=direct_http)
         try:
             # a probe in its own process, after the clients have filled the queues
             prober = _start_probe(server.url, max(5.0, overload_s - 10.0), server.model)
@@ -419,7 +422,7 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
             o = summarize_overload(rows, wall)
             o["idle_after"] = idle["state"]
             o["probe"] = summarize_probe(probe_rows)
-            o["proxy"] = proxy_refusals(server.cleanup_dir)
+            o["proxy"] = server_refusals(server.cleanup_dir, direct_http)
             record["overload"] = o
             log(f"overload: {o['refused']} refused ({o['refused_statuses']}, p50 {o['refusal_p50_ms']} ms, "
                 f"p99 {o['refusal_p99_ms']} ms), {o['admitted_completed']}/{o['admitted']} admitted completed")
@@ -454,11 +457,13 @@ def render_section(record: dict, command: str) -> str:
     ok = lambda b: "yes" if b else "**no**"   # noqa: E731
     c = record["checks"]
     lines = [
-        f"## bench soak: churn and overload{quick}",
+        f"## bench soak{' (direct HTTP)' if p.get('direct_http') else ''}: churn and overload{quick}",
         "",
         f"`{command}`, {record['date']}, {record['elapsed_s'] / 60:.1f} min. Machine: `{m['platform']}`, "
         f"{m['cpu_count']} CPUs, BLAS {rt.get('blas')}, mlx {rt.get('mlx_version')} on `{rt.get('mlx_device')}`. "
-        f"Model: {record['model']}. Each phase on its own `serve run serve_configs/config.yaml`. "
+        f"Model: {record['model']}. Each phase on its own `serve run serve_configs/config.yaml`"
+        + (", clients on the ingress replica's own port (`--direct-http`: Serve's direct ingress, no proxy "
+           "hop)" if p.get("direct_http") else "") + ". "
         f"Load average (1/5/15 min) at start {_load(record.get('loadavg_start'))}, at end "
         f"{_load(record.get('loadavg_end'))}: the CPUs are shared with the bench client and other work.",
         "",
@@ -489,8 +494,8 @@ def render_section(record: dict, command: str) -> str:
         f"small queue (app args {json.dumps(p['overload_args'])}); a refused client waits its `Retry-After`. "
         "Refusal time: request sent to status line, as the 128 clients see it (one aiohttp event loop on the "
         "same CPUs), as a probe sees it (a separate process sending one non-streaming request at a time "
-        "while the clients keep the queues full), and as Serve's HTTP proxy logged it (arrival at the "
-        "proxy to its response: no client on the path). The opening seconds are a burst (every client "
+        "while the clients keep the queues full), and as the server's HTTP front logged it (Serve's proxy, or "
+        "with direct HTTP the ingress replica: arrival there to its response, no client on the path). The opening seconds are a burst (every client "
         f"sends at once, and comes back after its `Retry-After`); refusals of requests sent after the first "
         f"{STEADY_AFTER_S:g} s are also given apart.",
         "",
@@ -498,7 +503,7 @@ def render_section(record: dict, command: str) -> str:
         "| refusal p50 / p99 / max ms | within 100 ms "
         f"| after the first {STEADY_AFTER_S:g} s: refused, p50 / p99 ms, within 100 ms "
         "| probe: refused, p50 / p99 ms, within 100 ms "
-        "| at the proxy: p50 / p99 ms, within 100 ms | admitted TTFT p50 ms | tok/s |",
+        "| at the server's HTTP front: p50 / p99 ms, within 100 ms | admitted TTFT p50 ms | tok/s |",
         "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {o['requests']} | {o['admitted']} | {o['admitted_completed']} | {o['refused']} | {o['refused_statuses']} | "
         f"{o['refused_openai_shape_with_retry_after']} | {o['refusal_p50_ms']} / {o['refusal_p99_ms']} / "
@@ -537,19 +542,24 @@ def _pct(v: Optional[float]) -> str:
 
 
 def write_outputs(record: dict, command: str) -> dict:
+    """The JSON under build/bench/ and the `soak` section of BENCHMARKS.md (`soak-direct` for a
+    `--direct-http` run)."""
+    name = "soak-direct" if record["plan"].get("direct_http") else "soak"
     md = ROOT / "BENCHMARKS.md"
-    md.write_text(replace_section(md.read_text() if md.exists() else "", "soak", render_section(record, command)))
+    md.write_text(replace_section(md.read_text() if md.exists() else "", name, render_section(record, command)))
     Path(record["artifacts"]["json"]).write_text(json.dumps(record, indent=2, default=str))
     record["artifacts"]["markdown"] = str(md)
     return record["artifacts"]
 
 
-def run_cli(quick: bool = False, model: Optional[str] = None, json_out: bool = False) -> dict:
+def run_cli(quick: bool = False, model: Optional[str] = None, json_out: bool = False,
+            direct_http: bool = False) -> dict:
     """The `mtplx bench soak` entry: `--quick` is 100 requests and 15 s of overload."""
     opts = dict(requests=100, overload_s=15.0) if quick else {}
-    record = bench_soak(model_dir=model, **opts)
+    record = bench_soak(model_dir=model, direct_http=direct_http, **opts)
     record["quick"] = quick
-    command = "mtplx bench soak" + (" --quick" if quick else "") + (f" --model {model}" if model else "")
+    command = "mtplx bench soak" + (" --quick" if quick else "") + (f" --model {model}" if model else "") + \
+        (" --direct-http" if direct_http else "")
     out = write_outputs(record, command)
     if json_out:
         print(json.dumps(record, default=str), flush=True)
@@ -566,6 +576,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="100 requests, 15 s of overload")
     p.add_argument("--model", default=None, help="checkpoint dir (default: the shipped model)")
     p.add_argument("--json", action="store_true", help="print the JSON record")
+    p.add_argument("--direct-http", action="store_true", help="clients call the ingress replica on its own port")
     p.add_argument("--probe", default=None, help=argparse.SUPPRESS)          # internal: the refusal probe
     p.add_argument("--probe-seconds", type=float, default=30.0, help=argparse.SUPPRESS)
     p.add_argument("--probe-model", default="", help=argparse.SUPPRESS)
@@ -573,7 +584,7 @@ def main(argv=None) -> int:
     if a.probe:
         print(json.dumps(probe(a.probe, a.probe_seconds, a.probe_model)), flush=True)
         return 0
-    record = run_cli(quick=a.quick, model=a.model, json_out=a.json)
+    record = run_cli(quick=a.quick, model=a.model, json_out=a.json, direct_http=a.direct_http)
     return 0 if all(record["checks"].values()) else 1
 
 

@@ -43,12 +43,12 @@ def _bench(a):
 
         run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
                 logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
-                open_requests=a.open_requests)
+                open_requests=a.open_requests, direct_http=a.direct_http)
         return
     if a.what == "soak":
         from deployments.bench_soak import run_cli as run_soak
 
-        record = run_soak(quick=a.quick, model=a.model, json_out=a.json)
+        record = run_soak(quick=a.quick, model=a.model, json_out=a.json, direct_http=a.direct_http)
         if not all(record["checks"].values()):
             sys.exit(1)
         return
@@ -131,6 +131,8 @@ def main(argv=None):
                                                         "soak: 100 requests, 15 s of overload")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
+    b.add_argument("--direct-http", action="store_true", help="load, soak: clients call the ingress replica on its "
+                                                              "own port (Serve's direct ingress), not the proxy")
     add_load_options(b.add_argument_group("load only"))
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # Set up, then serve the shipped model with Ray Serve on http://127.0.0.1:8000/v1.
+# MTPLX_DIRECT_HTTP_PORT=8100: the ingress replica also answers HTTP itself on that port (Serve's
+# direct ingress: no proxy hop; see the README's "Direct HTTP").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [[ -n "${MTPLX_DIRECT_HTTP_PORT:-}" ]]; then
+  eval "$(.venv/bin/python -c 'import sys; from deployments._proc import direct_http_env
+print("\n".join(f"export {k}={v}" for k, v in direct_http_env(int(sys.argv[1])).items()))' "$MTPLX_DIRECT_HTTP_PORT")"
+fi
 exec .venv/bin/serve run serve_configs/config.yaml "$@"

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import mtplx
-from deployments._proc import free_port
+from deployments._proc import direct_http_env, free_port
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +37,12 @@ def serve_app(tmp_path_factory):
     from deployments import build_app
 
     started_ray = not ray.is_initialized()
+    direct_port = None
     if started_ray:
+        # the ingress replica also answers on a port of its own (Serve's direct ingress), so that
+        # both HTTP fronts are tested; Ray's processes read this from their environment at start
+        direct_port = free_port()
+        os.environ.update(direct_http_env(direct_port))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="mtplx-tests",
                  _node_ip_address="127.0.0.1")
     port = free_port()
@@ -45,11 +50,14 @@ def serve_app(tmp_path_factory):
     serve.run(build_app(dict(TEST_APP_ARGS, api_keys_file=str(key_file))), name="mtplx", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     try:
-        yield SimpleNamespace(base=base, api=f"{base}/v1", headers=dict(AUTH))
+        yield SimpleNamespace(base=base, api=f"{base}/v1", headers=dict(AUTH),
+                              direct=f"http://127.0.0.1:{direct_port}" if direct_port else None)
     finally:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
+            for k in direct_http_env(direct_port):
+                os.environ.pop(k, None)
 
 
 @pytest.fixture(scope="session")

@@ -315,6 +315,47 @@ def _assert_openai_error(r, status: int, param=None, case=None):
 
 
 @RAY_MARK
+def test_direct_http_port_serves_the_same_api(serve_app, http, ref_model):
+    """Serve's direct ingress (`direct_http_env`): the ingress replica's own port answers as the
+    proxy does (keys, text, streams), and a client leaving mid-stream there cancels its row."""
+    import httpx
+
+    if serve_app.direct is None:
+        pytest.skip("Ray was started outside this test session: no direct HTTP port")
+    prompt = PROMPTS[2]
+    text, n, _reason = _reference(ref_model, _chat_ids(ref_model, prompt), 32)
+    body = {"model": "mtplx-tiny-py", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": 32}
+    with httpx.Client(base_url=serve_app.direct, timeout=120) as c:
+        assert c.get("/health").status_code == 200                      # open, as through the proxy
+        refused = c.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error"
+        r = c.post("/v1/chat/completions", json=body, headers=serve_app.headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == text
+        assert r.json()["usage"]["completion_tokens"] == n
+        assert r.headers["x-mtplx-request-id"].startswith("chatcmpl-")
+        streamed, done = "", False
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}, headers=serve_app.headers) as s:
+            for line in s.iter_lines():
+                done = done or line == "data: [DONE]"
+                if line.startswith("data: {"):
+                    obj = json.loads(line[6:])
+                    streamed += (obj["choices"][0]["delta"].get("content") or "") if obj.get("choices") else ""
+        assert done and streamed == text
+        before = _snapshot(http)
+        with c.stream("POST", "/v1/chat/completions", headers=serve_app.headers,
+                      json={**body, "max_tokens": 400, "stream": True, "ignore_eos": True}) as s:
+            for i, _line in enumerate(s.iter_lines()):
+                if i >= 6:
+                    break               # leave mid-stream
+    deadline = time.time() + 10
+    while _replica_sum(_snapshot(http), "requests_cancelled") <= _replica_sum(before, "requests_cancelled"):
+        assert time.time() < deadline, "the row of a client that left the direct port was not cancelled"
+        time.sleep(0.05)
+
+
+@RAY_MARK
 def test_bad_request_corpus_gets_openai_4xx_and_server_answers_identically(http, client):
     from bad_request_corpus import CASES
 
