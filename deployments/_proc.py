@@ -26,18 +26,20 @@ DIRECT_HTTP_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_
                    "RAY_SERVE_PORT_QUARANTINE_S")
 
 
-def direct_http_env(port: Optional[int]) -> dict:
+def direct_http_env(port: Optional[int], ports: int = 1) -> dict:
     """The environment for Ray that makes the ingress replica serve HTTP itself on `port` (None:
     only through Serve's proxy). Every request then skips the proxy process and a Ray hop each way:
     under a 128-client overload burst on two cores, refusals took 12-14 ms (p50) and 89-166 ms
-    (p99) direct against 43-57 and 585-595 ms through the proxy (same server, alternating). One
-    port (Ray's range excludes its upper end): one ingress replica per node. Tuned for a port with
-    no load balancer in front: the drain before an ingress replica stops (30 s by default, for
-    balancers to notice) is 1 s, and a port freed by a replica that stopped is not held back from
-    its successor (by default it is, for a balancer's stale entries to expire)."""
+    (p99) direct against 43-57 and 585-595 ms through the proxy (same server, alternating). Ingress
+    replicas (of every application) take ports from `port` up, one each: `ports` of them fit on a
+    node; the first one deployed gets `port`. Tuned for ports with no load balancer in front: the
+    drain before an ingress replica stops (30 s by default, for balancers to notice) is 1 s, and a
+    port freed by a replica that stopped is not held back from its successor (by default it is,
+    for a balancer's stale entries to expire)."""
     if port is None:
         return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-    return dict(zip(DIRECT_HTTP_ENV, ("1", str(port), str(port + 1), "1", "0")))
+    # (Ray's range excludes its upper end)
+    return dict(zip(DIRECT_HTTP_ENV, ("1", str(port), str(port + ports), "1", "0")))
 
 
 def freeze_startup_objects() -> None:

@@ -26,6 +26,23 @@ TEST_APP_ARGS = {"batch_wait_timeout_s": 0.25, "max_concurrent_batches": 4, "def
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 
+# Serve's direct ingress for whichever Ray this test process starts (an in-process replica's
+# metrics start one on first use, before the served app may): the app's ingress then answers on a
+# port of its own too, so that both HTTP fronts are tested. Ray's processes read it at start. The
+# range holds the ingresses of test_real_shape's two extra applications too.
+DIRECT_PORT = free_port()
+os.environ.update(direct_http_env(DIRECT_PORT, ports=8))
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health", timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def serve_app(tmp_path_factory):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -37,27 +54,21 @@ def serve_app(tmp_path_factory):
     from deployments import build_app
 
     started_ray = not ray.is_initialized()
-    direct_port = None
     if started_ray:
-        # the ingress replica also answers on a port of its own (Serve's direct ingress), so that
-        # both HTTP fronts are tested; Ray's processes read this from their environment at start
-        direct_port = free_port()
-        os.environ.update(direct_http_env(direct_port))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="mtplx-tests",
                  _node_ip_address="127.0.0.1")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(dict(TEST_APP_ARGS, api_keys_file=str(key_file))), name="mtplx", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
+    direct = f"http://127.0.0.1:{DIRECT_PORT}"
     try:
         yield SimpleNamespace(base=base, api=f"{base}/v1", headers=dict(AUTH),
-                              direct=f"http://127.0.0.1:{direct_port}" if direct_port else None)
+                              direct=direct if _answers(direct) else None)
     finally:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
-            for k in direct_http_env(direct_port):
-                os.environ.pop(k, None)
 
 
 @pytest.fixture(scope="session")

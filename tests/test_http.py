@@ -321,7 +321,7 @@ def test_direct_http_port_serves_the_same_api(serve_app, http, ref_model):
     import httpx
 
     if serve_app.direct is None:
-        pytest.skip("Ray was started outside this test session: no direct HTTP port")
+        pytest.skip("Ray was started outside this test process: no direct HTTP port")
     prompt = PROMPTS[2]
     text, n, _reason = _reference(ref_model, _chat_ids(ref_model, prompt), 32)
     body = {"model": "mtplx-tiny-py", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
@@ -532,7 +532,10 @@ def test_scale_out_two_nodes_two_replicas():
     not clash with the session's Ray). Heavy on a 2-core machine (~1 min): marked slow. Opt-in:
     Ray's multi-node syncer fails when every node is pinned to 127.0.0.1 here, so the nodes use the
     machine's own interface address, and tests by default keep all traffic on loopback."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    from deployments._proc import DIRECT_HTTP_ENV
+
+    # (without the session's direct port: its own ingress would find it taken)
+    env = {**{k: v for k, v in os.environ.items() if k not in DIRECT_HTTP_ENV}, "RAY_USAGE_STATS_ENABLED": "0"}
     out = subprocess.run([sys.executable, "-m", "deployments.scaleout", "--json"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
