@@ -416,7 +416,6 @@ def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_
         raise
     server.model = health.get("model") or ""
     server.info = {"config": cfg["applications"][0]["args"], "command": server.cmd,
-                   "http": "direct" if direct_http else "proxy",
                    "replicas": {rid: {k: rep.get(k) for k in ("blas_threads", "niceness", "installed_widths")}
                                 for rid, rep in (health.get("replicas") or {}).items() if isinstance(rep, dict)}}
     return server

@@ -422,7 +422,7 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
             o = summarize_overload(rows, wall)
             o["idle_after"] = idle["state"]
             o["probe"] = summarize_probe(probe_rows)
-            o["proxy"] = server_refusals(server.cleanup_dir, direct_http)
+            o["front"] = server_refusals(server.cleanup_dir, direct_http)
             record["overload"] = o
             log(f"overload: {o['refused']} refused ({o['refused_statuses']}, p50 {o['refusal_p50_ms']} ms, "
                 f"p99 {o['refusal_p99_ms']} ms), {o['admitted_completed']}/{o['admitted']} admitted completed")
@@ -495,7 +495,8 @@ def render_section(record: dict, command: str) -> str:
         "Refusal time: request sent to status line, as the 128 clients see it (one aiohttp event loop on the "
         "same CPUs), as a probe sees it (a separate process sending one non-streaming request at a time "
         "while the clients keep the queues full), and as the server's HTTP front logged it (Serve's proxy, or "
-        "with direct HTTP the ingress replica: arrival there to its response, no client on the path). The opening seconds are a burst (every client "
+        "with direct HTTP the ingress replica: arrival there to its response, no client on the path). The "
+        "opening seconds are a burst (every client "
         f"sends at once, and comes back after its `Retry-After`); refusals of requests sent after the first "
         f"{STEADY_AFTER_S:g} s are also given apart.",
         "",
@@ -507,7 +508,7 @@ def render_section(record: dict, command: str) -> str:
         "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {o['requests']} | {o['admitted']} | {o['admitted_completed']} | {o['refused']} | {o['refused_statuses']} | "
         f"{o['refused_openai_shape_with_retry_after']} | {o['refusal_p50_ms']} / {o['refusal_p99_ms']} / "
-        f"{o['refusal_max_ms']} | {o['refused_within_bound']}/{o['refused']} | {_steady(o)} | {_probe(o.get('probe'))} | {_proxy(o.get('proxy'))} | "
+        f"{o['refusal_max_ms']} | {o['refused_within_bound']}/{o['refused']} | {_steady(o)} | {_probe(o.get('probe'))} | {_front(o.get('front'))} | "
         f"{o['admitted_ttft_p50_ms']} | "
         f"{o['tok_s']} |",
         "",
@@ -523,7 +524,7 @@ def _probe(p: Optional[dict]) -> str:
             f"{p['refused_within_bound']}/{p['refused']}")
 
 
-def _proxy(p: Optional[dict]) -> str:
+def _front(p: Optional[dict]) -> str:
     if not p:
         return "-"
     return f"{p['refusal_p50_ms']} / {p['refusal_p99_ms']}, {p['refused_within_bound']}/{p['refused']}"
