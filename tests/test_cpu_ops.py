@@ -1,8 +1,10 @@
 """The CPU kernels: same numbers as MLX's (attention, the MLP's activation), and exact lanes at long spans."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane
 from mtplx.generation import generate_ar
@@ -24,6 +26,41 @@ def test_swiglu_matches_mlx():
     u = mx.random.normal(g.shape, key=mx.random.key(3))
     got, want = A.swiglu(g, u), A.mlx_lm_swiglu(g, u)
     assert (mx.abs(got - want) <= 1e-6 * mx.abs(want) + 1e-30).all().item()
+
+
+@pytest.mark.parametrize("dims,T", [(48, 1), (48, 4), (32, 2)])
+def test_shared_rope_tables_match_mlx_rope(dims, T):
+    """A decode step's RoPE from tables shared by all layers: MLX's own CPU rope, bit for bit,
+    including a partial rotation (dims below the head size) and per-row offsets."""
+    rope = nn.RoPE(dims, base=10000.0)
+    x = mx.random.normal((8, 4, T, 48), key=mx.random.key(5))
+    offset = mx.array([0, 5, 17, 100, 1000, 3, 9, 2040], dtype=mx.int32)
+    tables = A.rope_tables(rope, offset, T, x.dtype)
+    assert mx.array_equal(A.apply_rope(x, *tables), rope(x, offset=offset)).item()
+    assert A.rope_tables(rope, offset, T, x.dtype) is tables         # the next layer of the same forward
+    moved = offset + 1                                                 # the next forward's offsets
+    assert mx.array_equal(A.apply_rope(x, *A.rope_tables(rope, moved, T, x.dtype)), rope(x, offset=moved)).item()
+
+
+def test_column_major_weights_keep_values_and_products():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(192, 576)
+            self.embed = nn.Embedding(4096, 192)
+            self.half = nn.Linear(192, 8).set_dtype(mx.float16)
+
+    net = Net()
+    before = {k: mx.array(v) for k, v in tree_flatten(net.parameters())}
+    x = mx.random.normal((8, 192), key=mx.random.key(6))
+    tokens = mx.array([[1, 7, 4095]])
+    want = (net.proj(x), net.embed.as_linear(x), net.embed(tokens))
+    assert A.column_major_weights(net) == 2                           # not the float16 layer
+    assert all(mx.array_equal(v, before[k]).item() for k, v in tree_flatten(net.parameters()))
+    got = (net.proj(x), net.embed.as_linear(x), net.embed(tokens))
+    for g, w in zip(got, want):
+        assert mx.allclose(g, w, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(got[2], want[2]).item()
 
 
 @pytest.mark.parametrize("heads,kv_heads,T,S,mask", [

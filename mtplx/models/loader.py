@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+from .cpu_ops import column_major_weights
 from .mtp_head import MTPHead
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "assets" / "mtplx-tiny-py"
@@ -243,6 +244,9 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
         mtp.eval()
         _cpu_float32_experts(mtp)
 
+    column_major_weights(target)
+    if mtp is not None:
+        column_major_weights(mtp)
     tokenizer = _load_tokenizer(path)
     eos = config.get("eos_token_id", _text_config(config).get("eos_token_id"))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
 
-from .cpu_ops import attention, swiglu
+from .cpu_ops import apply_rope, attention, rope_tables, shares_rope_tables, swiglu
 
 MODEL_TYPES = ("qwen3",)
 
@@ -74,9 +74,9 @@ class TransformerBlock(qwen3.TransformerBlock):
         if x.shape[1] > DECODE_POSITIONS or not isinstance(offset, mx.array):
             return super().__call__(x, mask, cache)
         pre, post = self._fused()
-        q, k, v = pre(x, offset)
-        k, v = cache.update_and_fetch(k, v)
         a = self.self_attn
+        q, k, v = pre(x, *(rope_tables(a.rope, offset, x.shape[1], x.dtype) if self._shared_rope else (offset,)))
+        k, v = cache.update_and_fetch(k, v)
         return post(x, attention(q, k, v, cache=cache, scale=a.scale, mask=mask))
 
     def _fused(self):
@@ -84,13 +84,17 @@ class TransformerBlock(qwen3.TransformerBlock):
         if fused is None:
             a = self.self_attn
 
-            def pre(x, offset):
+            self._shared_rope = shares_rope_tables(a.rope)
+
+            def pre(x, *rotation):        # (offset,) or, with shared tables, (cos, sin)
                 B, L, _ = x.shape
                 y = self.input_layernorm(x)
                 q = a.q_norm(a.q_proj(y).reshape(B, L, a.n_heads, -1)).transpose(0, 2, 1, 3)
                 k = a.k_norm(a.k_proj(y).reshape(B, L, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
                 v = a.v_proj(y).reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-                return a.rope(q, offset=offset), a.rope(k, offset=offset), v
+                if self._shared_rope:
+                    return apply_rope(q, *rotation), apply_rope(k, *rotation), v
+                return a.rope(q, offset=rotation[0]), a.rope(k, offset=rotation[0]), v
 
             def post(x, out):
                 B, L, _ = x.shape
