@@ -33,7 +33,7 @@ class AppArgs(BaseModel):
     widths: List[int] = Field(default_factory=lambda: [3, 8, 16, 32],
                               description="Lane widths to install; a key's running lane moves between them")
     greedy_depths: Dict[int, int] = Field(
-        default_factory=lambda: {1: 3, 3: 3, 8: 3},
+        default_factory=lambda: {1: 3, 3: 3, 8: 3, 16: 2},
         description="Drafts a cycle chains in greedy lanes, by lane width (1: the one-row lane); "
                     "unlisted widths chain 1. Sampled lanes always chain 1")
     numerics: Literal["throughput", "b1-exact"] = "throughput"
