@@ -48,9 +48,11 @@ def test_column_major_weights_keep_values_and_products():
             super().__init__()
             self.proj = nn.Linear(192, 576)
             self.embed = nn.Embedding(4096, 192)
-            self.half = nn.Linear(192, 8).set_dtype(mx.float16)
+            self.half = nn.Linear(192, 8)
+            self.half.set_dtype(mx.float16)
 
     net = Net()
+    assert net.half.weight.dtype == mx.float16
     before = {k: mx.array(v) for k, v in tree_flatten(net.parameters())}
     x = mx.random.normal((8, 192), key=mx.random.key(6))
     tokens = mx.array([[1, 7, 4095]])

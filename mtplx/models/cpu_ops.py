@@ -81,8 +81,7 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 def column_major_weights(module: nn.Module) -> int:
     """Store each float32 `nn.Linear` weight and embedding table (a tied head multiplies by it)
-    column-major: the same [out, in] array, its buffer laid out
-    as [in, out]. `x @ w.T` then reaches the BLAS as a plain row-major product instead of a
+    column-major: the same [out, in] array, its buffer laid out as [in, out]. `x @ w.T` then reaches the BLAS as a plain row-major product instead of a
     transposed one, which OpenBLAS packs on every call. Same values, same parameters, no second
     copy; only on the CPU. Returns how many weights it rewrote.
     Measured on the shipped model (2-core x86, OpenBLAS, one process, blocks of steps alternating
@@ -95,7 +94,7 @@ def column_major_weights(module: nn.Module) -> int:
     for m in module.modules():
         if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.float32 and m.weight.ndim == 2:
             m.weight = mx.contiguous(m.weight.T).T
-            mx.eval(m.weight)
+            mx.eval(m.weight)       # one at a time: each old buffer goes before the next copy
             n += 1
     return n
 

@@ -73,35 +73,36 @@ class TransformerBlock(qwen3.TransformerBlock):
         offset = getattr(cache, "offset", None)
         if x.shape[1] > DECODE_POSITIONS or not isinstance(offset, mx.array):
             return super().__call__(x, mask, cache)
-        pre, post = self._fused()
-        a = self.self_attn
-        q, k, v = pre(x, *(rope_tables(a.rope, offset, x.shape[1], x.dtype) if self._shared_rope else (offset,)))
+        rotation, pre, post = self._fused()
+        q, k, v = pre(x, *rotation(offset, x.shape[1], x.dtype))
         k, v = cache.update_and_fetch(k, v)
-        return post(x, attention(q, k, v, cache=cache, scale=a.scale, mask=mask))
+        return post(x, attention(q, k, v, cache=cache, scale=self.self_attn.scale, mask=mask))
 
     def _fused(self):
         fused = self.__dict__.get("_fused_parts")
         if fused is None:
             a = self.self_attn
+            shared = shares_rope_tables(a.rope)
 
-            self._shared_rope = shares_rope_tables(a.rope)
+            def rotation(offset, T, dtype):      # pre's RoPE inputs: (cos, sin) shared by the layers, or (offset,)
+                return rope_tables(a.rope, offset, T, dtype) if shared else (offset,)
 
-            def pre(x, *rotation):        # (offset,) or, with shared tables, (cos, sin)
+            def pre(x, *rot):
                 B, L, _ = x.shape
                 y = self.input_layernorm(x)
                 q = a.q_norm(a.q_proj(y).reshape(B, L, a.n_heads, -1)).transpose(0, 2, 1, 3)
                 k = a.k_norm(a.k_proj(y).reshape(B, L, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
                 v = a.v_proj(y).reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-                if self._shared_rope:
-                    return apply_rope(q, *rotation), apply_rope(k, *rotation), v
-                return a.rope(q, offset=rotation[0]), a.rope(k, offset=rotation[0]), v
+                if shared:
+                    return apply_rope(q, *rot), apply_rope(k, *rot), v
+                return a.rope(q, offset=rot[0]), a.rope(k, offset=rot[0]), v
 
             def post(x, out):
                 B, L, _ = x.shape
                 h = x + a.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
                 return h + self.mlp(self.post_attention_layernorm(h))
 
-            fused = self.__dict__["_fused_parts"] = (mx.compile(pre), mx.compile(post))
+            fused = self.__dict__["_fused_parts"] = (rotation, mx.compile(pre), mx.compile(post))
         return fused
 
 
