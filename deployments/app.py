@@ -20,6 +20,13 @@ from .replica import MTPReplica
 
 INGRESS_NAME = "OpenAIIngress"
 REFUSAL_SLOTS = 256
+# The ingress's code runs on its replica's own event loop, not a second loop in a thread of its
+# own: a request then crosses no thread between Serve's HTTP server (direct HTTP) or its Ray call
+# and our handler. Nothing of ours blocks that loop (long prompts are tokenized off it). Opening
+# burst of 128 clients against a small queue, direct HTTP, 6 alternated starts each: refusal p99
+# as the clients saw it 59-147 ms (median 83) against 87-170 (median 116); request sent to status
+# line, p50 27-51 against 54-109 ms.
+INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 REPLICA_NAME = "MTPReplica"
 
 
@@ -160,7 +167,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         num_replicas=a.ingress_num_replicas,
         max_ongoing_requests=ingress_ongoing,
         max_queued_requests=a.max_queued_requests,
-        ray_actor_options={"num_cpus": a.ingress_num_cpus, "num_gpus": 0},
+        ray_actor_options={"num_cpus": a.ingress_num_cpus, "num_gpus": 0,
+                           "runtime_env": {"env_vars": INGRESS_ENV}},
     )(OpenAIIngress).bind(replica, ingress_cfg)
     return ingress
 
