@@ -25,7 +25,7 @@ REFUSAL_SLOTS = 256
 # and our handler. Nothing of ours blocks that loop (long prompts are tokenized off it). Opening
 # burst of 128 clients against a small queue, direct HTTP, 6 alternated starts each: refusal p99
 # as the clients saw it 59-147 ms (median 83) against 87-170 (median 116); request sent to status
-# line, p50 27-51 against 54-109 ms.
+# line, p50 26-51 against 54-109 ms.
 INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 REPLICA_NAME = "MTPReplica"
 
