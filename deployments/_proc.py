@@ -26,6 +26,11 @@ DIRECT_HTTP_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_
                    "RAY_SERVE_PORT_QUARANTINE_S")
 
 
+def direct_http_enabled() -> bool:
+    """Whether the Ray this process belongs to was started with direct HTTP (`direct_http_env`)."""
+    return os.environ.get(DIRECT_HTTP_ENV[0]) == "1"
+
+
 def direct_http_env(port: Optional[int], ports: int = 1) -> dict:
     """The environment for Ray that makes the ingress replica serve HTTP itself on `port` (None:
     only through Serve's proxy). Every request then skips the proxy process and a Ray hop each way:

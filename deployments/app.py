@@ -15,18 +15,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from ._proc import direct_http_enabled
 from .ingress import OpenAIIngress
 from .replica import MTPReplica
 
 INGRESS_NAME = "OpenAIIngress"
 REFUSAL_SLOTS = 256
-# The ingress's code runs on its replica's own event loop, not a second loop in a thread of its
-# own: a request then crosses no thread between Serve's HTTP server (direct HTTP) or its Ray call
-# and our handler. Nothing of ours blocks that loop (long prompts are tokenized off it). Opening
-# burst of 128 clients against a small queue, direct HTTP, 6 alternated starts each: refusal p99
-# as the clients saw it 59-147 ms (median 83) against 87-170 (median 116); request sent to status
-# line, p50 26-51 against 54-109 ms.
-INGRESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# With direct HTTP, the ingress's code runs on its replica's own event loop, not a second loop in a
+# thread of its own, so a request crosses no thread between Serve's HTTP server and our handler.
+# Nothing of ours blocks that loop (long prompts are tokenized off it). Opening burst of 128 clients
+# against a small queue, direct HTTP, 6 alternated starts each: refusal p99 as the clients saw it
+# 59-147 ms (median 83) against 87-170 (median 116); request sent to status line, p50 26-51 against
+# 54-109 ms. Through Serve's proxy it is left on its own thread: there the burst did not change, and
+# 8 clients served 0.94-0.97x the tok/s in 3 alternated starts.
+INGRESS_DIRECT_HTTP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 REPLICA_NAME = "MTPReplica"
 
 
@@ -162,13 +164,15 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
         "overload_status": a.overload_status, "metrics": a.metrics,
     }
+    ingress_actor: Dict[str, Any] = {"num_cpus": a.ingress_num_cpus, "num_gpus": 0}
+    if direct_http_enabled():
+        ingress_actor["runtime_env"] = {"env_vars": INGRESS_DIRECT_HTTP_ENV}
     ingress = serve.deployment(
         name=INGRESS_NAME,
         num_replicas=a.ingress_num_replicas,
         max_ongoing_requests=ingress_ongoing,
         max_queued_requests=a.max_queued_requests,
-        ray_actor_options={"num_cpus": a.ingress_num_cpus, "num_gpus": 0,
-                           "runtime_env": {"env_vars": INGRESS_ENV}},
+        ray_actor_options=ingress_actor,
     )(OpenAIIngress).bind(replica, ingress_cfg)
     return ingress
 
