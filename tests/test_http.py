@@ -587,7 +587,6 @@ def test_serve_configs_are_valid(name):
     assert cfg.http_options.host == "127.0.0.1"
 
 
-
 @pytest.mark.parametrize("direct", [False, True])
 def test_ingress_runs_on_its_replica_loop_only_with_direct_http(monkeypatch, direct):
     from deployments.app import INGRESS_DIRECT_HTTP_ENV, build_app
@@ -595,6 +594,7 @@ def test_ingress_runs_on_its_replica_loop_only_with_direct_http(monkeypatch, dir
     monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1" if direct else "0")
     options = build_app({})._bound_deployment.ray_actor_options
     assert options.get("runtime_env", {}).get("env_vars") == (INGRESS_DIRECT_HTTP_ENV if direct else None)
+
 
 @RAY_MARK
 def test_non_streaming_client_that_leaves_cancels_its_row(serve_app, http):
