@@ -950,8 +950,9 @@ def section_name(record: dict) -> str:
     """`load` for the comparison as planned by default; a run with other arms or another model
     (`load-modes`, `load-logprobs`, `load-<model dir>`, ...) gets a section and chart of its own, so
     that it does not replace the default comparison. Temperatures other than the default arms'
-    (0 and 0.6) add their labels (`load-modes-t1`); extra arms at other client counts add them
-    (`load-modes-c1`)."""
+    (0 and 0.6) add their labels (`load-modes-t1`), and so does a comparison with only some of
+    the default ones (`load-greedy`); other client counts add them (`load-modes-c1`,
+    `load-greedy-c16`)."""
     plan, parts = record["plan"], []
     if record["model"] != "shipped":
         parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
@@ -961,9 +962,11 @@ def section_name(record: dict) -> str:
         parts.append("modes")
     if plan.get("logprobs") is not None:
         parts.append("logprobs")
-    parts += [_temp_label(t).replace(".", "") for t in plan.get("temperatures", ()) if t not in DEFAULT_TEMPERATURES]
+    temperatures = plan.get("temperatures", ())
     extra_arms = plan.get("modes") or plan.get("logprobs") is not None
-    if extra_arms and plan.get("clients") and tuple(plan["clients"]) != DEFAULT_CLIENTS:
+    partial = not extra_arms and temperatures and set(temperatures) < set(DEFAULT_TEMPERATURES)
+    parts += [_temp_label(t).replace(".", "") for t in temperatures if partial or t not in DEFAULT_TEMPERATURES]
+    if plan.get("clients") and tuple(plan["clients"]) != DEFAULT_CLIENTS:
         parts.append("c" + "-".join(str(c) for c in plan["clients"]))
     return "-".join(["load", *parts])
 

@@ -192,6 +192,9 @@ def test_runs_with_other_arms_or_models_get_sections_of_their_own():
     assert bl.section_name(record(temperatures=[0.0, 0.7])) == "load-t07"
     assert bl.section_name(record(modes=["auto"], temperatures=[0.0, 1.0], clients=[1])) == "load-modes-t1-c1"
     assert bl.section_name(record(logprobs=5, clients=[1, 8, 16, 32])) == "load-logprobs"
+    # a partial comparison never replaces the default one
+    assert bl.section_name(record(temperatures=[0.0], clients=[16])) == "load-greedy-c16"
+    assert bl.section_name(record(clients=[8, 16])) == "load-c8-16"
 
 
 def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
