@@ -99,6 +99,9 @@ class AppArgs(BaseModel):
     niceness: Optional[int] = Field(
         0, ge=-20, le=19, description="Niceness of replica and ingress processes (Ray starts workers at 15; "
                                       "null keeps Ray's value; lowering needs CAP_SYS_NICE)")
+    replica_niceness: Optional[int] = Field(
+        None, ge=-20, le=19, description="Niceness of the model replicas only (null: `niceness`). Above the "
+                                         "ingress's, the HTTP front wins the CPU when both want it")
     tokenizer_source: Literal["auto", "local", "replica"] = Field(
         "auto", description="Where the ingress gets the tokenizer: the model dir on its own node "
                             "(local), fetched from a replica (replica), or local when present (auto)")
@@ -147,7 +150,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         model_path=a.model_path, widths=tuple(a.widths), greedy_depths=dict(a.greedy_depths),
         batch_wait_s=a.service_batch_wait_s,
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
-        warmup=a.warmup, num_cpus=a.replica_num_cpus, niceness=a.niceness,
+        warmup=a.warmup, num_cpus=a.replica_num_cpus,
+        niceness=a.niceness if a.replica_niceness is None else a.replica_niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
         watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,

@@ -134,7 +134,7 @@ class OpenAIIngress:
     def __init__(self, replica, config: Optional[dict] = None):
         cfg = dict(config or {})
         self.niceness = cfg.get("niceness", 0)
-        renice_process(self.niceness)
+        self._niceness_in_effect = renice_process(self.niceness)
         renice_serve_proxy(self.niceness)
         self._replica = replica
         self._replica_stream = replica.options(stream=True)
@@ -695,6 +695,7 @@ class OpenAIIngress:
         ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
         body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
                 "max_context": (self.meta or {}).get("max_context"), "ingress": {"mlx_imported": _mlx_imported(),
+                                                                     "niceness": self._niceness_in_effect,
                                                                      # a restarted proxy starts at Ray's 15 again
                                                                      "proxy_niceness": renice_serve_proxy(self.niceness)},
                 "replicas": replicas}
