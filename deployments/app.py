@@ -97,11 +97,11 @@ class AppArgs(BaseModel):
         256, ge=1, description="Cohort calls (batch windows) in flight per replica, plus cancel/snapshot calls")
     warmup: bool = True
     niceness: Optional[int] = Field(
-        0, ge=-20, le=19, description="Niceness of replica and ingress processes (Ray starts workers at 15; "
+        0, ge=-20, le=19, description="Niceness of the ingress and model replica processes (Ray starts workers at 15; "
                                       "null keeps Ray's value; lowering needs CAP_SYS_NICE)")
     replica_niceness: Optional[int] = Field(
-        None, ge=-20, le=19, description="Niceness of the model replicas only (null: `niceness`). Above the "
-                                         "ingress's, the HTTP front wins the CPU when both want it")
+        None, ge=-20, le=19, description="Niceness of the model replicas, apart from the ingress (null: "
+                                         "`niceness`). Above it, the HTTP front wins the CPU when both want it")
     tokenizer_source: Literal["auto", "local", "replica"] = Field(
         "auto", description="Where the ingress gets the tokenizer: the model dir on its own node "
                             "(local), fetched from a replica (replica), or local when present (auto)")
