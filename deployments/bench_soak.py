@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable, List, Optional
+from urllib.parse import urlsplit
 
 from mtplx.server.mtp_batch import IDLE_HEAP_RELEASE_S
 
@@ -51,6 +52,7 @@ OVERLOAD_ARGS = {"max_concurrent_batches": 4, "max_waiting_rows": 8, "max_waitin
 REFUSAL_BOUND_S = 0.100
 STEADY_AFTER_S = 10.0     # overload refusals of requests sent after this: past the opening burst
 WARMUP_PER_CLIENT = 4
+REQUEST_TIMEOUT_S = 900
 MEMORY_BOUND = 0.10
 
 
@@ -68,107 +70,175 @@ def soak_plan(n: int, seed: int = 0) -> List[dict]:
     return plan
 
 
-def _session(base_url: str, connections: int):
-    """The load generator's HTTP client: aiohttp, as light on the CPU as a Python client gets. An
-    httpx client of 128 connections took 0.63 of this box's two cores during the overload phase
-    and its own event loop put seconds into the refusal times it measured; aiohttp takes about 0.05."""
-    import aiohttp
-
-    return aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=connections),
-                                 timeout=aiohttp.ClientTimeout(total=900, connect=30))
+def _new_row(index: int) -> dict:
+    return {"index": index, "status": None, "outcome": "lost", "status_s": None, "ttft": None, "e2e": None,
+            "tokens": 0, "chunks": 0, "retry_after": None, "error": None}
 
 
-async def one_stream(session, index: int, body: dict, drop_after: Optional[int]) -> dict:
-    """One streaming request. Outcome: done ([DONE] after text), error_event (a clean SSE error then
-    [DONE]), dropped (we left), refused (status != 200), or lost (anything else: no [DONE], a broken
-    stream)."""
-    t0 = time.perf_counter()
-    row = {"index": index, "status": None, "outcome": "lost", "status_s": None, "ttft": None, "e2e": None,
-           "tokens": 0, "retry_after": None, "error": None}
-    chunks, error_event = 0, False
+def _refusal_error(raw: bytes) -> dict:
     try:
-        async with session.post("/v1/completions", json=body) as r:
-            row["status"], row["status_s"] = r.status, time.perf_counter() - t0
-            if r.status != 200:
-                raw = await r.read()
-                row.update(outcome="refused", retry_after=r.headers.get("retry-after"))
-                try:
-                    row["error"] = json.loads(raw)["error"]
-                except (ValueError, KeyError, TypeError):
-                    row["error"] = {"unparsed": raw[:160].decode(errors="replace")}
-                return row
-            async for raw in r.content:
-                line = raw.decode().rstrip("\r\n")
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    row["outcome"] = "error_event" if error_event else "done"
-                    break
-                obj = json.loads(line[6:])
-                if obj.get("error"):
-                    error_event, row["error"] = True, obj["error"]
-                    continue
-                if obj.get("usage"):
-                    row["tokens"] = obj["usage"].get("completion_tokens", 0)
-                if (obj.get("choices") or [{}])[0].get("text"):
-                    chunks += 1
-                    if row["ttft"] is None:
-                        row["ttft"] = time.perf_counter() - t0
-                    if drop_after is not None and chunks >= drop_after:
-                        row["outcome"] = "dropped"
-                        r.close()       # closes the connection mid-stream
-                        break
-    except Exception as exc:   # a broken stream is a lost request, recorded
-        row["error"] = {"exception": f"{type(exc).__name__}: {exc}"[:200]}
+        return json.loads(raw)["error"]
+    except (ValueError, KeyError, TypeError):
+        return {"unparsed": raw[:160].decode(errors="replace")}
+
+
+def _sse_line(row: dict, line: str, t0: float) -> None:
+    """Apply one line of a completion stream to its row: text chunks, usage, an error event, and at
+    `[DONE]` the outcome (done, or error_event after an error event)."""
+    if not line.startswith("data: "):
+        return
+    if line == "data: [DONE]":
+        row["outcome"] = "error_event" if row["error"] else "done"
+        return
+    obj = json.loads(line[6:])
+    if obj.get("error"):
+        row["error"] = obj["error"]
+    elif obj.get("usage"):
+        row["tokens"] = obj["usage"].get("completion_tokens", 0)
+    if (obj.get("choices") or [{}])[0].get("text"):
+        row["chunks"] += 1
+        if row["ttft"] is None:
+            row["ttft"] = time.perf_counter() - t0
+
+
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection of the load generator, on asyncio's streams. The clients
+    share two cores with the server here, so they must cost little: with aiohttp the overload's 4
+    client processes took 0.14-0.17 CPU-seconds of the opening burst's first 0.43 s, and the
+    refusals they read late came in clumps of identical times (14 at 106 ms, 13 at 120 ms). (An
+    httpx client had been worse still: 0.63 of the two cores over the whole overload.)"""
+
+    def __init__(self, base_url: str, headers: Optional[dict] = None):
+        u = urlsplit(base_url)
+        self.host, self.port = u.hostname, u.port or 80
+        self.extra_headers = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self.reader = self.writer = None
+
+    async def request(self, path: str, body: dict) -> tuple:
+        """Send a POST; the response's status and headers (its body is read with `body`)."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                          f"{self.extra_headers}Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                          .encode() + data)
+        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {}
+        for line in head[1:]:
+            name, _, value = line.partition(":")
+            if name:
+                headers[name.strip().lower()] = value.strip()
+        return int(head[0].split(" ", 2)[1]), headers
+
+    async def body(self, headers: dict):
+        """The response body's pieces (chunked or sized); the connection is ready for the next request
+        after the last, or closed when the server asked."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                yield (await self.reader.readexactly(size + 2))[:-2]
+            await self.reader.readuntil(b"\r\n")      # the end of the (empty) trailer
+        elif int(headers.get("content-length", 0)):
+            yield await self.reader.readexactly(int(headers["content-length"]))
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+async def raw_stream(conn: RawConnection, index: int, body: dict, drop_after: Optional[int] = None) -> dict:
+    """One streaming completion. Outcome: done ([DONE] after text), error_event (a clean SSE error then
+    [DONE]), dropped (we left after `drop_after` text chunks, closing the connection), refused (status
+    != 200), or lost (anything else: no [DONE], a broken stream)."""
+    t0 = time.perf_counter()
+    row = _new_row(index)
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            await _read_stream(conn, row, body, drop_after, t0)
+    except Exception as exc:   # a broken stream (before [DONE]) is a lost request, recorded
+        if row["outcome"] == "lost":
+            row["error"] = {"exception": f"{type(exc).__name__}: {exc}"[:200]}
+        conn.close()
     row["e2e"] = time.perf_counter() - t0
     return row
+
+
+async def _read_stream(conn: RawConnection, row: dict, body: dict, drop_after: Optional[int], t0: float) -> None:
+    status, headers = await conn.request("/v1/completions", body)
+    row["status"], row["status_s"] = status, time.perf_counter() - t0
+    if status != 200:
+        row.update(outcome="refused", retry_after=headers.get("retry-after"),
+                   error=_refusal_error(b"".join([piece async for piece in conn.body(headers)])))
+    else:
+        pending = b""
+        async for piece in conn.body(headers):     # read to the end, so the connection is reusable
+            *lines, pending = (pending + piece).split(b"\n")
+            for line in lines:
+                _sse_line(row, line.decode().rstrip("\r"), t0)
+                if drop_after is not None and row["chunks"] >= drop_after and row["outcome"] == "lost":
+                    row["outcome"] = "dropped"
+                    conn.close()       # leaves mid-stream
+                    return
 
 
 async def soak(base_url: str, plan: List[dict], clients: int, model: str) -> tuple:
     pending = iter(plan)
     rows: List[dict] = []
 
-    async def worker(client):
+    async def worker():
+        conn = RawConnection(base_url)
         for p in pending:
-            rows.append(await one_stream(client, p["index"], {**p["body"], "model": model}, p["drop_after"]))
+            rows.append(await raw_stream(conn, p["index"], {**p["body"], "model": model}, p["drop_after"]))
+        conn.close()
 
-    async with _session(base_url, clients) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(clients)))
-        wall = time.perf_counter() - t0
-    return sorted(rows, key=lambda r: r["index"]), wall
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return sorted(rows, key=lambda r: r["index"]), time.perf_counter() - t0
 
 
 async def overload(base_url: str, clients: int, duration_s: float, model: str, first: int = 0,
                    step: int = 1) -> tuple:
-    """Closed loop for `duration_s`; a refused client sleeps its Retry-After, then tries again.
-    Request indices `first`, `first + step`, ... (one part of a split load)."""
+    """Closed loop for `duration_s`, a keep-alive connection per client; a refused client sleeps its
+    Retry-After, then tries again. Request indices `first`, `first + step`, ... (one part of a split load)."""
     rows: List[dict] = []
     stop_at = time.perf_counter() + duration_s
     counter = iter(range(first, 10 ** 9, step))
 
-    async def worker(client):
+    async def worker():
+        conn = RawConnection(base_url)
         while time.perf_counter() < stop_at:
             i = next(counter)
             body = {"model": model, "prompt": prompt_for(i), "max_tokens": 32 + (i * 37) % 97, "stream": True,
                     "temperature": 0.0, "stream_options": {"include_usage": True}}
             sent = time.perf_counter() - t0
-            row = await one_stream(client, i, body, None)
+            row = await raw_stream(conn, i, body)
             row["sent_s"] = sent
             rows.append(row)
             if row["outcome"] == "refused":
                 await asyncio.sleep(float(row["retry_after"] or 1))
+        conn.close()
 
-    async with _session(base_url, clients) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(clients)))
-        wall = time.perf_counter() - t0
-    return rows, wall
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return rows, time.perf_counter() - t0
+
+
+async def _warm_client(base_url: str, model: str) -> None:
+    """One short request through the client's whole path (session, POST, streamed read), so that its
+    first-use work (imports, parser set-up) is done before the clock starts. Cold, the 4 processes
+    spent 0.77 CPU-seconds of the opening burst's first 0.46 s on it (warm: 0.14), slowing both the
+    requests they sent and the server they shared two cores with."""
+    conn = RawConnection(base_url)
+    await raw_stream(conn, -1, {"model": model, "prompt": "warm-up", "max_tokens": 1, "stream": True})
+    conn.close()
 
 
 def _overload_part(base_url: str, clients: int, duration_s: float, model: str, part: int, parts: int,
                    ready, go, results) -> None:
-    """One process's share of the overload clients: ready, wait for the others, run, send rows."""
+    """One process's share of the overload clients: warm up, ready, wait for the others, run, send rows."""
+    asyncio.run(_warm_client(base_url, model))
     ready.put(part)
     go.wait()
     results.put(asyncio.run(overload(base_url, clients, duration_s, model, first=part, step=parts)))
@@ -241,7 +311,8 @@ def summarize_probe(rows: List[dict]) -> dict:
 def server_refusals(ray_tmp: Optional[Path], direct_http: bool = False) -> Optional[dict]:
     """Refusal times as the server's HTTP front logged them (Serve's proxy, or with direct HTTP the
     ingress replica; access lines end with the time from the request reaching it to its response):
-    the server's own share of the time, with no client on the path."""
+    the server's own share of the time, with no client on the path. None without access lines (the
+    shipped config turns the ingress's off)."""
     times = []
     pattern = "replica_mtplx_OpenAIIngress_*.log" if direct_http else "proxy_*.log"
     logs = {f.resolve() for f in Path(ray_tmp or "/nonexistent").glob(f"ray/session_*/logs/serve/{pattern}")}
@@ -533,9 +604,9 @@ def render_section(record: dict, command: str) -> str:
         f"**Overload**: {p['overload_clients']} closed-loop streaming clients for {p['overload_s']:.0f} s against a "
         f"small queue (app args {json.dumps(p['overload_args'])}); a refused client waits its `Retry-After`. "
         f"Refusal time: request sent to status line, as the clients see it ({p.get('overload_processes', 1)} "
-        "processes sharing them, an aiohttp event loop each, on the same CPUs as the server), as a probe "
+        "processes sharing them, an event loop each with a plain HTTP/1.1 client, on the same CPUs as the server), as a probe "
         "sees it (a separate process sending one non-streaming request at a time while the clients keep the queues full), and as the server's HTTP front logged it (Serve's proxy, or "
-        "with direct HTTP the ingress replica: arrival there to its response, no client on the path). The "
+        "with direct HTTP the ingress replica, whose access log the shipped config turns off: arrival there to its response, no client on the path). The "
         "opening seconds are a burst (every client "
         f"sends at once, and comes back after its `Retry-After`); refusals of requests sent after the first "
         f"{STEADY_AFTER_S:g} s are also given apart.",

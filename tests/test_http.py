@@ -524,6 +524,38 @@ def test_overload_is_answered_at_once_with_retry_after(serve_app, http):
     assert snap["ingress"]["rejected_overload"] >= len(refused)
 
 
+def test_load_generator_client_reads_streams_refusals_and_drops(serve_app):
+    """The benchmarks' lean HTTP/1.1 client (`bench soak`'s RawConnection) against the real server: a
+    stream to [DONE] with its usage, a second one on the same keep-alive connection, a stream it
+    leaves mid-way, and a refusal with its OpenAI error body."""
+    import asyncio
+
+    from deployments.bench_soak import RawConnection, raw_stream
+
+    body = {"model": "mtplx-tiny-py", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+    async def main():
+        conn = RawConnection(serve_app.base, headers=serve_app.headers)
+        first = await raw_stream(conn, 0, body)
+        writer = conn.writer
+        second = await raw_stream(conn, 1, body)
+        reused = writer is not None and conn.writer is writer
+        dropped = await raw_stream(conn, 2, dict(body, max_tokens=200), drop_after=2)
+        closed = conn.writer is None
+        refused = await raw_stream(RawConnection(serve_app.base), 3, body)      # no API key
+        return first, second, reused, dropped, closed, refused
+
+    first, second, reused, dropped, closed, refused = asyncio.run(main())
+    for row in (first, second):
+        assert row["status"] == 200 and row["outcome"] == "done" and row["error"] is None, row
+        assert row["tokens"] == 12 and row["chunks"] >= 1 and 0 < row["status_s"] <= row["ttft"] <= row["e2e"], row
+    assert reused
+    assert dropped["outcome"] == "dropped" and dropped["chunks"] == 2 and closed, dropped
+    assert refused["status"] == 401 and refused["outcome"] == "refused", refused
+    assert refused["error"]["type"] == "invalid_request_error" and "API key" in refused["error"]["message"], refused
+
+
 @RAY_MARK
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MTPLX_SCALEOUT_TEST") != "1",
