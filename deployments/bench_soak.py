@@ -116,7 +116,8 @@ class RawConnection:
 
     async def request(self, path: str, body: dict) -> tuple:
         """Send a POST; the response's status and headers (its body is read with `body`)."""
-        if self.writer is None:
+        if self.writer is None or self.reader.at_eof():    # new, or closed by the server while idle
+            self.close()
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
         self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
