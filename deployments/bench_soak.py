@@ -103,10 +103,9 @@ def _sse_line(row: dict, line: str, t0: float) -> None:
 
 class RawConnection:
     """One keep-alive HTTP/1.1 connection of the load generator, on asyncio's streams. The clients
-    share two cores with the server here, so they must cost little: with aiohttp the overload's 4
-    client processes took 0.14-0.17 CPU-seconds of the opening burst's first 0.43 s, and the
-    refusals they read late came in clumps of identical times (14 at 106 ms, 13 at 120 ms). (An
-    httpx client had been worse still: 0.63 of the two cores over the whole overload.)"""
+    share two cores with the server here, so they must cost little: in the overload's opening burst
+    (first 0.4 s) the 4 client processes took 0.08 CPU-seconds on it against 0.13-0.17 with aiohttp
+    (an httpx client had taken 0.63 of the two cores over the whole overload)."""
 
     def __init__(self, base_url: str, headers: Optional[dict] = None):
         u = urlsplit(base_url)
@@ -138,8 +137,8 @@ class RawConnection:
             while size := int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16):
                 yield (await self.reader.readexactly(size + 2))[:-2]
             await self.reader.readuntil(b"\r\n")      # the end of the (empty) trailer
-        elif int(headers.get("content-length", 0)):
-            yield await self.reader.readexactly(int(headers["content-length"]))
+        elif length := int(headers.get("content-length", 0)):
+            yield await self.reader.readexactly(length)
         if headers.get("connection", "").lower() == "close":
             self.close()
 
@@ -227,7 +226,7 @@ async def overload(base_url: str, clients: int, duration_s: float, model: str, f
 
 
 async def _warm_client(base_url: str, model: str) -> None:
-    """One short request through the client's whole path (session, POST, streamed read), so that its
+    """One short request through the client's whole path (connect, POST, streamed read), so that its
     first-use work (imports, parser set-up) is done before the clock starts. Cold, the 4 processes
     spent 0.77 CPU-seconds of the opening burst's first 0.46 s on it (warm: 0.14), slowing both the
     requests they sent and the server they shared two cores with."""
