@@ -333,7 +333,8 @@ def _idle_state(snap: Optional[dict]) -> dict:
     if not snap:
         return {"snapshot": "unavailable"}
     ing = snap.get("ingress") or {}
-    out = {"ingress_rows_in_flight": ing.get("rows_in_flight"), "ingress_rows_waiting": ing.get("rows_waiting")}
+    out = {"ingress_rows_in_flight": ing.get("rows_in_flight"), "ingress_rows_waiting": ing.get("rows_waiting"),
+           "ingress_requests_admitting": ing.get("requests_admitting")}
     for rid, rep in (snap.get("replicas") or {}).items():
         for k in ("live_requests", "pending", "active", "waiting_rows"):
             out[f"{k}"] = out.get(k, 0) + int(rep.get(k) or 0)

@@ -165,6 +165,7 @@ class OpenAIIngress:
         self.retry_after_s = float(cfg.get("retry_after_s", 1.0))
         self.overload_status = int(cfg.get("overload_status", 429))
         self._waiting_rows = 0
+        self._admitting = 0       # requests past the door whose rows are not waiting yet
         self.created = oa.now()
         self.max_batch_size = int(cfg.get("max_batch_size", 8))
         self.batch_wait_timeout_s = float(cfg.get("batch_wait_timeout_s", 0.02))
@@ -359,43 +360,59 @@ class OpenAIIngress:
     # Generation endpoints
 
     def _check_overload(self) -> None:
-        """Refuse at once while the rows waiting here for a replica fill their bound."""
-        if self._waiting_rows >= self.max_waiting_rows:
-            raise oa.overloaded(f"The server is overloaded ({self._waiting_rows} requests waiting); retry after "
+        """Refuse at once while the rows waiting here for a replica, with the requests admitted before
+        them whose rows are not waiting yet, fill their bound."""
+        waiting = self._waiting_rows + self._admitting
+        if waiting >= self.max_waiting_rows:
+            raise oa.overloaded(f"The server is overloaded ({waiting} requests waiting); retry after "
                                 f"{self.retry_after_s:g} s", self.retry_after_s, status=self.overload_status)
+
+    def _admit(self) -> "_Admission":
+        """`_check_overload`, then hold a place in the bound until this request's rows wait. Taken once
+        the body is read (a slow upload holds no place), before it is parsed and tokenized: with the
+        check alone, every request of an opening burst passed it (no row waited yet) and the excess
+        was refused only after its parse and tokenization, with the other refusals queued behind."""
+        self._check_overload()
+        return _Admission(self)
 
     async def _chat(self, request: Request, rid: str, client_id: Optional[str]) -> Response:
         t0 = time.perf_counter()
-        self._check_overload()
-        req = oa.parse_request(oa.ChatCompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
-        prompt_ids = await self._off_loop(size, oa.encode_chat, self.tokenizer, req.messages)
-        return await self._generate("chat", req, prompt_ids, t0, rid, client_id)
+        self._check_overload()      # before the body is read
+        body = await self._body(request)
+        with self._admit() as place:
+            req = oa.parse_request(oa.ChatCompletionRequest, body)
+            self._check_model(req.model)
+            size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
+            prompt_ids = await self._off_loop(size, oa.encode_chat, self.tokenizer, req.messages)
+            return await self._generate("chat", req, prompt_ids, t0, rid, client_id, place)
 
     async def _completions(self, request: Request, rid: str, client_id: Optional[str]) -> Response:
         t0 = time.perf_counter()
-        self._check_overload()
-        req = oa.parse_request(oa.CompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        prompt = req.single_prompt()
-        prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
-                                          self.meta["vocab_size"] or 2 ** 31)
-        if not prompt_ids:
-            raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
-        return await self._generate("completion", req, prompt_ids, t0, rid, client_id)
+        self._check_overload()      # before the body is read
+        body = await self._body(request)
+        with self._admit() as place:
+            req = oa.parse_request(oa.CompletionRequest, body)
+            self._check_model(req.model)
+            prompt = req.single_prompt()
+            prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
+                                              self.meta["vocab_size"] or 2 ** 31)
+            if not prompt_ids:
+                raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
+            return await self._generate("completion", req, prompt_ids, t0, rid, client_id, place)
 
     async def _messages(self, request: Request, rid: str, client_id: Optional[str]) -> Response:
         """Anthropic Messages, served as the chat completion it translates to (same cohorts, lanes
         and streaming; Anthropic's framing)."""
         t0 = time.perf_counter()
-        self._check_overload()
-        msg = oa.parse_request(anthropic.MessagesRequest, await self._body(request))
-        self._check_model(msg.model)
-        req = msg.to_chat_request()
-        size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
-        prompt_ids = await self._off_loop(size, msg.encode, self.tokenizer)
-        return await self._generate("anthropic", req, prompt_ids, t0, rid, client_id)
+        self._check_overload()      # before the body is read
+        body = await self._body(request)
+        with self._admit() as place:
+            msg = oa.parse_request(anthropic.MessagesRequest, body)
+            self._check_model(msg.model)
+            req = msg.to_chat_request()
+            size = sum(len(m.content) if isinstance(m.content, str) else 1024 for m in req.messages)
+            prompt_ids = await self._off_loop(size, msg.encode, self.tokenizer)
+            return await self._generate("anthropic", req, prompt_ids, t0, rid, client_id, place)
 
     async def _count_tokens(self, request: Request) -> Response:
         req = oa.parse_request(anthropic.CountTokensRequest, await self._body(request))
@@ -472,14 +489,14 @@ class OpenAIIngress:
         }
 
     async def _generate(self, kind: str, req, prompt_ids: List[int], t0: float, rid: str,
-                        client_id: Optional[str]) -> Response:
+                        client_id: Optional[str], place: "_Admission") -> Response:
         row = self._make_row(req, prompt_ids, rid)
         row["http_received_at"] = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
-        self._check_overload()      # tokenizing a long prompt may have taken a while
         if req.requested_rows > 1:
-            return await self._generate_choices(kind, req, row, t0, client_id)
+            return await self._generate_choices(kind, req, row, t0, client_id, place)
         run = _RowRun(self, row, req, kind, t0, client_id)
+        place.hand_over([run])
         if req.stream:
             first = await run.start()   # errors before the first token still get a status code
             return StreamingResponse(run.sse(first), media_type="text/event-stream",
@@ -493,7 +510,8 @@ class OpenAIIngress:
         that they reach one replica together and share one prefill) and the rows waiting here."""
         return min(self.max_batch_size, self.max_waiting_rows)
 
-    async def _generate_choices(self, kind: str, req, row: dict, t0: float, client_id: Optional[str]) -> Response:
+    async def _generate_choices(self, kind: str, req, row: dict, t0: float, client_id: Optional[str],
+                                place: "_Admission") -> Response:
         """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
         replica's lane prefills the prompt once for all of them. best_of > n: the n rows of highest
         cumulative log-probability are the choices (vLLM's semantics; the rows report their
@@ -512,6 +530,7 @@ class OpenAIIngress:
         runs = [_RowRun(self, r, req, kind, t0, client_id) for r in rows]
         for run in runs:
             run.rid = rid        # the response's id
+        place.hand_over(runs)
         try:
             if req.stream:
                 firsts = await asyncio.gather(*(run.start() for run in runs))
@@ -716,6 +735,7 @@ class OpenAIIngress:
         s.update({"max_batch_size": self.max_batch_size, "batch_wait_timeout_s": self.batch_wait_timeout_s,
                   "max_concurrent_batches": self.max_concurrent_batches,
                   "rows_in_flight": len(self._row_replica), "rows_waiting": self._waiting_rows,
+                  "requests_admitting": self._admitting,
                   "max_waiting_rows": self.max_waiting_rows,
                   "batch_size_histogram": dict(self._stats["batch_size_histogram"]),
                   "cohort_size_histogram": dict(self._stats["cohort_size_histogram"])})
@@ -745,6 +765,33 @@ def _mlx_imported() -> bool:
     import sys
 
     return "mlx.core" in sys.modules or "mlx" in sys.modules
+
+
+class _Admission:
+    """A request's place in the ingress's waiting bound, from the door until its rows wait for a
+    batch (`hand_over`) or it fails (leaving the `with` block); released once."""
+
+    def __init__(self, ingress: OpenAIIngress):
+        self.ing = ingress
+        self.held = True
+        ingress._admitting += 1
+
+    def hand_over(self, runs: List["_RowRun"]) -> None:
+        """The rows take the place over: they count as waiting from now (no await in between)."""
+        for run in runs:
+            run._start_pump()
+        self.release()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.ing._admitting -= 1
+
+    def __enter__(self) -> "_Admission":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class _RowRun:

@@ -521,7 +521,54 @@ def test_overload_is_answered_at_once_with_retry_after(serve_app, http):
     assert refused_p50 < min(2.0, statistics.median(r["end_s"] for r in admitted)), refused_p50
     snap = _snapshot(http)
     assert snap["ingress"]["rows_waiting"] == 0 and snap["ingress"]["rows_in_flight"] == 0
+    assert snap["ingress"]["requests_admitting"] == 0
     assert snap["ingress"]["rejected_overload"] >= len(refused)
+
+
+def test_a_request_holds_its_place_in_the_waiting_bound_from_its_body_to_its_rows():
+    """The ingress counts a request against its waiting bound from when its body is read, through
+    parsing and tokenizing (here a long prompt, tokenized off the event loop), until its rows wait
+    for a batch: a request arriving meanwhile is refused at once, though no row waits yet, before
+    anything of it is parsed. The place is given back when the first request fails."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from deployments.ingress import OpenAIIngress
+
+    class UnreachedReplica:     # both requests end before a row could be dispatched
+        def options(self, **_):
+            return self
+
+    ing = OpenAIIngress(UnreachedReplica(), {"max_waiting_rows": 1, "metrics": False, "niceness": None})
+
+    def request(body: dict) -> Request:
+        raw, sent = json.dumps(body).encode(), []
+
+        async def receive():
+            if sent:                        # the body was read: the client stays connected
+                await asyncio.Event().wait()
+            sent.append(True)
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+                        "query_string": b"", "headers": [(b"content-type", b"application/json")]}, receive)
+
+    long_bad = {"model": ing.served_model, "prompt": [ing.meta["vocab_size"] + 1] * 20000, "max_tokens": 4}
+
+    async def main():
+        first = asyncio.ensure_future(ing(request(long_bad)))
+        while ing.ingress_snapshot()["requests_admitting"] == 0 and not first.done():   # tokenizing off the loop
+            await asyncio.sleep(0)      # every loop turn: its place is seen before its thread ends
+        second = await ing(request({"model": ing.served_model, "prompt": "Hello", "max_tokens": 4}))
+        return await first, second
+
+    first, second = asyncio.run(main())
+    assert second.status_code == 429, (first.body, second.body)
+    assert json.loads(second.body)["error"]["code"] == "server_overloaded" and second.headers["retry-after"]
+    assert first.status_code == 400 and "outside the vocabulary" in json.loads(first.body)["error"]["message"]
+    snap = ing.ingress_snapshot()
+    assert snap["requests_admitting"] == 0 and snap["rows_waiting"] == 0 and snap["rejected_overload"] == 1
 
 
 def test_load_generator_client_reads_streams_refusals_and_drops(serve_app):
@@ -704,7 +751,8 @@ def test_disconnect_storm_leaves_nothing_behind(serve_app, http, ref_model):
         snap = _snapshot(http)
         ing = snap["ingress"]
         rep = next(iter(snap["replicas"].values()))
-        idle = (ing["rows_in_flight"] == 0 and ing["rows_waiting"] == 0 and rep["live_requests"] == 0
+        idle = (ing["rows_in_flight"] == 0 and ing["rows_waiting"] == 0 and ing["requests_admitting"] == 0
+                and rep["live_requests"] == 0
                 and rep["pending"] == 0 and rep["active"] == 0 and rep["waiting_rows"] == 0 and rep["lanes"] == [])
         if idle or time.time() > deadline:
             break
