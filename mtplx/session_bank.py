@@ -3,8 +3,9 @@ by the exact prompt (whole-prompt states; see mtplx.prefix_cache).
 
 LRU within a byte budget; each entry carries the fingerprint of the model it was computed by
 and only matches that model. Under a service with a memory budget the bank also fits in what the
-rows' decode state leaves (`room`): rows come first, a banked prefix is only saved work. Hooks for one request come from `hooks(prompt)`; they are what
-`MTPBatchJob(session_restore=..., session_commit=...)` and the solo path take.
+rows' decode state leaves (`room`): rows come first, a banked prefix is only saved work. Hooks for
+one request come from `hooks(prompt)`; they are what `MTPBatchJob(session_restore=...,
+session_commit=...)` and the solo path take.
 """
 
 from __future__ import annotations
