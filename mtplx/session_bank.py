@@ -2,15 +2,17 @@
 by the exact prompt (whole-prompt states; see mtplx.prefix_cache).
 
 LRU within a byte budget; each entry carries the fingerprint of the model it was computed by
-and only matches that model. Hooks for one request come from `hooks(prompt)`; they are what
-`MTPBatchJob(session_restore=..., session_commit=...)` and the solo path take.
+and only matches that model. Under a service with a memory budget the bank also fits in what the
+rows' decode state leaves (`room`): rows come first, a banked prefix is only saved work. Hooks for
+one request come from `hooks(prompt)`; they are what `MTPBatchJob(session_restore=...,
+session_commit=...)` and the solo path take.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 from .prefix_cache import PrefixState
 
@@ -30,6 +32,9 @@ class SessionBank:
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = self.commits = 0
+        self.yielded = 0                  # entries evicted to make room for rows' decode state
+        # bytes the decode state of running rows leaves the bank (set by a service with a budget)
+        self.room: Optional[Callable[[], int]] = None
 
     def lookup(self, prompt) -> Optional[PrefixState]:
         """The whole-prompt state of exactly `prompt`, else its longest banked boundary prefix (at
@@ -49,9 +54,13 @@ class SessionBank:
             self.hits += 1
             return best
 
+    def limit(self) -> int:
+        """The most bytes the bank may hold now."""
+        return self.max_bytes if self.room is None else max(0, min(self.max_bytes, self.room()))
+
     def commit(self, state: PrefixState) -> None:
-        size = state.nbytes
-        if size > self.max_bytes:
+        size, limit = state.nbytes, self.limit()
+        if size > limit:
             return
         with self._lock:
             old = self._entries.pop((state.key, state.whole), None)
@@ -62,10 +71,22 @@ class SessionBank:
             if not state.whole:
                 self._boundary_lengths[len(state.key)] += 1
             self.commits += 1
-            while self._bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._forget(evicted)
-                self.evictions += 1
+            self._evict_to(limit)
+
+    def shrink(self, to_bytes: int) -> None:
+        """Evict least recently used entries until the bank holds at most `to_bytes`: what rows
+        about to join a lane need."""
+        with self._lock:
+            self.yielded += self._evict_to(max(0, to_bytes))
+
+    def _evict_to(self, limit: int) -> int:
+        evicted = 0
+        while self._bytes > limit:
+            _, state = self._entries.popitem(last=False)
+            self._forget(state)
+            evicted += 1
+        self.evictions += evicted
+        return evicted
 
     def _forget(self, state: PrefixState) -> None:
         """Bookkeeping for an entry that has left `_entries`."""
@@ -83,4 +104,4 @@ class SessionBank:
         with self._lock:
             return {"entries": len(self._entries), "bytes": self._bytes, "max_bytes": self.max_bytes,
                     "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-                    "commits": self.commits, "fingerprint": self.fingerprint}
+                    "yielded_to_rows": self.yielded, "commits": self.commits, "fingerprint": self.fingerprint}

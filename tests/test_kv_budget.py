@@ -7,6 +7,7 @@ from mtplx.generation import CapacityError, KVBudgetError
 from mtplx.models.cache import STEP
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob, row_state_bytes
+from mtplx.session_bank import SessionBank
 
 from references import greedy_ar
 
@@ -40,5 +41,35 @@ def test_rows_wait_for_memory_and_a_row_that_never_fits_fails_alone(model):
             result = f.result(timeout=120)
             assert result["tokens"] == greedy_ar(model, p, 40)
             assert result["stats"]["mtp_batch_fixed_width"] <= 3     # never widened past the budget
+    finally:
+        service.shutdown(timeout_s=30)
+
+
+def test_the_prefix_bank_holds_only_what_rows_leave_and_yields_it_to_them(model):
+    per_position, _ = row_state_bytes(model)
+    lanes = {w: install_a3b_mtp_batch_lane(model, w) for w in (3, 8)}
+    budget = 3 * STEP * per_position             # one B3 lane of one-buffer rows takes all of it
+    bank = SessionBank("fp")
+    service = MTPBatchGenerationService(model, lanes, batch_wait_s=0.0, kv_budget_bytes=budget, session_bank=bank)
+    held = []                                     # at every commit: the bank's bytes + the lanes' state
+    commit = bank.commit
+
+    def watched_commit(state):
+        commit(state)
+        held.append(bank.stats()["bytes"] + service._lanes_bytes())
+
+    bank.commit = watched_commit
+    try:
+        prompts = [model.tokenizer.encode(t) for t in TEXTS]
+        alone = MTPBatchJob("alone", prompts[0], 16, GREEDY, compatibility_key="k")
+        assert service.submit_cohort([alone])[0].result(timeout=60)["tokens"] == greedy_ar(model, prompts[0], 16)
+        assert bank.stats()["entries"] == 1 and bank.stats()["yielded_to_rows"] == 0   # its prompt, banked
+
+        jobs = [MTPBatchJob(f"r{i}", p, 40, GREEDY, compatibility_key="k") for i, p in enumerate(prompts[1:4])]
+        for p, f in zip(prompts[1:4], service.submit_cohort(jobs)):
+            assert f.result(timeout=120)["tokens"] == greedy_ar(model, p, 40)
+        stats = bank.stats()
+        assert stats["yielded_to_rows"] == 1 and stats["bytes"] == 0    # the B3 lane needed every byte
+        assert held and max(held) <= budget
     finally:
         service.shutdown(timeout_s=30)

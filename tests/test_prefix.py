@@ -126,6 +126,29 @@ def test_bank_lru_budget_and_longest_match(model):
     assert bank.lookup([1, 2, 7, 8]).key == (1, 2)
 
 
+def test_bank_fits_in_the_room_rows_leave_it(model):
+    import mlx.core as mx
+
+    def state(key, n_bytes):
+        arr = mx.zeros((n_bytes // 4,), dtype=mx.float32)
+        return PrefixState(tuple(key), ((arr, arr[:0]),), ())
+
+    room = [1000]
+    bank = SessionBank("fp", max_bytes=1000)
+    bank.room = lambda: room[0]
+    bank.commit(state([1, 2], 400))
+    bank.commit(state([3, 4], 400))
+    room[0] = 600                        # rows took memory: a commit keeps the bank within what is left
+    bank.commit(state([5, 6], 400))
+    assert bank.stats()["bytes"] == 400 and bank.lookup([5, 6, 7]).key == (5, 6)
+    room[0] = 300
+    bank.commit(state([7, 8], 400))      # larger than the room: not kept, nothing evicted for it
+    assert bank.stats()["entries"] == 1 and bank.lookup([7, 8, 9]) is None
+    bank.shrink(0)                       # rows about to join need every byte
+    stats = bank.stats()
+    assert stats["bytes"] == 0 and stats["yielded_to_rows"] == 1 and stats["evictions"] == 3
+
+
 def test_service_reuses_prefixes_for_jobs_without_hooks(model):
     """for_model gives the service a bank: a second job sharing a long prefix reports cached
     tokens and the same greedy output as a cold run."""

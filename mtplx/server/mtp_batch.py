@@ -555,8 +555,11 @@ class MTPBatchGenerationService:
         self.kv_budget_bytes = int(kv_budget_bytes) if kv_budget_bytes is not None else _default_kv_budget()
         self._row_bytes: Optional[tuple] = None        # (bytes per KV position, fixed bytes per row)
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
-        # is unchanged by reuse; see mtplx.prefix_cache).
+        # is unchanged by reuse; see mtplx.prefix_cache). Under a budget the bank holds only what
+        # the lanes' decode state leaves, and yields it when rows need it.
         self.session_bank = session_bank
+        if session_bank is not None and self.kv_budget_bytes is not None:
+            session_bank.room = lambda: self.kv_budget_bytes - self._lanes_bytes()
         self.batch_wait_s = max(0.0, float(batch_wait_s))
         self._owner_finalize = owner_finalize
         self._max_rows_cap = int(max_cohort_rows) if max_cohort_rows is not None else None
@@ -1003,7 +1006,8 @@ class MTPBatchGenerationService:
     def _kv_fits(self, job: MTPBatchJob) -> Optional[bool]:
         """Whether every lane's decode state stays within ``kv_budget_bytes`` with this job in its
         key's lane (a lane holds width x its longest row's prompt + max_tokens of KV, whatever
-        the others need). None when the job fails because it cannot fit even alone."""
+        the others need). None when the job fails because it cannot fit even alone. A job that
+        fits takes from the prefix bank what the rows now need."""
         if self.kv_budget_bytes is None or self.model is None:
             return True
         if self._row_bytes is None:
@@ -1018,13 +1022,25 @@ class MTPBatchGenerationService:
                 f"{alone / 2**30:.2f} GiB of decode state, more than the server's budget of "
                 f"{self.kv_budget_bytes / 2**30:.2f} GiB: lower max_tokens or shorten the prompt"))
             return None
+        total = self._lanes_bytes(job)
+        if total > self.kv_budget_bytes:
+            return False
+        if self.session_bank is not None:
+            self.session_bank.shrink(self.kv_budget_bytes - total)
+        return True
+
+    def _lanes_bytes(self, job: Optional[MTPBatchJob] = None) -> int:
+        """Every running lane's decode state, with `job` in its key's lane when given."""
+        if self._row_bytes is None:               # measured at the first admission: no lane yet
+            return 0
+        key = job.compatibility_key if job is not None else None
         total = 0
-        for key, lane in self._running.items():
+        for lane_key, lane in list(self._running.items()):
             needs = [self._row_need(j) for j in lane.jobs if not j.future.done()]
-            total += self._lane_bytes(needs + [need] if key == job.compatibility_key else needs)
-        if job.compatibility_key not in self._running:
-            total += alone
-        return total <= self.kv_budget_bytes
+            total += self._lane_bytes(needs + [self._row_need(job)] if lane_key == key else needs)
+        if job is not None and key not in self._running:
+            total += self._lane_bytes([self._row_need(job)])
+        return total
 
     @staticmethod
     def _row_need(job: MTPBatchJob) -> int:
