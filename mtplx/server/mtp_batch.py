@@ -1033,13 +1033,13 @@ class MTPBatchGenerationService:
         """Every running lane's decode state, with `job` in its key's lane when given."""
         if self._row_bytes is None:               # measured at the first admission: no lane yet
             return 0
-        key = job.compatibility_key if job is not None else None
+        key, extra = (job.compatibility_key, [self._row_need(job)]) if job is not None else (None, [])
         total = 0
         for lane_key, lane in list(self._running.items()):
             needs = [self._row_need(j) for j in lane.jobs if not j.future.done()]
-            total += self._lane_bytes(needs + [self._row_need(job)] if lane_key == key else needs)
-        if job is not None and key not in self._running:
-            total += self._lane_bytes([self._row_need(job)])
+            total += self._lane_bytes(needs + extra if lane_key == key else needs)
+        if extra and key not in self._running:
+            total += self._lane_bytes(extra)
         return total
 
     @staticmethod
