@@ -68,7 +68,7 @@ class AppArgs(BaseModel):
     max_waiting_rows: int = Field(
         256, ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
     max_waiting_rows_per_key: int = Field(
-        64, ge=0, description="Replica: rows of one sampling route waiting beyond its widest lane; beyond: 429/503")
+        64, ge=0, description="Replica: rows of one lane (one model) waiting beyond its widest lane; beyond: 429/503")
     max_queued_requests: int = Field(
         1024, ge=1, description="Serve's max_queued_requests of the ingress (requests the HTTP proxy holds "
                                 "when every ingress replica is at max_ongoing_requests): Serve answers "

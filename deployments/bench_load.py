@@ -13,11 +13,21 @@ Each server runs as its own process tree, never both at once:
 Workload (deterministic per request index, identical for both servers): Python-code prompts,
 every 5th about 6x longer than the others; `max_tokens` spread over 16-256; streaming
 `POST /v1/completions` with `stream_options.include_usage`. Arms, per temperature (greedy, and
-0.6 with top_p 0.95 / top_k 20 sent explicitly to both; `--temperatures 0,1.0` picks others):
+0.6 with top_p 0.95 / top_k 20 sent explicitly to both), and the mixed-settings arm `mixed`:
 closed loops at each client count, then an open loop of Poisson arrivals at 70% of the peer's
-closed-loop request rate at 8 clients in the same run. Sampled requests carry a per-request `seed`
-to ours only: `mlx_lm.server` serves any request that has a `seed` on its sequential path, not in
-its batch, which would bench its fallback instead of its batching.
+closed-loop request rate (of that arm) at 8 clients in the same run. `--temperatures 0,1.0` picks
+other arms, `--temperatures 0.6,mixed` some of the default ones (the default is `0,0.6,mixed`).
+Sampled requests carry a per-request `seed` to ours only: `mlx_lm.server` serves any request that
+has a `seed` on its sequential path, not in its batch, which would bench its fallback instead of
+its batching; greedy requests carry none.
+
+The mixed arm gives each request its own settings, the same for both servers: request i sends
+one of the 15 pairs of a temperature (0, 0.2, 0.6, 0.7, 1.0) and a top_p (1.0, 0.95, 0.9), each
+pair once in every block of 15 requests (`mixed_settings`; greedy requests send their top_p too),
+with the t0.6 arm's `top_k` 20. Its prompts and `max_tokens` are those of the other arms by
+request index; its long prompts meet every pair. Issue targets: at 8 clients, lane rows per cycle >= 7,
+tok/s >= 0.95x ours on the t0.6 arm (mixed/shared) and >= 1.2x the peer; at 16 clients >= 1.15x
+the peer; the shared-setting arms (greedy, t0.6 at 1 and 8 clients) no slower than before.
 
 Runs alternate peer, ours, peer, ours, ...: each run starts with the peer so that the open-loop
 rate of that run is known before either server needs it. Every figure is the median over runs;
@@ -29,15 +39,21 @@ Per server and arm: completion tok/s (usage completion tokens / arm wall time), 
 p50/p95 are in the JSON too), end-to-end p95, errors, and for ours the mean live rows per decode
 cycle (delta `lane_row_cycles` / delta `lane_cycles`, summed over replicas, from
 `/v1/mtplx/snapshot` around the arm; null when the counters are absent). Greedy arms also count
-identical completion texts between the servers per request index.
+identical completion texts between the servers per request index, and so does the mixed arm over
+its temperature-0 requests only. The mixed arm's closed loops add, in a table of their own (JSON
+`mixed`), mixed/shared: the median of the per-run ratios of ours' mixed-arm tok/s over ours'
+t0.6-arm tok/s at the same client count (null without a t0.6 arm), and the same for the peer.
 
     python -m deployments.bench_load --quick          # or: mtplx bench load --quick
 
 Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:load` section of
-`BENCHMARKS.md`; a run with `--modes`, `--logprobs` or `--model` writes a section and chart of its
-own instead (`bench:load-modes`, `docs/bench_load_modes.png`, ...), leaving the default comparison.
+`BENCHMARKS.md`; a run with `--modes`, `--logprobs` or `--model`, or with other arms or only some
+of the default ones (`--temperatures 0,0.6` lacks `mixed`), or other client counts, writes a
+section and chart of its own instead (`bench:load-modes`, `bench:load-greedy-t06`,
+`docs/bench_load_modes.png`, ...; see `section_name`), leaving the default comparison.
 
-`--modes auto,mtp,ar` adds, for ours only, every closed-loop arm twice per `generation_mode`
+`--modes auto,mtp,ar` adds, for ours only, every closed-loop arm (the mixed one included when it
+is planned) twice per `generation_mode`
 (in a rotation turned per arm and run, then its reverse, so that drift weighs on every mode alike;
 each mode's figures pool both halves; at one client the modes take turns request by request
 instead), and a table of each mode's tok/s
@@ -69,7 +85,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 from mtplx.bench_report import machine_info, replace_section
 
@@ -109,7 +125,13 @@ SAMPLED = {"top_p": 0.95, "top_k": 20}   # sent explicitly to both servers at te
 OPEN_LOOP_LOAD = 0.7    # open-loop arrival rate as a fraction of the peer's capacity ...
 CAPACITY_CLIENTS = 8    # ... measured as its closed-loop request rate at this client count
 DEFAULT_CLIENTS = (1, 8, 16, 32)      # closed-loop client counts of the default comparison
-DEFAULT_TEMPERATURES = (0.0, 0.6)     # its arms' temperatures
+MIXED = "mixed"         # the mixed-settings arm, as it stands in a list of temperatures and as its label
+MIXED_TEMPERATURES = (0.0, 0.2, 0.6, 0.7, 1.0)   # the mixed arm's requests: each pair of a temperature ...
+MIXED_TOP_PS = (1.0, 0.95, 0.9)                  # ... and a top_p once in every 15 (`mixed_settings`)
+SHARED_TEMPERATURE = 0.6   # the arm of one shared sampled setting that the mixed arm is measured against
+DEFAULT_TEMPERATURES = (0.0, 0.6, MIXED)         # its arms: greedy, t0.6, mixed settings
+
+Arm = Union[float, str]   # a temperature, or MIXED
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,15 +154,47 @@ def budget_for(index: int) -> int:
     return MIN_TOKENS + (index * 97) % span
 
 
-def request_body(index: int, temperature: float, model: str, send_seed: bool, seed_base: int = 1000) -> dict:
-    """The streaming /v1/completions body of request `index`."""
-    body = {"model": model, "prompt": prompt_for(index), "max_tokens": budget_for(index),
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
-    if temperature > 0:
-        body.update(SAMPLED)
-        if send_seed:
-            body["seed"] = seed_base + index
+def mixed_settings(index: int) -> tuple:
+    """(temperature, top_p) of request `index` of the mixed arm: pair j = (i + i // 15) % 15 of
+    the 15 (temperature j // 3, top_p j % 3), so each pair occurs once in every block of 15
+    requests, and the order turns by one from block to block, so that the long prompts (every
+    LONG_EVERY-th request) meet every pair."""
+    n = len(MIXED_TEMPERATURES) * len(MIXED_TOP_PS)
+    j = (index + index // n) % n
+    return MIXED_TEMPERATURES[j // len(MIXED_TOP_PS)], MIXED_TOP_PS[j % len(MIXED_TOP_PS)]
+
+
+def request_body(index: int, temperature: Arm, model: str, send_seed: bool, seed_base: int = 1000) -> dict:
+    """The streaming /v1/completions body of request `index` of the arm at `temperature`: greedy
+    at 0, SAMPLED's top_p / top_k above 0; MIXED is the mixed arm (`mixed_settings`: its own
+    temperature and top_p, with SAMPLED's top_k, always sent). A sampled request carries `seed` when
+    `send_seed` (ours); a greedy one never does."""
+    if temperature == MIXED:
+        t, top_p = mixed_settings(index)
+        sampling = {"temperature": t, "top_p": top_p, "top_k": SAMPLED["top_k"]}
+    else:
+        t = temperature
+        sampling = {"temperature": t, **(SAMPLED if t > 0 else {})}
+    body = {"model": model, "prompt": prompt_for(index), "max_tokens": budget_for(index), **sampling,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if t > 0 and send_seed:
+        body["seed"] = seed_base + index
     return body
+
+
+def parse_temperatures(text: str) -> List[Arm]:
+    """`--temperatures`: comma-separated numbers (0 is greedy) and the word `mixed`."""
+    out: List[Arm] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item.lower() == MIXED:
+            out.append(MIXED)
+            continue
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise ValueError(f"--temperatures: {item!r} is neither a number nor {MIXED!r}") from None
+    return out
 
 
 def poisson_arrivals(n: int, rate_rps: float, seed: int) -> List[float]:
@@ -224,6 +278,27 @@ def comparable_text(text: str) -> str:
     """The text without one leading space: mlx-lm's streaming detokenizer drops the first
     token's leading space (`trim_space`), ours keeps it; every other character counts."""
     return text[1:] if text.startswith(" ") else text
+
+
+def greedy_rows(key: str, rows: List[dict]) -> Optional[List[dict]]:
+    """The rows of arm `key` whose request was greedy: all of a greedy arm's, those at temperature
+    0 of the mixed arm's (`mixed_settings`); None for a sampled arm."""
+    label = key.split("/")[0]
+    if label == _temp_label(0.0):
+        return rows
+    if label == MIXED:
+        return [r for r in rows if mixed_settings(r["index"])[0] == 0]
+    return None
+
+
+def identical_by_arm(ours: Dict[str, List[dict]], peer: Dict[str, List[dict]]) -> Dict[str, dict]:
+    """`identical_texts` of each arm with greedy requests, over those requests only."""
+    out = {}
+    for key, rows in ours.items():
+        mine, theirs = greedy_rows(key, rows), greedy_rows(key, peer.get(key, []))
+        if mine is not None:
+            out[key] = identical_texts(mine, theirs)
+    return out
 
 
 def identical_texts(ours: List[dict], peer: List[dict]) -> dict:
@@ -540,11 +615,13 @@ def _snapshot(base_url: str) -> Optional[dict]:
         return None
 
 
-def _temp_label(temperature: float) -> str:
+def _temp_label(temperature: Arm) -> str:
+    if temperature == MIXED:
+        return MIXED
     return "greedy" if temperature == 0 else f"t{temperature:g}"
 
 
-def _warm_up(server: ServerProcess, temperatures: List[float], clients: int, send_seed: bool) -> None:
+def _warm_up(server: ServerProcess, temperatures: List[Arm], clients: int, send_seed: bool) -> None:
     """Short requests, alone and as a wave of `clients`, at each temperature, short and long
     prompts: lanes, compiled graphs and connections are ready before anything is timed."""
     for t in temperatures:
@@ -554,11 +631,11 @@ def _warm_up(server: ServerProcess, temperatures: List[float], clients: int, sen
         asyncio.run(closed_loop(server.url, bodies, clients))
 
 
-def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[float, Optional[float]],
+def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[Arm, Optional[float]],
              send_seed: bool, log: Callable[[str], None]) -> dict:
     """Every arm of the plan against one running server. `open_rate[t]` is the open-loop rate at
-    temperature t; when None (the peer's turn) it is taken from this turn's closed loop at
-    CAPACITY_CLIENTS clients. Returns {"arms": {key: summary}, "rows": {key: rows}, "rates": ...}."""
+    temperature t (or of the mixed arm); when None (the peer's turn) it is taken from this turn's
+    closed loop at CAPACITY_CLIENTS clients. Returns {"arms": {key: summary}, "rows": {key: rows}, "rates": ...}."""
     arms, rows_by_arm, rates = {}, {}, {}
     _warm_up(server, plan["temperatures"], max(plan["clients"]), send_seed)
     for t in plan["temperatures"]:
@@ -801,11 +878,11 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                 result["ours_stop"] = ours.stop()
             record["ours"] = ours.info
             result.update(peer=p["arms"], ours=o["arms"], open_rate_req_s={_temp_label(t): r for t, r in p["rates"].items()},
-                          identical={k: identical_texts(o["rows"][k], p["rows"][k])
-                                     for k in o["rows"] if k.startswith("greedy/")},
+                          identical=identical_by_arm(o["rows"], p["rows"]),
                           loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             record["per_run"].append(result)
     record["summary"] = summarize_runs(record["per_run"])
+    record["mixed"] = summarize_mixed(record["summary"])
     record["modes"] = summarize_modes(record["per_run"])
     record["logprobs"] = summarize_logprobs(record["per_run"])
     record["elapsed_s"] = time.time() - started
@@ -814,10 +891,24 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     return record
 
 
+def _median_ratio(per_run: List[dict], num: tuple, den: tuple) -> Optional[float]:
+    """Median over runs of the per-run tok/s ratio r[side][key] / r[side'][key'] for num = (side,
+    key) and den = (side', key'); runs missing either figure (or with a zero one) are left out."""
+    ratios = []
+    for r in per_run:
+        a, b = (r.get(side, {}).get(key, {}).get("tok_s") for side, key in (num, den))
+        if a and b:
+            ratios.append(a / b)
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize_runs(per_run: List[dict]) -> dict:
     """Per arm: the median over runs of each figure of each server (requests and errors are
-    summed, so one bad run shows), the median of the per-run tok/s ratios ours/peer, and (greedy
-    arms) identical texts summed over runs."""
+    summed, so one bad run shows), the median of the per-run tok/s ratios ours/peer, (arms with
+    greedy requests: greedy, and the mixed arm's temperature-0 ones) identical texts summed over
+    runs, and for the mixed arm's closed loops the medians of the per-run ratios mixed/shared:
+    its tok/s over the SHARED_TEMPERATURE arm's at the same client count, ours
+    (`mixed_over_shared`) and the peer's (`peer_mixed_over_shared`), None without that arm."""
     out = {}
     for key in per_run[0]["ours"]:
         entry = {}
@@ -830,12 +921,35 @@ def summarize_runs(per_run: List[dict]) -> dict:
         ratios = [r["ours"][key]["tok_s"] / r["peer"][key]["tok_s"] for r in per_run
                   if r["ours"][key]["tok_s"] and r["peer"][key]["tok_s"]]
         entry["tok_s_ratio"] = statistics.median(ratios) if ratios else None
+        label, _, arm = key.partition("/")
+        if label == MIXED and arm.startswith("closed-"):
+            shared = f"{_temp_label(SHARED_TEMPERATURE)}/{arm}"
+            for side, name in (("ours", "mixed_over_shared"), ("peer", "peer_mixed_over_shared")):
+                entry[name] = _median_ratio(per_run, (side, key), (side, shared))
         if all(key in r["identical"] for r in per_run):
             same = sum(r["identical"][key]["identical"] for r in per_run)
             compared = sum(r["identical"][key]["compared"] for r in per_run)
             entry["greedy_identical"] = {"identical": same, "compared": compared,
                                          "fraction": same / compared if compared else None}
         out[key] = entry
+    return out
+
+
+def summarize_mixed(summary: dict) -> Dict[str, dict]:
+    """The mixed arm's closed loops, one entry per client count (`closed-N`), from the summary:
+    each server's tok/s, ours/peer, ours' lane rows per cycle, mixed/shared (ours, and the peer's)
+    and identical texts of its greedy requests. Empty when the run has no mixed arm."""
+    out = {}
+    for key, e in summary.items():
+        label, _, arm = key.partition("/")
+        if label != MIXED or not arm.startswith("closed-"):
+            continue
+        out[arm] = {"clients": int(arm.split("-")[1]), "ours_tok_s": e["ours"].get("tok_s"),
+                    "peer_tok_s": e["peer"].get("tok_s"), "ours_over_peer": e.get("tok_s_ratio"),
+                    "lane_occupancy": e["ours"].get("lane_occupancy"),
+                    "mixed_over_shared": e.get("mixed_over_shared"),
+                    "peer_mixed_over_shared": e.get("peer_mixed_over_shared"),
+                    "greedy_identical": e.get("greedy_identical")}
     return out
 
 
@@ -866,8 +980,24 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def format_mixed_table(mixed: Dict[str, dict]) -> str:
+    """The mixed arm per client count (see `summarize_mixed`)."""
+    lines = ["| clients | ours tok/s | peer tok/s | ours/peer | lane rows/cycle | mixed/shared ours "
+             "| mixed/shared peer | greedy identical (t0 requests) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in mixed.values():
+        same = e.get("greedy_identical")
+        same_txt = f"{same['identical']}/{same['compared']}" if same else ""
+        lines.append(f"| {e['clients']} | {_fmt(e['ours_tok_s'], digits=1)} | {_fmt(e['peer_tok_s'], digits=1)} "
+                     f"| {_fmt(e['ours_over_peer'], digits=2)} | {_fmt(e['lane_occupancy'], digits=2)} "
+                     f"| {_fmt(e['mixed_over_shared'], digits=3)} | {_fmt(e['peer_mixed_over_shared'], digits=3)} "
+                     f"| {same_txt} |")
+    return "\n".join(lines)
+
+
 def plot(record: dict, path: Path) -> None:
-    """Throughput and TTFT p95 against closed-loop clients, both servers, each temperature."""
+    """Throughput and TTFT p95 against closed-loop clients, both servers, each temperature (and
+    the mixed arm)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -879,7 +1009,7 @@ def plot(record: dict, path: Path) -> None:
         label = _temp_label(t)
         for side, color in (("ours", "tab:blue"), ("peer", "tab:orange")):
             name = "mtplx (ours)" if side == "ours" else "mlx_lm.server"
-            style = "-o" if t == 0 else "--s"
+            style = ":^" if t == MIXED else "-o" if t == 0 else "--s"
             figs = [record["summary"][f"{label}/closed-{n}"][side] for n in clients]
             ax_tput.plot(clients, [f["tok_s"] for f in figs], style, color=color, label=f"{name}, {label}")
             ax_ttft.plot(clients, [None if f["ttft_p95_s"] is None else 1000 * f["ttft_p95_s"] for f in figs],
@@ -932,12 +1062,14 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
         f"request rate at {record['open_loop']['capacity_clients']} clients (last run: {rates} req/s).",
         "Sampled arms send `top_p` 0.95 and `top_k` 20 to both servers and a per-request `seed` to ours only",
         "(mlx_lm.server serves a seeded request outside its batch).",
+        *(_mixed_lines() if MIXED in record["plan"]["temperatures"] else ()),
         "",
         "Figures are medians over runs (errors summed); ours/peer is the median of the per-run tok/s ratios.",
         "ITL: per request, (last chunk - first chunk) / (completion tokens - 1). Lane rows/cycle: mean live",
         "rows per decode cycle of our lanes during the arm (- when the server does not report it). Greedy",
         "identical: same completion text on both servers for the same request index, summed over runs",
-        "(one leading space ignored: mlx-lm's streaming detokenizer drops it).",
+        "(one leading space ignored: mlx-lm's streaming detokenizer drops it); in the mixed arm over its",
+        "temperature-0 requests only.",
         "",
         table,
         "",
@@ -946,13 +1078,25 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
     return "\n".join(lines) + "\n"
 
 
+def _mixed_lines() -> List[str]:
+    temps = ", ".join(f"{t:g}" for t in MIXED_TEMPERATURES)
+    top_ps = ", ".join(f"{t:g}" for t in MIXED_TOP_PS)
+    return [
+        f"Mixed arm: each request sends one of the pairs of a temperature ({temps}) and a top_p ({top_ps}),",
+        "each pair once in every block of 15 requests,",
+        f"`top_k` {SAMPLED['top_k']}, to both servers; its sampled requests carry a `seed` to ours only.",
+        f"Mixed/shared: the median of the per-run ratios of the mixed arm's tok/s over the "
+        f"{_temp_label(SHARED_TEMPERATURE)} arm's at the same client count.",
+    ]
+
+
 def section_name(record: dict) -> str:
     """`load` for the comparison as planned by default; a run with other arms or another model
     (`load-modes`, `load-logprobs`, `load-<model dir>`, ...) gets a section and chart of its own, so
     that it does not replace the default comparison. Temperatures other than the default arms'
-    (0 and 0.6) add their labels (`load-modes-t1`), and so does a comparison with only some of
-    the default ones (`load-greedy`); other client counts add them (`load-modes-c1`,
-    `load-greedy-c16`)."""
+    (0, 0.6 and `mixed`) add their labels (`load-modes-t1`), and so does a comparison with only
+    some of the default arms (`load-greedy`, `load-greedy-t06`, `load-t06-mixed`); other client
+    counts add them (`load-modes-c1`, `load-greedy-c16`)."""
     plan, parts = record["plan"], []
     if record["model"] != "shipped":
         parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
@@ -980,6 +1124,9 @@ def write_outputs(record: dict, command: str) -> dict:
     table = format_table(record)
     if record.get("modes"):
         table += "\n\nGeneration modes (ours; `--modes`):\n\n" + format_modes_table(record["modes"])
+    if record.get("mixed"):
+        table += ("\n\nMixed settings (per-request temperature and top_p; mixed/shared: over ours' "
+                  f"{_temp_label(SHARED_TEMPERATURE)} arm):\n\n" + format_mixed_table(record["mixed"]))
     if record.get("logprobs"):
         table += (f"\n\nLogprobs (ours; `--logprobs {record['plan']['logprobs']}`):\n\n"
                   + format_logprobs_table(record["logprobs"]))
@@ -1008,7 +1155,7 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
     if open_requests:
         opts["open_requests"] = open_requests
     if temperatures:
-        opts["temperatures"] = [float(t) for t in temperatures.split(",")]
+        opts["temperatures"] = parse_temperatures(temperatures)
     if modes:
         opts["modes"] = [m.strip() for m in modes.split(",")]
     if logprobs is not None:
@@ -1045,6 +1192,11 @@ def main(argv=None) -> int:
     p.add_argument("--direct-http", action="store_true", help="ours: clients call the ingress replica on its own port")
     add_load_options(p)
     a = p.parse_args(argv)
+    if a.temperatures:
+        try:
+            parse_temperatures(a.temperatures)
+        except ValueError as exc:
+            p.error(str(exc))
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
             per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
             logprobs=a.logprobs, temperatures=a.temperatures, direct_http=a.direct_http)

@@ -4,8 +4,8 @@ Ray (2.60) writes, per session, a Grafana provisioning folder whose dashboards f
 whole, and its dashboard's Metrics tab embeds Ray's Core dashboard (uid `rayDefaultDashboard`,
 file `default_grafana_dashboard.json`) and nothing else. So at each app start we
 - write the mtplx dashboard (`serve_configs/grafana_mtplx_dashboard.json`) into that folder, and
-- add an "mtplx cohorts" row (acceptance, occupancy, queue, tokens/s, TTFT) at the top of the Core
-  dashboard there, with panel ids above Ray's own.
+- add an "mtplx cohorts" row (acceptance, occupancy, queue, tokens/s, TTFT, lanes by route) at the
+  top of the Core dashboard there, with panel ids above Ray's own.
 Ray rewrites those files when a session starts, so this is re-applied on every app start. The folder
 is `RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR` when set (as Ray reads it), else
 `<RAY_METRICS_OUTPUT_ROOT or the session folder's metrics>/grafana/dashboards`.
@@ -25,9 +25,10 @@ CORE_DASHBOARD_FILE = "default_grafana_dashboard.json"     # Ray's Core dashboar
 OUR_DASHBOARD_FILE = "mtplx_grafana_dashboard.json"
 ROW_TITLE = "mtplx cohorts"
 ROW_MARK = "Added by mtplx at app start."                   # how a re-run finds what it added before
-# the shipped dashboard's panels that the Core dashboard's row shows, in order
+# the shipped dashboard's panels that the Core dashboard's row shows, in order (two a line: six
+# fill three lines; the lanes by route show split lanes where the Ray dashboard's Metrics tab looks)
 ROW_PANELS = ("Draft acceptance rate", "Lane occupancy (live rows per cycle)", "Waiting rows by lane",
-              "Generated tokens/s by replica", "Time to first token")
+              "Generated tokens/s by replica", "Time to first token", "Running lanes and their rows by route")
 PANEL_H, PANEL_W = 8, 12
 
 

@@ -3,8 +3,10 @@
 One self-contained HTML page (no external scripts, styles or fonts: nothing is fetched from
 elsewhere) that polls the snapshot route once a second and draws tokens/s, draft acceptance and
 lane occupancy over the last 5 s (from snapshots and the server's clock), waiting rows (numbers
-and 2-minute charts), every running lane of every replica with its rows, and the recent lane events (a lane
-started, changed width, ended). The page itself holds no data, so it is served without an API key;
+and 2-minute charts), every running lane of every replica with its route and rows (greedy and
+sampled), the running lanes by route over all replicas (one lane per model is the healthy state:
+more mean rows are split), and the recent lane events (a lane started, changed width, ended).
+Snapshot fields a server does not send (older replicas) show as "-". The page itself holds no data, so it is served without an API key;
 its snapshot requests carry the key the user types (kept in the tab's sessionStorage; a
 `#key=...` fragment, which browsers never send to the server, fills it in).
 """
@@ -30,6 +32,7 @@ PAGE_HTML = r"""<!doctype html>
  .slot.live{background:#2e7d32} .slot.pre{background:#f9a825}
  h2{font-size:15px;margin:18px 0 4px} #events{background:#fff;border-radius:8px;padding:8px 12px;box-shadow:0 1px 2px #0002;max-height:180px;overflow:auto;font-family:monospace;font-size:12px;white-space:pre-wrap}
  #keybox{display:none;margin:10px 0} #keybox.show{display:block}
+ #byroute{color:#445} #byroute .warn{color:#c62828}
 </style></head><body>
 <header><h1>mtplx live</h1><span id="model">-</span><span id="replicas">-</span><span id="status">connecting</span></header>
 <main>
@@ -42,8 +45,9 @@ PAGE_HTML = r"""<!doctype html>
  <div class="card"><small>rows in flight / finished</small><b id="rows">-</b><small id="done">-</small></div>
 </div>
 <h2>Running lanes</h2>
-<table><thead><tr><th>replica</th><th>lane</th><th>width</th><th>rows (live, prefilling, free)</th><th>waiting</th><th>cycles</th><th>mean occupancy</th><th>acceptance</th></tr></thead>
-<tbody id="lanes"><tr><td colspan="8">no running lane: the server is idle</td></tr></tbody></table>
+<div id="byroute">-</div>
+<table><thead><tr><th>replica</th><th>lane</th><th>route</th><th>width</th><th>rows (live, prefilling, free)</th><th>waiting</th><th>cycles</th><th>mean occupancy</th><th>acceptance</th></tr></thead>
+<tbody id="lanes"><tr><td colspan="9">no running lane: the server is idle</td></tr></tbody></table>
 <h2>Recent lanes</h2><div id="events">-</div>
 </main>
 <script>
@@ -101,11 +105,29 @@ function render(snap) {
     const free = Math.max(0, ln.width - ln.live_rows - ln.prefilling_rows);
     const slots = "<span class='slot live'></span>".repeat(ln.live_rows) + "<span class='slot pre'></span>".repeat(Math.min(ln.prefilling_rows, ln.width)) + "<span class='slot'></span>".repeat(free);
     const drafted = (ln.accepted || 0) + (ln.rejected || 0);
-    rows.push("<tr><td>" + esc(r.replica_id) + "</td><td>" + esc(ln.key) + "</td><td>" + (ln.width || "-") + "</td><td><div class='slots'>" + slots + "</div>" + ln.live_rows + " live, " + ln.prefilling_rows + " prefilling</td><td>" + ln.waiting_rows + "</td><td>" + ln.cycles + "</td><td>" + ln.mean_occupancy + "</td><td>" + (drafted ? (100 * ln.accepted / drafted).toFixed(0) + "%" : "-") + "</td></tr>");
+    // the lane's route by its live rows (rows of any sampling share a lane), the drafts its cycles chain
+    const route = esc(ln.route || "-") + (typeof ln.depth === "number" ? ", depth " + ln.depth : "");
+    const split = typeof ln.greedy_rows === "number" ? " (" + ln.greedy_rows + " greedy, " + (ln.live_rows - ln.greedy_rows) + " sampled)" : "";
+    rows.push("<tr><td>" + esc(r.replica_id) + "</td><td>" + esc(ln.key) + "</td><td>" + route + "</td><td>" + (ln.width || "-") + "</td><td><div class='slots'>" + slots + "</div>" + ln.live_rows + " live" + split + ", " + ln.prefilling_rows + " prefilling</td><td>" + ln.waiting_rows + "</td><td>" + ln.cycles + "</td><td>" + ln.mean_occupancy + "</td><td>" + (drafted ? (100 * ln.accepted / drafted).toFixed(0) + "%" : "-") + "</td></tr>");
   }
+  byRoute(reps);
   for (const [id, ln] of lanesSeen) if (!now.has(id)) event("replica " + id.split("/")[0] + ": lane " + ln.key + " ended after " + ln.cycles + " cycles, " + ln.admitted + " rows, occupancy " + ln.mean_occupancy);
   lanesSeen = now;
-  $("lanes").innerHTML = rows.length ? rows.join("") : "<tr><td colspan='8'>no running lane: the server is idle</td></tr>";
+  $("lanes").innerHTML = rows.length ? rows.join("") : "<tr><td colspan='9'>no running lane: the server is idle</td></tr>";
+}
+// running lanes by route over all replicas (each replica's lanes_by_route, else its lanes): one
+// lane per model is the healthy state, a replica running more means its rows are split
+function byRoute(reps) {
+  const agg = {}, split = [];
+  for (const r of reps) {
+    let br = r.lanes_by_route;
+    if (!br) { br = {}; for (const ln of (r.lanes || [])) { const a = br[ln.route || "-"] = br[ln.route || "-"] || {lanes: 0, live_rows: 0}; a.lanes += 1; a.live_rows += ln.live_rows || 0; } }
+    let n = 0;
+    for (const [route, a] of Object.entries(br)) { const t = agg[route] = agg[route] || {lanes: 0, live_rows: 0}; t.lanes += a.lanes || 0; t.live_rows += a.live_rows || 0; n += a.lanes || 0; }
+    if (n > 1) split.push(esc(r.replica_id) + " runs " + n + " lanes");
+  }
+  const parts = Object.entries(agg).sort().map(([route, a]) => esc(route) + ": " + a.lanes + " lane" + (a.lanes === 1 ? "" : "s") + ", " + a.live_rows + " live rows");
+  $("byroute").innerHTML = "lanes by route: " + (parts.length ? parts.join("; ") : "none") + (split.length ? " <span class='warn'>(" + split.join(", ") + ": rows split; one lane per model is the healthy state)</span>" : "");
 }
 function esc(s) { return String(s).replace(/[&<>"']/g, c => "&#" + c.charCodeAt(0) + ";"); }
 async function tick() {

@@ -4,8 +4,10 @@ Ray's metrics agent exports a series named `x` as `ray_x` (gauges), `ray_x_total
 `ray_x_bucket|_sum|_count` (histograms); `ray.serve.metrics` adds the `deployment`, `replica` and
 `application` labels. The speculative-decoding counters carry vLLM's names
 (`spec_decode_num_drafts`, ...), under our `mtplx_` namespace as Ray Serve LLM exports vLLM's as
-`ray_vllm_*`. Labels stay bounded: lane routes (`greedy`, `sampled`, `ar`, ...), widths, finish
-reasons, HTTP routes and statuses; never request ids, paths or user strings.
+`ray_vllm_*`. Labels stay bounded: lane routes (a running lane's `route` by its live rows:
+`greedy`, `sampled`, `mixed`, `idle`; `queue` for rows not yet at a lane; older snapshots' lane
+labels folded by `lane_metric_label`), row samplings (`greedy`, `sampled`), widths, finish reasons,
+HTTP routes and statuses; never request ids, model ids, paths or user strings.
 
 `CohortMonitor` turns the service's own counters (its snapshot) into metric increments and a
 compact log summary, from a thread of the replica once a second: the model-owner thread does no
@@ -28,6 +30,12 @@ WIDTH_BOUNDARIES = [1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 16.5, 32.5]
 # greedy_depths says so): a row's mean acceptance length lies in [1, 4]
 ACCEPT_LENGTH_BOUNDARIES = [1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5, 4.0]
 FINISH_REASONS = ("stop", "length", "cancelled", "repetition", "overloaded", "capacity", "unavailable", "internal")
+# a running lane's `route` in the snapshot (by its live rows; rows of any sampling share one lane
+# per model): the `lane` / `route` label values of the lane series
+LANE_ROUTES = ("greedy", "sampled", "mixed", "idle")
+ROW_SAMPLINGS = ("greedy", "sampled")    # a live row's own sampling (`sampling` label)
+# the words `lane_metric_label` keeps of a lane label made of samplers (snapshots without `route`,
+# from before lanes were keyed by model alone); anything else folds to "default"
 LANE_WORDS = ("greedy", "sampled", "ar", "omit_bonus")
 
 # key -> (kind, series name, description, tag keys, histogram boundaries)
@@ -44,6 +52,14 @@ REPLICA_SERIES = {
     "waiting_rows": ("gauge", "mtplx_waiting_rows",
                      "Rows waiting for a lane slot (prefilling included); lane=queue: not yet at a lane", ("lane",), None),
     "live_rows": ("gauge", "mtplx_lane_live_rows", "Rows decoding in a running lane now", ("lane", "width"), None),
+    # lanes per route and their rows: one lane per model is the healthy state (rows of any sampling
+    # share it); more running lanes than models mean rows are split (fragmentation)
+    "running_lanes": ("gauge", "mtplx_running_lanes",
+                      "Running lanes by route (greedy, sampled, mixed: by their live rows; idle: none live yet)",
+                      ("route",), None),
+    "lane_rows": ("gauge", "mtplx_lane_rows",
+                  "Live rows in running lanes, by the lane's route and the row's own sampling (greedy, sampled)",
+                  ("route", "sampling"), None),
     # a running lane's step choice (adaptive speculation): lanes sharing a label and width averaged
     "lane_speculating": ("gauge", "mtplx_lane_speculating",
                          "Share of running lanes whose step is now an MTP cycle (1) rather than a plain AR step (0)",
@@ -144,6 +160,16 @@ def lane_metric_label(label: str) -> str:
     words = ["sampled" if w[:1] == "t" and w[1:2].isdigit() else w for w in label.split("/")]
     kept = [w for w in words if w in LANE_WORDS]
     return "/".join(w for i, w in enumerate(kept) if w not in kept[:i]) or "default"
+
+
+def lane_route_label(ln: dict) -> str:
+    """The `lane` / `route` label of a snapshot lane: its `route` (greedy, sampled, mixed, idle), or
+    `lane_metric_label` of its key where the snapshot has none (older services); "other" for a
+    route this module does not know, so labels stay bounded."""
+    route = ln.get("route")
+    if route is None:
+        return lane_metric_label(str(ln.get("key") or ""))
+    return route if route in LANE_ROUTES else "other"
 
 
 def finish_reason_label(reason: Optional[str]) -> str:
@@ -262,10 +288,18 @@ class CohortMonitor:
         waiting: Dict[str, int] = {"queue": int(snap.get("pending") or 0)}
         live: Dict[tuple, int] = {}
         policy: Dict[tuple, list] = {}          # (series, tags) -> values of the lanes sharing them
+        lanes: Dict[str, int] = {}               # route -> running lanes
+        rows: Dict[tuple, int] = {}              # (route, row sampling) -> live rows
         for ln in snap.get("lanes") or ():
-            lane = lane_metric_label(ln["key"])
+            lane = lane_route_label(ln)
             waiting[lane] = waiting.get(lane, 0) + ln["waiting_rows"] + ln["prefilling_rows"]
             live[(lane, str(ln["width"]))] = live.get((lane, str(ln["width"])), 0) + ln["live_rows"]
+            lanes[lane] = lanes.get(lane, 0) + 1
+            if ln.get("greedy_rows") is not None:   # (older snapshots do not split a lane's rows)
+                greedy = int(ln["greedy_rows"])
+                for sampling, n in zip(ROW_SAMPLINGS, (greedy, ln["live_rows"] - greedy)):
+                    if n > 0:
+                        rows[(lane, sampling)] = rows.get((lane, sampling), 0) + n
             if not ln["width"]:
                 continue
             tags = (("lane", lane), ("width", str(ln["width"])))
@@ -279,6 +313,8 @@ class CohortMonitor:
                     policy.setdefault(("lane_step_cost", tags + (("kind", kind),)), []).append(pol[key])
         now = {("waiting_rows", (("lane", k),)): v for k, v in waiting.items()}
         now.update({("live_rows", (("lane", k[0]), ("width", k[1]))): v for k, v in live.items()})
+        now.update({("running_lanes", (("route", k),)): v for k, v in lanes.items()})
+        now.update({("lane_rows", (("route", k[0]), ("sampling", k[1]))): v for k, v in rows.items()})
         now.update({key: sum(vs) / len(vs) for key, vs in policy.items()})
         for key in self._gauges - set(now):   # a lane that ended reads 0, not its last value
             now[key] = 0
@@ -297,6 +333,9 @@ class CohortMonitor:
             # rows hold slots from admission to their end: those that left are the ones missing
             agg["finished"] += max(0, before.get("live_rows", 0) + admitted - ln["live_rows"])
             agg["waiting"] = ln["waiting_rows"] + ln["prefilling_rows"]
+            route = ln.get("route")
+            if route is not None and route not in agg["routes"]:
+                agg["routes"].append(route)
             seen[ln["serial"]] = ln
         for serial, ln in lanes_prev.items():   # a lane that ended: its live rows finished with it
             if serial not in seen:
@@ -308,7 +347,7 @@ class CohortMonitor:
         """This period's sums for a lane's (label, width)."""
         return self._period["lanes"].setdefault(
             (ln["key"], ln["width"]), {"admitted": 0, "finished": 0, "cycles": 0, "row_cycles": 0,
-                                       "accepted": 0, "rejected": 0, "waiting": 0})
+                                       "accepted": 0, "rejected": 0, "waiting": 0, "routes": []})
 
     def summary(self) -> Optional[str]:
         """The summary of the period since the last one, or None when nothing ran or waited."""
@@ -331,9 +370,12 @@ class CohortMonitor:
                 parts.append(f"lane {key} starting: waiting {a['waiting']}")
                 continue
             drafted = a["accepted"] + a["rejected"]
+            # the routes it took this period (by its live rows), idle only if it had no live row
+            routes = [r for r in a["routes"] if r != "idle"] or a["routes"]
+            route = f"[{'+'.join(routes)}]" if routes else ""
             # a lane's tokens: one per live row and cycle, plus its accepted drafts
             parts.append(
-                f"lane {key} w{width}: admitted {a['admitted']}, finished {a['finished']}, occupancy "
+                f"lane {key}{route} w{width}: admitted {a['admitted']}, finished {a['finished']}, occupancy "
                 f"{a['row_cycles'] / max(a['cycles'], 1):.2f}/{width}, acceptance "
                 + (f"{a['accepted'] / drafted:.2f}" if drafted else "-")
                 + f", {(a['row_cycles'] + a['accepted']) / elapsed:.1f} tok/s, waiting {a['waiting']}")

@@ -831,6 +831,16 @@ class _Admission:
         return sib
 
 
+def _sorted_ladder(ladder) -> list:
+    ladder = [ladder] if isinstance(ladder, InstalledA3BMTPBatchLane) else list(ladder)
+    if not ladder:
+        raise ValueError("a running lane needs at least one installed lane")
+    ladder = sorted(ladder, key=lambda ln: ln.width)
+    if len({ln.width for ln in ladder}) < len(ladder):
+        raise ValueError(f"a running lane's installed lanes need distinct widths; got {[ln.width for ln in ladder]}")
+    return ladder
+
+
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
 HISTORY_FLUSH_AT = 16        # AR steps of owed MTP history a lane holds before writing it into the head's KV
 STEP_COST_EMA = 0.25         # weight of a pair of steps' measured times in their kinds' costs
@@ -938,16 +948,17 @@ class RunningLane:
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
-                 draft_draw: Optional[str] = None):
-        ladder = [ladder] if isinstance(ladder, InstalledA3BMTPBatchLane) else list(ladder)
-        if not ladder:
-            raise ValueError("a running lane needs at least one installed lane")
+                 draft_draw: Optional[str] = None, greedy_ladder=None):
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
-        self.ladder = sorted(ladder, key=lambda ln: ln.width)
-        if len({ln.width for ln in self.ladder}) < len(self.ladder):
-            raise ValueError(f"a running lane's installed lanes need distinct widths; got "
-                             f"{[ln.width for ln in self.ladder]}")
+        self.ladder = _sorted_ladder(ladder)
+        # While every row that drafts is greedy, the lane runs as these instead (deeper chains): a
+        # greedy row's tokens are the same at any depth, a sampled row's draws are not, so the
+        # lane moves to `ladder` at the boundary where a sampled row is queued for it.
+        self.greedy_ladder = _sorted_ladder(greedy_ladder) if greedy_ladder is not None else self.ladder
+        if [ln.width for ln in self.greedy_ladder] != [ln.width for ln in self.ladder]:
+            raise ValueError(f"greedy_ladder widths {[ln.width for ln in self.greedy_ladder]} differ from "
+                             f"the ladder's {[ln.width for ln in self.ladder]}")
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -967,6 +978,7 @@ class RunningLane:
         self.row_cycles = self.peak_rows = 0            # live rows: summed over cycles, most in one
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
+        self.depth_switches = 0                        # moves between ladder and greedy_ladder at one width
         self.shared_prefills = 0                       # rows admitted with a sibling's prefill (n > 1)
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
@@ -1127,23 +1139,33 @@ class RunningLane:
 
     def _resize(self) -> None:
         """Pick the narrowest installed width that fits the demand: widen at once, narrow after
-        `narrow_after` cycles of low demand (never below the live rows)."""
+        `narrow_after` cycles of low demand (never below the live rows). The depth follows the
+        rows at once: `greedy_ladder` while no queued or live row would draw its drafts."""
         demand = self.demand
-        fit = next((ln for ln in self.ladder if ln.width >= demand), self.ladder[-1])
+        rows = [r for r in self.rows if r is not None] + [a.row for a in self.admitting] + list(self.waiting)
+        ladder = self.greedy_ladder if all(r.greedy or not r.req.speculative for r in rows) else self.ladder
+        fit = next((ln for ln in ladder if ln.width >= demand), ladder[-1])
         if self.lane is None:
             self._reshape(fit, [])
-        elif fit.width > self.width:
+            return
+        if fit.width > self.width:
             self.widenings += 1
             self._low_demand = 0
             self._reshape(fit, list(range(self.width)))
-        elif fit.width < self.width and self.live_rows <= fit.width:
+            return
+        if fit.width < self.width and self.live_rows <= fit.width:
             self._low_demand += 1
             if self._low_demand >= self.narrow_after or not self.live_rows:
                 self.narrowings += 1
                 self._low_demand = 0
                 self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
+                return
         else:
             self._low_demand = 0
+        here = next(ln for ln in ladder if ln.width == self.width)
+        if here is not self.lane:         # same width, another depth
+            self.depth_switches += 1
+            self._reshape(here, list(range(self.width)))
 
     def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
         """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state.
@@ -1157,7 +1179,9 @@ class RunningLane:
         W = lane.width
         index = keep + [None] * (W - len(keep))
         rows = [self.rows[i] if i is not None else None for i in index]
-        if self.caches is not None and any(r is not None for r in rows):
+        if index == list(range(self.width)) and W == self.width:
+            pass                         # every row stays in its slot: the state as it is
+        elif self.caches is not None and any(r is not None for r in rows):
             take = [i if i is not None else 0 for i in index]
             self.caches = [c.take_rows(index) for c in self.caches]
             self.mtp_caches = [c.take_rows(index) for c in self.mtp_caches]

@@ -92,7 +92,9 @@ def _bench(a):
 def add_load_options(p) -> None:
     """The options only `bench load` takes, shared by `mtplx bench load` and `python -m
     deployments.bench_load` (here, so that building this parser imports nothing heavy)."""
-    p.add_argument("--temperatures", default=None, help="comma-separated temperatures, 0 greedy (default 0,0.6)")
+    p.add_argument("--temperatures", default=None,
+                   help="comma-separated arms: temperatures (0 greedy) and `mixed`, the arm of per-request "
+                        "temperature and top_p (default 0,0.6,mixed)")
     p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
     p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
     p.add_argument("--modes", default=None,

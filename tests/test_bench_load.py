@@ -179,7 +179,7 @@ def test_cli_options_reach_the_plan(monkeypatch):
 
 
 def test_runs_with_other_arms_or_models_get_sections_of_their_own():
-    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6), clients=(1, 8, 16, 32)):
+    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6, "mixed"), clients=(1, 8, 16, 32)):
         return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs, "temperatures": list(temperatures),
                                          "clients": list(clients)}}
 
@@ -195,6 +195,12 @@ def test_runs_with_other_arms_or_models_get_sections_of_their_own():
     # a partial comparison never replaces the default one
     assert bl.section_name(record(temperatures=[0.0], clients=[16])) == "load-greedy-c16"
     assert bl.section_name(record(clients=[8, 16])) == "load-c8-16"
+    # the default arms are greedy, t0.6 and mixed: a run without the mixed arm is partial
+    assert bl.section_name(record(temperatures=[0.0, 0.6])) == "load-greedy-t06"
+    assert bl.section_name(record(temperatures=[0.6, "mixed"], clients=[8, 16])) == "load-t06-mixed-c8-16"
+    assert bl.section_name(record(temperatures=["mixed"])) == "load-mixed"
+    assert bl.section_name(record(temperatures=[0.0, 0.7, "mixed"])) == "load-t07"
+    assert bl.section_name(record(modes=["auto"], temperatures=[0.0, "mixed"])) == "load-modes"
 
 
 def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
@@ -247,3 +253,121 @@ def test_logprob_arms_alternate_off_and_on_in_a_mirrored_order(monkeypatch):
     assert sent == ["off", "on", "on", "off", "on", "off", "off", "on"]
     assert out["on"]["greedy/closed-16"] == {"rows": 32, "wall_s": 4.0, "tok_s": 1.0, "ttft_p95_s": None,
                                              "itl_p50_s": None, "errors": 0}
+
+
+def test_mixed_arm_payloads_are_per_index_and_identical_for_both_servers_but_the_seed():
+    ours = [bl.request_body(i, bl.MIXED, "m", send_seed=True) for i in range(60)]
+    peer = [bl.request_body(i, bl.MIXED, "m", send_seed=False) for i in range(60)]
+    assert ours == [bl.request_body(i, "mixed", "m", send_seed=True) for i in range(60)]   # deterministic
+    for i, (o, p) in enumerate(zip(ours, peer)):
+        t, top_p = bl.mixed_settings(i)
+        assert (o["temperature"], o["top_p"], o["top_k"]) == (t, top_p, 20) and p["top_k"] == 20
+        assert "seed" not in p
+        assert o.get("seed") == (1000 + i if t > 0 else None)      # sampled only, ours only
+        assert {k: v for k, v in o.items() if k != "seed"} == p
+        shared = bl.request_body(i, 0.6, "m", send_seed=False)      # same prompt and budget by index
+        assert (p["prompt"], p["max_tokens"], p["stream_options"]) == \
+            (shared["prompt"], shared["max_tokens"], shared["stream_options"])
+    pairs = [(b["temperature"], b["top_p"]) for b in peer[:15]]
+    assert sorted(pairs) == sorted((t, q) for t in bl.MIXED_TEMPERATURES for q in bl.MIXED_TOP_PS)
+    assert sorted(pairs) == sorted((b["temperature"], b["top_p"]) for b in peer[45:60])   # every block of 15
+    ours = [bl.request_body(i, bl.MIXED, "m", send_seed=True) for i in range(75)]
+    long = {(b["temperature"], b["top_p"]) for i, b in enumerate(ours) if i % bl.LONG_EVERY == bl.LONG_EVERY - 1}
+    assert len(long) == 15                                          # long prompts meet every pair
+    # the other arms are unchanged: t0.6 sends top_p 0.95 / top_k 20
+    assert {k: bl.request_body(2, 0.6, "m", False)[k] for k in ("temperature", "top_p", "top_k")} == \
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+def test_mixed_arm_counts_identical_texts_of_its_greedy_requests_only():
+    ours_rows = [_row(i, 0, 0, 0, 1, f"o{i}") for i in range(15)]
+    peer_rows = [_row(i, 0, 0, 0, 1, f"o{i}" if bl.mixed_settings(i)[0] == 0 else f"p{i}") for i in range(15)]
+    out = bl.identical_by_arm({"greedy/closed-8": ours_rows, "t0.6/closed-8": ours_rows, "mixed/closed-8": ours_rows,
+                               "mixed/open": ours_rows},
+                              {"greedy/closed-8": peer_rows, "t0.6/closed-8": peer_rows, "mixed/closed-8": peer_rows,
+                               "mixed/open": peer_rows})
+    assert set(out) == {"greedy/closed-8", "mixed/closed-8", "mixed/open"}
+    assert out["mixed/closed-8"] == {"identical": 3, "compared": 3, "fraction": 1.0, "differing_indices": []}
+    assert out["greedy/closed-8"]["compared"] == 15 and out["greedy/closed-8"]["identical"] == 3
+
+
+def _arm(tok_s, occupancy=None):
+    return {"requests": 4, "errors": 0, "error_samples": [], "tok_s": tok_s, "ttft_p95_s": 0.1,
+            "lane_occupancy": occupancy}
+
+
+def test_mixed_over_shared_is_the_median_of_per_run_ratios():
+    # ours mixed 100, 300, 200 over t0.6 100, 100, 400: ratios 1.0, 3.0, 0.5 -> 1.0 (medians alone: 2.0)
+    per_run = [{"ours": {"t0.6/closed-8": _arm(s), "mixed/closed-8": _arm(m, 7.5), "mixed/open": _arm(m)},
+                "peer": {"t0.6/closed-8": _arm(100), "mixed/closed-8": _arm(pm), "mixed/open": _arm(pm)},
+                "identical": {"mixed/closed-8": {"identical": 2, "compared": 2, "fraction": 1.0},
+                              "mixed/open": {"identical": 1, "compared": 1, "fraction": 1.0}}}
+               for m, s, pm in ((100, 100, 50), (300, 100, 100), (200, 400, 200))]
+    summary = bl.summarize_runs(per_run)
+    e = summary["mixed/closed-8"]
+    assert e["mixed_over_shared"] == 1.0
+    assert e["peer_mixed_over_shared"] == 1.0          # peer: 0.5, 1.0, 2.0
+    assert e["tok_s_ratio"] == 2.0                     # ours/peer: 2.0, 3.0, 1.0
+    assert "mixed_over_shared" not in summary["mixed/open"] and "mixed_over_shared" not in summary["t0.6/closed-8"]
+    mixed = bl.summarize_mixed(summary)
+    assert list(mixed) == ["closed-8"]
+    assert mixed["closed-8"] == {"clients": 8, "ours_tok_s": 200, "peer_tok_s": 100, "ours_over_peer": 2.0,
+                                 "lane_occupancy": 7.5, "mixed_over_shared": 1.0, "peer_mixed_over_shared": 1.0,
+                                 "greedy_identical": {"identical": 6, "compared": 6, "fraction": 1.0}}
+    table = bl.format_mixed_table(mixed)
+    assert table.splitlines()[-1] == "| 8 | 200.0 | 100.0 | 2.00 | 7.50 | 1.000 | 1.000 | 6/6 |"
+    # a run without the t0.6 arm: no ratio; one without a mixed arm: no mixed table
+    no_shared = [{**r, "ours": {"mixed/closed-8": r["ours"]["mixed/closed-8"]},
+                  "peer": {"mixed/closed-8": r["peer"]["mixed/closed-8"]}} for r in per_run]
+    assert bl.summarize_runs(no_shared)["mixed/closed-8"]["mixed_over_shared"] is None
+    assert bl.summarize_mixed({"t0.6/closed-8": summary["t0.6/closed-8"]}) == {}
+
+
+def test_temperatures_accept_the_mixed_arm(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bl, "bench_load", lambda **opts: seen.update(opts) or {})
+    monkeypatch.setattr(bl, "write_outputs",
+                        lambda record, command: seen.update(command=command) or {"table": "", "json": "j", "png": "p",
+                                                                                 "markdown": "m"})
+    assert bl.parse_temperatures("0, 0.6,Mixed") == [0.0, 0.6, "mixed"]
+    bl.main(["--clients", "8,16", "--temperatures", "0.6,mixed"])
+    assert seen["temperatures"] == [0.6, "mixed"] and seen["clients"] == [8, 16]
+    assert seen["command"] == "mtplx bench load --runs 3 --clients 8,16 --temperatures 0.6,mixed"
+    seen.clear()
+    bl.main([])
+    assert seen["temperatures"] == (0.0, 0.6, "mixed") == bl.DEFAULT_TEMPERATURES
+    with pytest.raises(SystemExit):
+        bl.main(["--temperatures", "0,hot"])
+    from mtplx import cli
+    seen.clear()
+    cli.main(["bench", "load", "--temperatures", "0,0.6,mixed", "--clients", "8"])
+    assert seen["temperatures"] == [0.0, 0.6, "mixed"] and seen["clients"] == [8]
+
+
+def test_run_turn_runs_the_mixed_arm_like_the_others(monkeypatch):
+    """The mixed arm gets a closed loop per client count and an open loop (its own rate, from the
+    peer's mixed closed loop), and both servers receive the same bodies but for ours' seeds."""
+    sent = {}
+
+    def fake_arm(server, run):
+        bodies = run()
+        return {"tok_s": 1.0, "req_s": 10.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, bodies
+
+    monkeypatch.setattr(bl, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
+    monkeypatch.setattr(bl, "open_loop", lambda url, bodies, arrivals: bodies)
+    monkeypatch.setattr(bl, "_timed_arm", fake_arm)
+    plan = {"temperatures": [0.6, "mixed"], "clients": [1, 8], "per_client": 2, "min_requests": 15,
+            "capacity_clients": 8, "open_requests": 15, "seed": 0}
+    for kind, seed in (("peer", False), ("ours", True)):
+        server = types.SimpleNamespace(url="http://x", model="m", kind=kind)
+        sent[kind] = bl.run_turn(server, plan, 0, {}, send_seed=seed, log=lambda s: None)
+    peer, ours = sent["peer"], sent["ours"]
+    assert list(peer["arms"]) == ["t0.6/closed-1", "t0.6/closed-8", "t0.6/open",
+                                  "mixed/closed-1", "mixed/closed-8", "mixed/open"]
+    assert peer["rates"] == {0.6: 7.0, "mixed": 7.0}
+    for key in ("mixed/closed-8", "mixed/open"):
+        assert [{k: v for k, v in b.items() if k != "seed"} for b in ours["rows"][key]] == peer["rows"][key]
+        assert [b.get("seed") is not None for b in ours["rows"][key]] == [b["temperature"] > 0
+                                                                          for b in peer["rows"][key]]
+    assert len({(b["temperature"], b["top_p"]) for b in peer["rows"]["mixed/closed-8"]}) == 15

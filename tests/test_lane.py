@@ -597,3 +597,96 @@ def test_ladder_of_mixed_depths_widens_and_narrows_exactly(model, lanes):
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
     assert streams[0].mtp_depth == 3 and streams[3].mtp_depth == 1
+
+
+# ------------------------------------------------------------------ rows of mixed settings (one lane)
+
+MIXED = [  # (sampler, extra request fields): every setting a client may send, side by side
+    (GREEDY, {}),
+    (SamplerConfig(temperature=0.2, top_p=0.9, top_k=0), {}),
+    (SamplerConfig(temperature=0.7, top_p=1.0, top_k=5, min_p=0.05), {"logprobs": 3}),
+    (SamplerConfig(temperature=1.0, top_p=0.95, top_k=0, presence_penalty=0.5, frequency_penalty=0.3), {}),
+    (GREEDY, {"omit_speculative_bonus": True, "logprobs": 0}),
+    (SamplerConfig(temperature=0.6), {"speculative": False}),
+    (SamplerConfig(temperature=0.8, top_p=0.9, top_k=0), {"omit_speculative_bonus": True}),
+    (GREEDY, {"adaptive": True}),
+]
+
+
+def _mixed_ladders(model, lanes):
+    """The service's two ladders: depth 1 at every width, and deeper chains for lanes whose
+    drafting rows are all greedy."""
+    from mtplx.a3b_mtp_batch import solo_lane
+
+    deep = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=3),
+            install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)]
+    return [solo_lane(model), lanes[3], lanes[8]], deep
+
+
+def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
+    """Greedy rows decode at depth 3; sampled rows of other temperatures, filters, penalties,
+    logprobs, omitted bonus and plain AR join mid-flight: the lane moves to depth 1 at the boundary
+    they are queued (a sampled row's draws never see a deeper chain) and back once they leave.
+    Every greedy row equals plain greedy decoding; every row, token for token (its logprob
+    entries to 1e-4), equals the same request decoded alone in the one-row lane."""
+    from mtplx.a3b_mtp_batch import solo_lane
+
+    ladder, deep = _mixed_ladders(model, lanes)
+    prompts = _prompts(model, 8)
+    budgets = [120, 40, 36, 44, 30, 38, 42, 110]
+    reqs = [_req(i, prompts[i], budgets[i], sampler=s, seed=100 + i, **kw) for i, (s, kw) in enumerate(MIXED)]
+    refs = []
+    for r in reqs:
+        alone = lane_mod.RunningLane(solo_lane(model))
+        refs.append(alone.add(r))
+        _drain(alone)
+    running = lane_mod.RunningLane(ladder, greedy_ladder=deep, narrow_after=3)
+    depths = []
+    streams = {0: running.add(reqs[0]), 7: running.add(reqs[7])}
+    _steps(running, 5)
+    assert running.width == 3 and running.lane.depth == 3
+    for i in range(1, 7):
+        streams[i] = running.add(reqs[i])
+        _steps(running, 2)
+        depths.append(running.lane.depth)
+    assert running.width == 8 and set(depths) == {1}
+    while any(r is not None and not r.greedy for r in running.rows) or running.waiting or running.admitting:
+        running.step()
+    running.step()
+    assert running.lane.depth in (2, 3) and running.depth_switches >= 1 and streams[0].finish_reason is None
+    _drain(running)
+    for i, s in sorted(streams.items()):
+        ref = refs[i]
+        assert s.tokens == ref.tokens, f"row {i} ({MIXED[i]})"
+        # the same entries; values to 1e-4, as a lane's width changes the forwards' rounding
+        assert len(s.logprobs) == len(ref.logprobs), f"row {i}'s logprobs"
+        for (lp, alts), (ref_lp, ref_alts) in zip(s.logprobs, ref.logprobs):
+            assert [t for t, _ in alts] == [t for t, _ in ref_alts] and abs(lp - ref_lp) < 1e-4
+            assert np.allclose([v for _, v in alts], [v for _, v in ref_alts], atol=1e-4)
+        if MIXED[i][0].is_greedy:
+            assert s.tokens == greedy_ar(model, prompts[i], budgets[i]), f"row {i}"
+    assert streams[0].mtp_depth == 3 and streams[5].accepted_drafts == streams[5].rejected_drafts == 0
+
+
+def test_a_row_of_mixed_settings_lanes_keeps_the_target_joint_distribution(model, lanes):
+    """The chi-square of the lane's sampled rows, in a B8 lane whose other rows differ in
+    settings (greedy, hotter, top-k, penalties, plain AR) and join at other times: the (t1, t2)
+    pairs of 600 seeded rows still follow the target's exact joint."""
+    from test_sampling import ALPHA, chi2_test
+
+    cfg = SamplerConfig(temperature=0.7, top_p=0.8, top_k=0, min_p=0.1, presence_penalty=0.4)
+    ids = model.tokenizer.encode("while True:\n")
+    joint = _target_joint(model, ids, cfg)
+    ladder, deep = _mixed_ladders(model, lanes)
+    running = lane_mod.RunningLane(ladder, greedy_ladder=deep)
+    neighbours = _prompts(model, 3)
+    for i, (s, kw) in enumerate(MIXED[:3]):
+        running.add(_req(f"n{i}", neighbours[i], 400, sampler=s, seed=7 + i, **kw))
+    _steps(running, 3)
+    streams, counts = seeded_outcomes(running, ids, 600, 2, cfg, None)
+    late = [running.add(_req(f"m{i}", neighbours[i], 20, sampler=s, seed=i, **kw))
+            for i, (s, kw) in enumerate(MIXED[3:6])]
+    _drain(running)
+    assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 60 and len(late) == 3
+    p_value, df = chi2_test(counts, joint)
+    assert df >= 3 and p_value > ALPHA, (p_value, df, counts)

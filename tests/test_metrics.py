@@ -13,8 +13,8 @@ from collections import defaultdict
 import pytest
 
 from deployments import grafana
-from deployments.metrics import (INGRESS_SERIES, RAY_SERVE_SERIES, REPLICA_SERIES, CohortMonitor,
-                                 exported_names, lane_metric_label)
+from deployments.metrics import (INGRESS_SERIES, LANE_ROUTES, RAY_SERVE_SERIES, REPLICA_SERIES, CohortMonitor,
+                                 exported_names, lane_metric_label, lane_route_label)
 
 
 def dashboard_exprs(dash: dict) -> list:
@@ -35,10 +35,15 @@ def test_series_names_are_valid_and_follow_vllm():
     # bounded labels only: nothing keyed by request, path or user text
     tag_keys = {k for table in (REPLICA_SERIES, INGRESS_SERIES) for *_, tags, _ in table.values() for k in tags}
     assert tag_keys <= {"position", "lane", "width", "kind", "generation_mode", "finish_reason", "route", "status",
-                        "reason"}
+                        "reason", "sampling"}
     assert [lane_metric_label(x) for x in ("t0.7/t0.7", "t0.123456/omit_bonus", "ar/greedy", "greedy/greedy",
                                            "t0.6/greedy", "warmup")] == \
         ["sampled", "sampled/omit_bonus", "ar/greedy", "greedy", "sampled/greedy", "default"]
+    # a lane's label is its route (the key is the model id now); older snapshots' keys folded; an
+    # unknown route stays bounded
+    assert [lane_route_label(ln) for ln in ({"key": "mtplx-tiny-py", "route": "mixed"}, {"key": "t0.7/t0.7"},
+                                            {"key": "mtplx-tiny-py"}, {"key": "m", "route": "user text"})] == \
+        ["mixed", "sampled", "default", "other"]
 
 
 def test_dashboard_expressions_name_exported_series():
@@ -55,9 +60,21 @@ def test_dashboard_expressions_name_exported_series():
     for must in ("ray_mtplx_spec_decode_num_accepted_tokens_total", "ray_mtplx_waiting_rows",
                  "ray_mtplx_lane_live_rows", "ray_mtplx_lane_cycle_time_seconds_bucket",
                  "ray_mtplx_time_to_first_token_seconds_bucket", "ray_mtplx_requests_finished_total",
-                 "ray_mtplx_prefix_cache_hits_total", "ray_mtplx_spec_decode_acceptance_length_bucket"):
+                 "ray_mtplx_prefix_cache_hits_total", "ray_mtplx_spec_decode_acceptance_length_bucket",
+                 "ray_mtplx_running_lanes", "ray_mtplx_lane_rows"):
         assert must in named, must
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    # lanes per route and their rows: an operator sees rows split over lanes
+    by_title = {p["title"]: p for p in dash["panels"]}
+    lanes = by_title["Running lanes and their rows by route"]
+    assert [t["expr"] for t in lanes["targets"]] == ["sum by (route) (ray_mtplx_running_lanes)",
+                                                     "sum by (route, sampling) (ray_mtplx_lane_rows)"]
+    assert "one lane per model" in lanes["description"]
+    # no two panels overlap on the grid (24 columns)
+    grid = [p["gridPos"] for p in dash["panels"]]
+    cells = [(x, y) for g in grid for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])]
+    assert all(x < 24 for x, _ in cells)
+    assert len(set(cells)) == len(cells)
 
 
 class _Rec:
@@ -85,6 +102,95 @@ def recording_metrics():
     calls = defaultdict(list)
     cls = {"counter": _Counter, "gauge": _Gauge, "histogram": _Histogram}
     return calls, {k: cls[spec[0]](calls, k) for k, spec in REPLICA_SERIES.items()}
+
+
+def _lane(serial, route, live, greedy, width=8, **kw):
+    """A snapshot lane as MTPBatchGenerationService.snapshot() writes one (the fields the monitor reads)."""
+    return dict({"key": "mtplx-tiny-py", "width": width, "route": route, "depth": 1, "greedy_rows": greedy,
+                 "depth_switches": 0, "live_rows": live, "prefilling_rows": 0, "waiting_rows": 0, "cycles": 10,
+                 "serial": serial, "admitted": live, "row_cycles": 10 * live, "accepted": 4, "rejected": 2,
+                 "step_policy": {"kind": "mtp", "acceptance": 0.6}}, **kw)
+
+
+def _last(calls, key) -> dict:
+    """The last value each label set of a recorded series was set to."""
+    return {tags: v for v, tags in calls[key]}
+
+
+def test_lane_gauges_by_route():
+    """Running lanes by route and their live rows by the rows' own sampling, from the snapshot's
+    lanes; the lane label of the lane series is the route; a lane that goes away reads 0 (once)."""
+    snap = {"pending": 1, "lanes": []}
+    calls, metrics = recording_metrics()
+    monitor = CohortMonitor(lambda: snap, metrics, logging.getLogger("test"), log_every_s=0)
+    snap = {"pending": 1, "lanes": [_lane(1, "greedy", live=3, greedy=3, width=3),
+                                    _lane(2, "mixed", live=5, greedy=2, waiting_rows=2),
+                                    _lane(3, "idle", live=0, greedy=0, width=1, prefilling_rows=1)]}
+    monitor.sample()
+    R, S = (("route", "greedy"),), (("route", "mixed"),)
+    assert _last(calls, "running_lanes") == {R: 1, S: 1, (("route", "idle"),): 1}
+    assert _last(calls, "lane_rows") == {(("route", "greedy"), ("sampling", "greedy")): 3,
+                                         (("route", "mixed"), ("sampling", "greedy")): 2,
+                                         (("route", "mixed"), ("sampling", "sampled")): 3}
+    assert _last(calls, "live_rows") == {(("lane", "greedy"), ("width", "3")): 3,
+                                         (("lane", "mixed"), ("width", "8")): 5,
+                                         (("lane", "idle"), ("width", "1")): 0}
+    assert _last(calls, "waiting_rows") == {(("lane", "queue"),): 1, (("lane", "greedy"),): 0,
+                                            (("lane", "mixed"),): 2, (("lane", "idle"),): 1}
+    assert (0.6, (("lane", "mixed"), ("width", "8"))) in calls["lane_acceptance"]
+    assert {v for k in REPLICA_SERIES for _, tags in calls[k] for t, v in tags if t in ("lane", "route")} <= \
+        set(LANE_ROUTES) | {"queue"}   # bounded: never the model id
+
+    # the mixed lane ends, the greedy lane's rows turn mixed: what went away reads 0
+    snap = {"pending": 0, "lanes": [_lane(1, "mixed", live=3, greedy=1, width=3)]}
+    calls.clear()
+    monitor.sample()
+    assert _last(calls, "running_lanes") == {R: 0, S: 1, (("route", "idle"),): 0}
+    assert _last(calls, "lane_rows") == {(("route", "greedy"), ("sampling", "greedy")): 0,
+                                         (("route", "mixed"), ("sampling", "greedy")): 1,
+                                         (("route", "mixed"), ("sampling", "sampled")): 2}
+    snap = {"pending": 0, "lanes": []}
+    monitor.sample()
+    calls.clear()
+    monitor.sample()   # zeroed once, then left alone
+    assert not calls["running_lanes"] and not calls["lane_rows"]
+
+
+def test_lane_gauges_from_an_older_snapshot():
+    """A snapshot without `route` / `greedy_rows` (older services, tests' fakes): the lane label is
+    the folded key, lanes still count by it, and no row split is made up."""
+    snap = {"lanes": []}
+    calls, metrics = recording_metrics()
+    monitor = CohortMonitor(lambda: snap, metrics, logging.getLogger("test"), log_every_s=0)
+    old = [{k: v for k, v in _lane(i, None, live=2, greedy=None).items() if k not in ("route", "greedy_rows")}
+           for i in (1, 2)]
+    snap = {"lanes": [dict(old[0], key="greedy/greedy"), dict(old[1], key="t0.7/t0.7")]}
+    monitor.sample()
+    assert _last(calls, "running_lanes") == {(("route", "greedy"),): 1, (("route", "sampled"),): 1}
+    assert not calls["lane_rows"]
+    assert _last(calls, "live_rows") == {(("lane", "greedy"), ("width", "8")): 2,
+                                         (("lane", "sampled"), ("width", "8")): 2}
+
+
+def test_summary_names_each_lanes_routes():
+    """The periodic summary line: the lane (its model id) with the routes it took in the period
+    (idle only when it had no live row), then its width."""
+    lane = _lane(1, "idle", live=0, greedy=0, cycles=0, row_cycles=0, accepted=0, rejected=0, admitted=0)
+    snap = {"lanes": [lane]}
+    monitor = CohortMonitor(lambda: snap, None, logging.getLogger("test"), log_every_s=0)
+    for route, live, greedy in (("idle", 0, 0), ("greedy", 2, 2), ("mixed", 4, 2), ("greedy", 1, 1)):
+        snap = {"lanes": [dict(lane, route=route, live_rows=live, greedy_rows=greedy, admitted=4,
+                               cycles=8, row_cycles=16, accepted=6, rejected=2)]}
+        monitor.sample()
+    line = monitor.summary()
+    assert re.search(r"\| lane mtplx-tiny-py\[greedy\+mixed\] w8: admitted 4, finished \d+, occupancy 2\.00/8, "
+                     r"acceptance 0\.75", line), line
+    snap = {"lanes": [dict(lane, route="idle", width=8)]}
+    monitor.sample()
+    assert "| lane mtplx-tiny-py[idle] w8: admitted 0" in monitor.summary()
+    snap = {"lanes": [{k: v for k, v in lane.items() if k != "route"}]}   # no route: no brackets
+    monitor.sample()
+    assert "| lane mtplx-tiny-py w8: " in monitor.summary()
 
 
 def test_cohort_monitor_on_a_real_service(model, caplog):

@@ -120,19 +120,29 @@ def row_state_bytes(model) -> tuple:
     return per_position, per_row
 
 
-def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus: bool,
-                                sampler: SamplerConfig, draft_sampler: Optional[SamplerConfig],
+def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus: bool = False,
+                                sampler: Optional[SamplerConfig] = None,
+                                draft_sampler: Optional[SamplerConfig] = None,
                                 generation_mode: str = "mtp") -> tuple:
-    """The compatibility key, the one rule for which rows share a running lane: (model id,
-    omit-bonus flag, target sampler, draft sampler), led by the mode when it is not "mtp" (plain
-    AR rows share lanes of their own). Seeds stay out: each row owns its RNG.
+    """The compatibility key, the one rule for which rows share a running lane: the model, and
+    nothing of the request's sampling route. It takes the route's parts (MTPLX's signature) to
+    say, for each, why it stays out: every one travels with its row, and the lane acts on it per
+    row in the same forwards.
 
-    Samplers are frozen dataclasses, so temperature/top_p/top_k (and penalties) are all part of it:
-    greedy and sampled requests never share a lane, nor do different draft samplers.
+    - sampler and draft sampler (temperature, top_p, top_k, min_p, penalties): each row draws
+      from its own distributions with its own RNG; greedy rows keep the argmax (a point mass).
+      A lane chains deeper drafts only while all its drafting rows are greedy
+      (``RunningLane.greedy_ladder``), so a sampled row's draws never depend on its neighbours.
+      Greedy and sampled rows share one lane: with mixed settings, split lanes took turns
+      (measured in BENCHMARKS.md, load-mixed).
+    - omit-bonus flag: a row keeps or drops its own bonus token.
+    - generation mode: a row's ``speculative`` / ``adaptive`` flags; a row that does not draft
+      keeps one target token per cycle (AR's draws) in an MTP cycle.
+    - seed, stop sets, logprobs, ``n`` siblings: the row's own.
+
+    Only the model stays: rows of different weights cannot share a forward.
     """
-    key = (model_id, bool(omit_speculative_bonus), sampler,
-           draft_sampler if draft_sampler is not None else sampler)
-    return key if generation_mode == "mtp" else (str(generation_mode),) + key
+    return (model_id,)
 
 
 def _checked_depths(depths) -> dict:
@@ -505,17 +515,35 @@ def _add_lane_counters(stats: dict, running) -> None:
 
 
 def lane_label(key) -> str:
-    """A short, bounded name for a compatibility key (snapshots, logs, metric labels)."""
+    """A short, bounded name for a compatibility key (snapshots, logs): the model id of the key
+    `mtp_batch_compatibility_key` makes; a caller's own key's parts, samplers by temperature."""
     parts = []
     for item in key if isinstance(key, tuple) else (key,):
         if isinstance(item, SamplerConfig):
             parts.append("greedy" if item.is_greedy else f"t{item.temperature:g}")
         elif isinstance(item, bool):
             parts.append("omit_bonus" if item else "")
-        elif isinstance(item, str) and item in ("ar", "mtp"):
-            parts.append(item)
+        elif item is not None:
+            parts.append(str(item))
     label = "/".join(p for p in parts if p)
     return label[:64] or "default"
+
+
+def _by_route(lanes: list) -> dict:
+    out: dict = {}
+    for ln in lanes:
+        agg = out.setdefault(ln["route"], {"lanes": 0, "live_rows": 0})
+        agg["lanes"] += 1
+        agg["live_rows"] += ln["live_rows"]
+    return out
+
+
+def lane_route(running) -> str:
+    """A running lane's route now, by its live rows: "greedy" (every row greedy: the lane may chain
+    deeper), "sampled", "mixed", or "idle"."""
+    greedy = sum(1 for r in running.rows if r is not None and r.greedy)
+    sampled = running.live_rows - greedy
+    return "mixed" if greedy and sampled else "greedy" if greedy else "sampled" if sampled else "idle"
 
 
 class MTPBatchGenerationService:
@@ -542,10 +570,10 @@ class MTPBatchGenerationService:
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
                  on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None):
         self.model = model
-        # Greedy keys' lanes may chain more drafts at some widths (width -> depth; 1 is the
-        # solo lane): a greedy row's tokens are the same at any depth, so its lane can change depth
-        # as it widens and narrows. Sampled keys keep depth MTP_DEPTH at every width: a chain's
-        # depth decides which draws a row makes, and a row's draws must not depend on its neighbours.
+        # A lane whose drafting rows are all greedy may chain more drafts at some widths (width ->
+        # depth; 1 is the solo lane): a greedy row's tokens are the same at any depth. While a
+        # sampled row drafts in it, the lane chains MTP_DEPTH at every width: a chain's depth
+        # decides which draws a row makes, and a row's draws must not depend on its neighbours.
         self.greedy_depths = _checked_depths(greedy_depths)
         self._greedy_lanes: dict[int, Any] = {}    # width -> lane at greedy_depths[width] (not MTP_DEPTH)
         self._on_lane_step = _failsafe(on_lane_step)
@@ -719,8 +747,8 @@ class MTPBatchGenerationService:
 
     def _ladder(self, greedy: bool = False) -> list:
         """The widths a key's running lane may run at: from the forced width (or the one-row solo
-        lane) up to the widest installed lane within ``max_cohort_rows``; for a greedy key, each
-        at its ``greedy_depths`` depth where that lane is installed."""
+        lane) up to the widest installed lane within ``max_cohort_rows``; for a lane of greedy
+        rows, each at its ``greedy_depths`` depth where that lane is installed."""
         lanes = self._ladder_at_depth_1()
         if greedy and self.numerics != "b1-exact":
             lanes = [self._greedy_lanes.get(ln.width, ln) for ln in lanes]
@@ -986,9 +1014,8 @@ class MTPBatchGenerationService:
 
                 with self._cond:
                     self._stats["lanes_started"] += 1
-                    ladder = self._ladder(greedy=job.sampler.is_greedy and job.speculative)
-                    lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(ladder),
-                                    serial=self._stats["lanes_started"])
+                    lane = _KeyLane(key, (self._running_lane_cls or RunningLane)(
+                        self._ladder(), greedy_ladder=self._ladder(greedy=True)), serial=self._stats["lanes_started"])
                     self._running[key] = lane
             try:
                 lane.running.add(self._lane_request(job))
@@ -1341,6 +1368,11 @@ class MTPBatchGenerationService:
             for lane in self._running.values():
                 _add_lane_counters(s, lane.running)
             lanes = [{"key": lane_label(k), "width": ln.running.width, "route_id": ln.running.route_id,
+                      # rows of any sampling settings share the lane: its route is what its live rows are
+                      "route": lane_route(ln.running),
+                      "depth": ln.running.lane.depth if ln.running.lane is not None else None,
+                      "greedy_rows": sum(1 for r in ln.running.rows if r is not None and r.greedy),
+                      "depth_switches": ln.running.depth_switches,
                       "live_rows": ln.running.live_rows, "prefilling_rows": len(ln.running.admitting),
                       "waiting_rows": len(ln.running.waiting), "cycles": ln.running.cycles,
                       "mean_occupancy": round(ln.running.row_cycles / max(ln.running.cycles, 1), 3),
@@ -1359,6 +1391,8 @@ class MTPBatchGenerationService:
                 "active": len(self._active),
                 "waiting_rows": len(self._pending) + sum(ln["waiting_rows"] + ln["prefilling_rows"] for ln in lanes),
                 "lanes": lanes,
+                # running lanes and their live rows by route: more lanes than models means rows split
+                "lanes_by_route": _by_route(lanes),
                 "pump_scheduled": bool(self._busy or self._pending or self._calls or self._running),
                 "installed_widths": self.installed_widths,
                 "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
