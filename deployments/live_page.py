@@ -106,8 +106,8 @@ function render(snap) {
     const slots = "<span class='slot live'></span>".repeat(ln.live_rows) + "<span class='slot pre'></span>".repeat(Math.min(ln.prefilling_rows, ln.width)) + "<span class='slot'></span>".repeat(free);
     const drafted = (ln.accepted || 0) + (ln.rejected || 0);
     // the lane's route by its live rows (rows of any sampling share a lane), the drafts its cycles chain
-    const route = esc(ln.route || "-") + (typeof ln.depth === "number" ? ", depth " + ln.depth : "");
-    const split = typeof ln.greedy_rows === "number" ? " (" + ln.greedy_rows + " greedy, " + (ln.live_rows - ln.greedy_rows) + " sampled)" : "";
+    const route = esc(ln.route) + (typeof ln.depth === "number" ? ", depth " + ln.depth : "");
+    const split = " (" + ln.greedy_rows + " greedy, " + (ln.live_rows - ln.greedy_rows) + " sampled)";
     rows.push("<tr><td>" + esc(r.replica_id) + "</td><td>" + esc(ln.key) + "</td><td>" + route + "</td><td>" + (ln.width || "-") + "</td><td><div class='slots'>" + slots + "</div>" + ln.live_rows + " live" + split + ", " + ln.prefilling_rows + " prefilling</td><td>" + ln.waiting_rows + "</td><td>" + ln.cycles + "</td><td>" + ln.mean_occupancy + "</td><td>" + (drafted ? (100 * ln.accepted / drafted).toFixed(0) + "%" : "-") + "</td></tr>");
   }
   byRoute(reps);
@@ -115,15 +115,13 @@ function render(snap) {
   lanesSeen = now;
   $("lanes").innerHTML = rows.length ? rows.join("") : "<tr><td colspan='9'>no running lane: the server is idle</td></tr>";
 }
-// running lanes by route over all replicas (each replica's lanes_by_route, else its lanes): one
-// lane per model is the healthy state, a replica running more means its rows are split
+// running lanes by route over all replicas (each replica's lanes_by_route): one lane per model
+// is the healthy state, a replica running more means its rows are split
 function byRoute(reps) {
   const agg = {}, split = [];
   for (const r of reps) {
-    let br = r.lanes_by_route;
-    if (!br) { br = {}; for (const ln of (r.lanes || [])) { const a = br[ln.route || "-"] = br[ln.route || "-"] || {lanes: 0, live_rows: 0}; a.lanes += 1; a.live_rows += ln.live_rows || 0; } }
     let n = 0;
-    for (const [route, a] of Object.entries(br)) { const t = agg[route] = agg[route] || {lanes: 0, live_rows: 0}; t.lanes += a.lanes || 0; t.live_rows += a.live_rows || 0; n += a.lanes || 0; }
+    for (const [route, a] of Object.entries(r.lanes_by_route || {})) { const t = agg[route] = agg[route] || {lanes: 0, live_rows: 0}; t.lanes += a.lanes || 0; t.live_rows += a.live_rows || 0; n += a.lanes || 0; }
     if (n > 1) split.push(esc(r.replica_id) + " runs " + n + " lanes");
   }
   const parts = Object.entries(agg).sort().map(([route, a]) => esc(route) + ": " + a.lanes + " lane" + (a.lanes === 1 ? "" : "s") + ", " + a.live_rows + " live rows");

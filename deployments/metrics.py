@@ -5,8 +5,7 @@ Ray's metrics agent exports a series named `x` as `ray_x` (gauges), `ray_x_total
 `application` labels. The speculative-decoding counters carry vLLM's names
 (`spec_decode_num_drafts`, ...), under our `mtplx_` namespace as Ray Serve LLM exports vLLM's as
 `ray_vllm_*`. Labels stay bounded: lane routes (a running lane's `route` by its live rows:
-`greedy`, `sampled`, `mixed`, `idle`; `queue` for rows not yet at a lane; older snapshots' lane
-labels folded by `lane_metric_label`), row samplings (`greedy`, `sampled`), widths, finish reasons,
+`greedy`, `sampled`, `mixed`, `idle`; `queue` for rows not yet at a lane), row samplings (`greedy`, `sampled`), widths, finish reasons,
 HTTP routes and statuses; never request ids, model ids, paths or user strings.
 
 `CohortMonitor` turns the service's own counters (its snapshot) into metric increments and a
@@ -34,9 +33,6 @@ FINISH_REASONS = ("stop", "length", "cancelled", "repetition", "overloaded", "ca
 # per model): the `lane` / `route` label values of the lane series
 LANE_ROUTES = ("greedy", "sampled", "mixed", "idle")
 ROW_SAMPLINGS = ("greedy", "sampled")    # a live row's own sampling (`sampling` label)
-# the words `lane_metric_label` keeps of a lane label made of samplers (snapshots without `route`,
-# from before lanes were keyed by model alone); anything else folds to "default"
-LANE_WORDS = ("greedy", "sampled", "ar", "omit_bonus")
 
 # key -> (kind, series name, description, tag keys, histogram boundaries)
 REPLICA_SERIES = {
@@ -153,23 +149,10 @@ def record(metrics: Optional[dict], name: str, value: float = 1, tags: Optional[
         pass
 
 
-def lane_metric_label(label: str) -> str:
-    """A lane label of the snapshot (target then draft sampler: "greedy/greedy", "t0.7/t0.7/omit_bonus",
-    "ar/greedy") with every temperature folded into "sampled" and repeats dropped: a bounded set
-    of metric label values ("greedy", "sampled/greedy", "ar/greedy", ...)."""
-    words = ["sampled" if w[:1] == "t" and w[1:2].isdigit() else w for w in label.split("/")]
-    kept = [w for w in words if w in LANE_WORDS]
-    return "/".join(w for i, w in enumerate(kept) if w not in kept[:i]) or "default"
-
-
 def lane_route_label(ln: dict) -> str:
-    """The `lane` / `route` label of a snapshot lane: its `route` (greedy, sampled, mixed, idle), or
-    `lane_metric_label` of its key where the snapshot has none (older services); "other" for a
-    route this module does not know, so labels stay bounded."""
-    route = ln.get("route")
-    if route is None:
-        return lane_metric_label(str(ln.get("key") or ""))
-    return route if route in LANE_ROUTES else "other"
+    """The `lane` / `route` label of a snapshot lane: its `route` (greedy, sampled, mixed, idle);
+    "other" for a route this module does not know, so labels stay bounded."""
+    return ln["route"] if ln["route"] in LANE_ROUTES else "other"
 
 
 def finish_reason_label(reason: Optional[str]) -> str:
@@ -295,11 +278,9 @@ class CohortMonitor:
             waiting[lane] = waiting.get(lane, 0) + ln["waiting_rows"] + ln["prefilling_rows"]
             live[(lane, str(ln["width"]))] = live.get((lane, str(ln["width"])), 0) + ln["live_rows"]
             lanes[lane] = lanes.get(lane, 0) + 1
-            if ln.get("greedy_rows") is not None:   # (older snapshots do not split a lane's rows)
-                greedy = int(ln["greedy_rows"])
-                for sampling, n in zip(ROW_SAMPLINGS, (greedy, ln["live_rows"] - greedy)):
-                    if n > 0:
-                        rows[(lane, sampling)] = rows.get((lane, sampling), 0) + n
+            for sampling, n in zip(ROW_SAMPLINGS, (ln["greedy_rows"], ln["live_rows"] - ln["greedy_rows"])):
+                if n > 0:
+                    rows[(lane, sampling)] = rows.get((lane, sampling), 0) + n
             if not ln["width"]:
                 continue
             tags = (("lane", lane), ("width", str(ln["width"])))
@@ -333,9 +314,8 @@ class CohortMonitor:
             # rows hold slots from admission to their end: those that left are the ones missing
             agg["finished"] += max(0, before.get("live_rows", 0) + admitted - ln["live_rows"])
             agg["waiting"] = ln["waiting_rows"] + ln["prefilling_rows"]
-            route = ln.get("route")
-            if route is not None and route not in agg["routes"]:
-                agg["routes"].append(route)
+            if ln["route"] not in agg["routes"]:
+                agg["routes"].append(ln["route"])
             seen[ln["serial"]] = ln
         for serial, ln in lanes_prev.items():   # a lane that ended: its live rows finished with it
             if serial not in seen:
@@ -371,6 +351,7 @@ class CohortMonitor:
                 continue
             drafted = a["accepted"] + a["rejected"]
             # the routes it took this period (by its live rows), idle only if it had no live row
+            # (none when the period saw only its end)
             routes = [r for r in a["routes"] if r != "idle"] or a["routes"]
             route = f"[{'+'.join(routes)}]" if routes else ""
             # a lane's tokens: one per live row and cycle, plus its accepted drafts

@@ -14,7 +14,7 @@ import pytest
 
 from deployments import grafana
 from deployments.metrics import (INGRESS_SERIES, LANE_ROUTES, RAY_SERVE_SERIES, REPLICA_SERIES, CohortMonitor,
-                                 exported_names, lane_metric_label, lane_route_label)
+                                 exported_names, lane_route_label)
 
 
 def dashboard_exprs(dash: dict) -> list:
@@ -36,14 +36,9 @@ def test_series_names_are_valid_and_follow_vllm():
     tag_keys = {k for table in (REPLICA_SERIES, INGRESS_SERIES) for *_, tags, _ in table.values() for k in tags}
     assert tag_keys <= {"position", "lane", "width", "kind", "generation_mode", "finish_reason", "route", "status",
                         "reason", "sampling"}
-    assert [lane_metric_label(x) for x in ("t0.7/t0.7", "t0.123456/omit_bonus", "ar/greedy", "greedy/greedy",
-                                           "t0.6/greedy", "warmup")] == \
-        ["sampled", "sampled/omit_bonus", "ar/greedy", "greedy", "sampled/greedy", "default"]
-    # a lane's label is its route (the key is the model id now); older snapshots' keys folded; an
-    # unknown route stays bounded
-    assert [lane_route_label(ln) for ln in ({"key": "mtplx-tiny-py", "route": "mixed"}, {"key": "t0.7/t0.7"},
-                                            {"key": "mtplx-tiny-py"}, {"key": "m", "route": "user text"})] == \
-        ["mixed", "sampled", "default", "other"]
+    # a lane's label is its route (the key is the model id now); an unknown route stays bounded
+    assert [lane_route_label(ln) for ln in ({"key": "mtplx-tiny-py", "route": "mixed"},
+                                            {"key": "m", "route": "user text"})] == ["mixed", "other"]
 
 
 def test_dashboard_expressions_name_exported_series():
@@ -156,22 +151,6 @@ def test_lane_gauges_by_route():
     assert not calls["running_lanes"] and not calls["lane_rows"]
 
 
-def test_lane_gauges_from_an_older_snapshot():
-    """A snapshot without `route` / `greedy_rows` (older services, tests' fakes): the lane label is
-    the folded key, lanes still count by it, and no row split is made up."""
-    snap = {"lanes": []}
-    calls, metrics = recording_metrics()
-    monitor = CohortMonitor(lambda: snap, metrics, logging.getLogger("test"), log_every_s=0)
-    old = [{k: v for k, v in _lane(i, None, live=2, greedy=None).items() if k not in ("route", "greedy_rows")}
-           for i in (1, 2)]
-    snap = {"lanes": [dict(old[0], key="greedy/greedy"), dict(old[1], key="t0.7/t0.7")]}
-    monitor.sample()
-    assert _last(calls, "running_lanes") == {(("route", "greedy"),): 1, (("route", "sampled"),): 1}
-    assert not calls["lane_rows"]
-    assert _last(calls, "live_rows") == {(("lane", "greedy"), ("width", "8")): 2,
-                                         (("lane", "sampled"), ("width", "8")): 2}
-
-
 def test_summary_names_each_lanes_routes():
     """The periodic summary line: the lane (its model id) with the routes it took in the period
     (idle only when it had no live row), then its width."""
@@ -188,9 +167,6 @@ def test_summary_names_each_lanes_routes():
     snap = {"lanes": [dict(lane, route="idle", width=8)]}
     monitor.sample()
     assert "| lane mtplx-tiny-py[idle] w8: admitted 0" in monitor.summary()
-    snap = {"lanes": [{k: v for k, v in lane.items() if k != "route"}]}   # no route: no brackets
-    monitor.sample()
-    assert "| lane mtplx-tiny-py w8: " in monitor.summary()
 
 
 def test_cohort_monitor_on_a_real_service(model, caplog):
