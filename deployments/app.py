@@ -43,8 +43,8 @@ class AppArgs(BaseModel):
                               description="Lane widths to install; a key's running lane moves between them")
     greedy_depths: Dict[int, int] = Field(
         default_factory=lambda: {1: 3, 3: 3, 8: 3, 16: 2},
-        description="Drafts a cycle chains in greedy lanes, by lane width (1: the one-row lane); "
-                    "unlisted widths chain 1. Sampled lanes always chain 1")
+        description="Drafts a cycle chains, by lane width (1: the one-row lane), while every drafting row "
+                    "of the lane is greedy; unlisted widths chain 1. A lane with a drafting sampled row chains 1")
     numerics: Literal["throughput", "b1-exact"] = "throughput"
     max_batch_size: int = Field(8, ge=1, le=64, description="@serve.batch max_batch_size (rows per window)")
     batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=5.0, description="@serve.batch window")

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP ingress (no MLX in this process).
 
 Per request: parse and validate (pydantic, OpenAI-shaped 400s), apply the chat template and
-tokenize, then enter the `@serve.batch` window as one row. Each batch is split by compatibility key
-into cohorts; each cohort goes to one MTP replica as a single streaming call, and that stream's
+tokenize, then enter the `@serve.batch` window as one row. Each window goes to one MTP replica as
+a single streaming call (each row joins its key's running lane there), and that stream's
 per-row token updates are demultiplexed back into the rows' own batch slots. Each request then
 detokenizes incrementally, matches stop strings on the text, and answers as JSON or SSE.
 

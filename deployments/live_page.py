@@ -6,7 +6,7 @@ lane occupancy over the last 5 s (from snapshots and the server's clock), waitin
 and 2-minute charts), every running lane of every replica with its route and rows (greedy and
 sampled), the running lanes by route over all replicas (one lane per model is the healthy state:
 more mean rows are split), and the recent lane events (a lane started, changed width, ended).
-Snapshot fields a server does not send (older replicas) show as "-". The page itself holds no data, so it is served without an API key;
+The page itself holds no data, so it is served without an API key;
 its snapshot requests carry the key the user types (kept in the tab's sessionStorage; a
 `#key=...` fragment, which browsers never send to the server, fills it in).
 """

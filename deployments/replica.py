@@ -415,7 +415,7 @@ class MTPReplica:
             else:
                 self._overload_rejections += 1
                 job._fail(ReplicaOverloaded(
-                    f"The server is overloaded (more than {self.max_waiting_rows_per_key} requests of this kind "
+                    f"The server is overloaded (more than {self.max_waiting_rows_per_key} requests for this model "
                     f"wait for a slot); retry after {self.retry_after_s:g} s"))
         return admitted
 

@@ -5,7 +5,7 @@ any, and the draft entry (h_last, primary)), one target verify forward [B, 2] = 
 then a per-row decision with the row's own RNG in the solo path's order (primary, draft,
 accept/residual, bonus), and a per-row commit of 0, 1 or 2 positions into ragged caches. Rows are
 prefilled one by one at their own length (no padding tokens), then merged. Finished, cancelled
-and padding rows stay in the batch, inert (keep 0), until the cohort drains. Where drafting does
+and free rows stay in the batch, inert (keep 0), until a row takes their slot. Where drafting does
 not pay, a lane runs plain AR steps instead ([B, 1], no head forward; `StepPolicy`) and a row can
 stop drafting on its own (`_LaneRow.drafted`), with greedy output unchanged.
 
@@ -926,7 +926,9 @@ class RunningLane:
     the current width holds, the lane widens to the narrowest installed width that fits, carrying
     the live rows' state over; after `narrow_after` cycles of low demand it narrows again. The
     compiled [W, 2] graphs belong to the installed lanes, so rows coming and going never
-    recompile. Shaped after mlx-lm's `BatchGenerator` (`insert`, `next`), with MTP inside.
+    recompile. Rows of any sampling settings share the lane; `greedy_ladder` (the same widths,
+    chaining more drafts) is what it runs as while every row that drafts is greedy, and a drafting
+    sampled row moves it back to `ladder`'s depth at the boundary where it is queued. Shaped after mlx-lm's `BatchGenerator` (`insert`, `next`), with MTP inside.
 
     Each cycle, for all rows at once: one MTP head forward [W, 1 + depth] (the row's owed history
     entries, if any, and the draft entry (h_last, primary)), one target verify forward [W, 2] =
@@ -953,8 +955,8 @@ class RunningLane:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = _sorted_ladder(ladder)
         # While every row that drafts is greedy, the lane runs as these instead (deeper chains): a
-        # greedy row's tokens are the same at any depth, a sampled row's draws are not, so the
-        # lane moves to `ladder` at the boundary where a sampled row is queued for it.
+        # greedy row's tokens are the same at any depth, a drafting sampled row's draws are not, so
+        # the lane moves to `ladder` at the boundary where such a row is queued or live in it.
         self.greedy_ladder = _sorted_ladder(greedy_ladder) if greedy_ladder is not None else self.ladder
         if [ln.width for ln in self.greedy_ladder] != [ln.width for ln in self.ladder]:
             raise ValueError(f"greedy_ladder widths {[ln.width for ln in self.greedy_ladder]} differ from "
@@ -1018,6 +1020,10 @@ class RunningLane:
     @property
     def live_rows(self) -> int:
         return sum(1 for r in self.rows if r is not None)
+
+    @property
+    def greedy_rows(self) -> int:
+        return sum(1 for r in self.rows if r is not None and r.greedy)
 
     @property
     def demand(self) -> int:
@@ -1140,10 +1146,11 @@ class RunningLane:
     def _resize(self) -> None:
         """Pick the narrowest installed width that fits the demand: widen at once, narrow after
         `narrow_after` cycles of low demand (never below the live rows). The depth follows the
-        rows at once: `greedy_ladder` while no queued or live row would draw its drafts."""
+        rows at once: `greedy_ladder` while every row, live or queued, that drafts in its next cycle
+        is greedy (a sampled row that does not draft makes the same draws at any depth)."""
         demand = self.demand
         rows = [r for r in self.rows if r is not None] + [a.row for a in self.admitting] + list(self.waiting)
-        ladder = self.greedy_ladder if all(r.greedy or not r.req.speculative for r in rows) else self.ladder
+        ladder = self.greedy_ladder if all(r.greedy or not r.wants_draft() for r in rows) else self.ladder
         fit = next((ln for ln in ladder if ln.width >= demand), ladder[-1])
         if self.lane is None:
             self._reshape(fit, [])

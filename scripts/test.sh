@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
 # Set up, then run the whole test suite (engine, lane, service, HTTP through a real Ray Serve).
+# On Debian/Ubuntu it also installs what two tests drive: Prometheus (it scrapes the served app
+# and evaluates every dashboard expression) and headless Chromium (it renders the live page).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
+    && ! { command -v prometheus && command -v chromium; } >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus chromium
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -423,6 +423,42 @@ def test_running_lane_admits_widens_and_narrows_with_recurrent_state(models, lan
         assert (streams[i].admitted_at_cycle == 0) if i < 2 else (streams[i].admitted_at_cycle >= 4)
 
 
+def test_a_lane_changes_depth_with_its_rows_sampling_with_recurrent_state(models, lanes):
+    """Greedy GDN rows chain 3 drafts in a B3 lane; a sampled row joining moves the lane to depth 1
+    at the same width (the rows' recurrent state and owed head history carried over), and its
+    leaving moves it back: greedy rows equal plain greedy decoding, the sampled row equals itself
+    decoded alone."""
+    from mtplx.a3b_mtp_batch import RunningLane, solo_lane
+    from mtplx.sampling import SamplerConfig
+
+    m = models["qwen3_5"]
+    deep = install_a3b_mtp_batch_lane(m, 3, selfcheck=False, depth=3)
+    prompts = _prompts(3, seed=43)
+    hot = A3BMTPBatchRequest(request_id="s", prompt_ids=prompts[2], max_tokens=16, seed=5,
+                             sampler=SamplerConfig(temperature=0.8, top_p=0.9, top_k=0))
+    alone = RunningLane(solo_lane(m))
+    ref = alone.add(hot)
+    while alone.has_work:
+        alone.step()
+    running = RunningLane(lanes[("qwen3_5", 3)], greedy_ladder=deep)
+    streams = [running.add(_req(i, prompts[i], 60)) for i in range(2)]
+    for _ in range(4):
+        running.step()
+    assert running.lane.depth == 3
+    sampled = running.add(hot)
+    running.step()
+    assert running.lane.depth == 1 and running.width == 3
+    while sampled.finish_reason is None:
+        running.step()
+    running.step()
+    assert running.lane.depth == 3 and running.depth_switches == 2
+    while running.has_work:
+        running.step()
+    assert sampled.tokens == ref.tokens
+    for i in range(2):
+        assert streams[i].tokens == greedy_ar(m, prompts[i], 60), f"row {i}"
+
+
 def test_sampled_cohort_row_independent(models, lanes):
     """Sampled rows (each its own RNG) on a hybrid: reproducible, and row 0 does not move when
     every neighbour changes."""

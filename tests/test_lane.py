@@ -690,3 +690,31 @@ def test_a_row_of_mixed_settings_lanes_keeps_the_target_joint_distribution(model
     assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 60 and len(late) == 3
     p_value, df = chi2_test(counts, joint)
     assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
+
+
+def test_a_sampled_row_that_stopped_drafting_leaves_its_greedy_neighbours_their_depth(model, lanes, monkeypatch):
+    """A sampled `auto` row that has stopped drafting makes the same draws at any depth, so its
+    greedy neighbour keeps chaining 3 drafts beside it; each probe it makes moves the lane to depth
+    1 for that cycle. Its tokens equal its own decoded alone; the greedy row's, plain greedy's."""
+    from mtplx.a3b_mtp_batch import solo_lane
+
+    monkeypatch.setattr(lane_mod, "ROW_STOP_BELOW", 0.95)      # one rejection stops a row
+    ladder, deep = _mixed_ladders(model, lanes)
+    prompts = _prompts(model, 2)
+    hot = _req("s", prompts[1], 90, sampler=SamplerConfig(temperature=1.0, top_p=1.0, top_k=0), seed=11,
+               adaptive=True)
+    alone = lane_mod.RunningLane(solo_lane(model))
+    ref = alone.add(hot)
+    _drain(alone)
+    running = lane_mod.RunningLane(ladder, greedy_ladder=deep)
+    greedy = running.add(_req(0, prompts[0], 120))
+    sampled = running.add(hot)
+    depths = []
+    while sampled.finish_reason is None:
+        running.step()
+        depths.append(running.lane.depth)
+    _drain(running)
+    assert sampled.drafts_skipped > 0 and sampled.spec_cycles > 0      # it stopped, and probed
+    assert 1 in depths and 3 in depths and running.depth_switches >= 2
+    assert sampled.tokens == ref.tokens
+    assert greedy.tokens == greedy_ar(model, prompts[0], 120)

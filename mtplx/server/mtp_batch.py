@@ -133,8 +133,8 @@ def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus:
       from its own distributions with its own RNG; greedy rows keep the argmax (a point mass).
       A lane chains deeper drafts only while all its drafting rows are greedy
       (``RunningLane.greedy_ladder``), so a sampled row's draws never depend on its neighbours.
-      Greedy and sampled rows share one lane: with mixed settings, split lanes took turns
-      (measured in BENCHMARKS.md, load-mixed).
+      Greedy and sampled rows share one lane: with mixed settings, lanes split by greedy/sampled
+      took turns at a third fewer rows a cycle (README, "Mixed sampling settings in one lane").
     - omit-bonus flag: a row keeps or drops its own bonus token.
     - generation mode: a row's ``speculative`` / ``adaptive`` flags; a row that does not draft
       keeps one target token per cycle (AR's draws) in an MTP cycle.
@@ -188,8 +188,8 @@ class MTPBatchJob:
     Constructor fields follow MTPLX. ``solo_runner=None`` means the built-in solo MTP path
     (``generate_mtpk`` with this job's fields, streaming through ``emit_token``); otherwise it is a
     callable ``(job) -> result dict`` (or a ``GenerationResult``) used when the job runs alone.
-    ``compatibility_key=None`` uses ``mtp_batch_compatibility_key(None, omit_bonus, sampler,
-    draft_sampler)``. ``seed=None`` draws a fresh seed (recorded in ``job.seed``).
+    ``compatibility_key=None`` uses ``mtp_batch_compatibility_key(None)``: every job of any
+    sampling settings shares one lane. ``seed=None`` draws a fresh seed (recorded in ``job.seed``).
     """
 
     def __init__(self, request_id: str, prompt_ids: Iterable[int], max_tokens: int,
@@ -220,10 +220,7 @@ class MTPBatchJob:
         self.omit_speculative_bonus = bool(omit_speculative_bonus)
         self.speculative = bool(speculative)     # False: a lane row that decodes plain AR
         self.adaptive = bool(adaptive)           # speculative rows: MTP steps aside where it does not pay
-        self.compatibility_key = (compatibility_key if compatibility_key is not None else
-                                  mtp_batch_compatibility_key(None, self.omit_speculative_bonus,
-                                                              self.sampler, self.draft_sampler,
-                                                              self.generation_mode))
+        self.compatibility_key = compatibility_key if compatibility_key is not None else mtp_batch_compatibility_key(None)
         self.generation_limits = dict(generation_limits or {})
         self.solo_runner = solo_runner
         self.cancel_error = cancel_error or _default_cancel_error
@@ -499,7 +496,7 @@ class _KeyLane:
 _LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
                   "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
                   "admitted": "admissions", "shared_prefills": "shared_prefills", "widenings": "widenings",
-                  "narrowings": "narrowings",
+                  "narrowings": "narrowings", "depth_switches": "depth_switches",
                   "cycle_s": "cycle_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
                   "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "device_drafts": "device_drafts",
                   "draft_proposals": "draft_proposals", "draft_tokens": "draft_tokens"}
@@ -538,12 +535,11 @@ def _by_route(lanes: list) -> dict:
     return out
 
 
-def lane_route(running) -> str:
-    """A running lane's route now, by its live rows: "greedy" (every row greedy: the lane may chain
-    deeper), "sampled", "mixed", or "idle"."""
-    greedy = sum(1 for r in running.rows if r is not None and r.greedy)
-    sampled = running.live_rows - greedy
-    return "mixed" if greedy and sampled else "greedy" if greedy else "sampled" if sampled else "idle"
+def lane_route(live_rows: int, greedy_rows: int) -> str:
+    """A running lane's route now, by its live rows: "greedy" (every row greedy), "sampled",
+    "mixed", or "idle"."""
+    sampled = live_rows - greedy_rows
+    return "mixed" if greedy_rows and sampled else "greedy" if greedy_rows else "sampled" if sampled else "idle"
 
 
 class MTPBatchGenerationService:
@@ -633,7 +629,7 @@ class MTPBatchGenerationService:
             "draft_proposals": 0, "draft_tokens": 0, "accepted_by_position": [0] * max(DEPTHS),
             "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "device_drafts": 0,
             "cycle_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
-            "widenings": 0, "narrowings": 0,
+            "widenings": 0, "narrowings": 0, "depth_switches": 0,
             "solo_runs": 0, "driver_errors": 0,
             "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
             "requests_cancelled": 0, "completion_tokens": 0,
@@ -1369,9 +1365,9 @@ class MTPBatchGenerationService:
                 _add_lane_counters(s, lane.running)
             lanes = [{"key": lane_label(k), "width": ln.running.width, "route_id": ln.running.route_id,
                       # rows of any sampling settings share the lane: its route is what its live rows are
-                      "route": lane_route(ln.running),
+                      "route": lane_route(ln.running.live_rows, ln.running.greedy_rows),
                       "depth": ln.running.lane.depth if ln.running.lane is not None else None,
-                      "greedy_rows": sum(1 for r in ln.running.rows if r is not None and r.greedy),
+                      "greedy_rows": ln.running.greedy_rows,
                       "depth_switches": ln.running.depth_switches,
                       "live_rows": ln.running.live_rows, "prefilling_rows": len(ln.running.admitting),
                       "waiting_rows": len(ln.running.waiting), "cycles": ln.running.cycles,
@@ -1435,6 +1431,8 @@ class MTPBatchGenerationService:
                 "prefill_seconds_total": round(s["prefill_s"], 6),
                 "lanes_started": s["lanes_started"],
                 "widenings": s["widenings"],
+                # lanes moving between depth 1 and greedy_depths at one width, as sampled rows come and go
+                "depth_switches": s["depth_switches"],
                 "narrowings": s["narrowings"],
                 "target_verify_cycles": s["target_verify_cycles"],
                 # of the lanes' cycles: MTP cycles and plain AR steps (generation_mode "auto", AR rows)
