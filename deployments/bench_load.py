@@ -574,15 +574,21 @@ def _client(base_url: str, connections: int):
     return httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(900, connect=30), limits=limits)
 
 
-async def closed_loop(base_url: str, bodies: List[dict], clients: int) -> tuple:
+async def closed_loop(base_url: str, bodies: List[dict], clients: int,
+                      at_drain: Optional[Callable] = None) -> tuple:
     """`clients` workers; each sends the next request index as soon as its previous one ends.
-    Returns (rows in index order, wall seconds)."""
+    `at_drain(client)` (async) runs once, when the first worker finds no request left: from then
+    on the last requests run with fewer neighbours. Returns (rows in index order, wall seconds)."""
     pending = iter(range(len(bodies)))
     rows: List[dict] = []
+    drained = []
 
     async def worker(client):
         for i in pending:
             rows.append(await _one_request(client, i, bodies[i]))
+        if at_drain is not None and not drained:
+            drained.append(True)
+            await at_drain(client)
 
     async with _client(base_url, clients) as client:
         t0 = time.perf_counter()
@@ -610,6 +616,16 @@ def _snapshot(base_url: str) -> Optional[dict]:
 
     try:
         r = httpx.get(base_url + "/v1/mtplx/snapshot", timeout=30)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def _snapshot_with(client) -> Optional[dict]:
+    import httpx
+
+    try:
+        r = await client.get("/v1/mtplx/snapshot", timeout=30)
         return r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -644,7 +660,8 @@ def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[Arm, O
             key = f"{label}/closed-{n}"
             count = closed_loop_requests(n, plan["per_client"], plan["min_requests"])
             bodies = [request_body(i, t, server.model, send_seed) for i in range(count)]
-            arms[key], rows_by_arm[key] = _timed_arm(server, lambda: closed_loop(server.url, bodies, n))
+            arms[key], rows_by_arm[key] = _timed_arm(server, lambda at_drain: closed_loop(server.url, bodies, n,
+                                                                                          at_drain))
             log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])}")
         rate = open_rate.get(t)
         if rate is None:
@@ -654,7 +671,7 @@ def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[Arm, O
         key = f"{label}/open"
         arrivals = poisson_arrivals(plan["open_requests"], rate, plan["seed"] + run)
         bodies = [request_body(i, t, server.model, send_seed) for i in range(plan["open_requests"])]
-        arms[key], rows_by_arm[key] = _timed_arm(server, lambda: open_loop(server.url, bodies, arrivals))
+        arms[key], rows_by_arm[key] = _timed_arm(server, lambda _: open_loop(server.url, bodies, arrivals))
         arms[key]["offered_req_s"] = rate
         log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])} (offered {rate:.2f} req/s)")
     return {"arms": arms, "rows": rows_by_arm, "rates": rates}
@@ -703,7 +720,7 @@ def _pooled_arms(server: ServerProcess, sequence: List[str], clients: int, log: 
     halves: Dict[str, tuple] = {}
     for side in sequence:
         bodies = bodies_for(side)
-        summary, rows = _timed_arm(server, lambda: closed_loop(server.url, bodies, clients))
+        summary, rows = _timed_arm(server, lambda at_drain: closed_loop(server.url, bodies, clients, at_drain))
         log(f"  {server.kind:4s} {key:18s} {side:4s} {_brief(summary)}")
         prev_rows, prev_wall = halves.get(side, ([], 0.0))
         halves[side] = (prev_rows + rows, prev_wall + summary["wall_s"])
@@ -721,7 +738,7 @@ def _alternating_requests(server: ServerProcess, sequence: List[str], log: Calla
     count = len(bodies[sides[0]])
     order = [(side, bodies[side][i % count]) for i in range(count * sequence.count(sides[0]))
              for side in (sides if i % 2 == 0 else sides[::-1])]
-    _, rows = _timed_arm(server, lambda: closed_loop(server.url, [body for _, body in order], 1))
+    _, rows = _timed_arm(server, lambda _: closed_loop(server.url, [body for _, body in order], 1))
     out = {}
     for side in sides:
         mine = [row for (s, _), row in zip(order, rows) if s == side]
@@ -805,12 +822,22 @@ def format_modes_table(modes: dict) -> str:
 
 
 def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
-    """One arm, with lane snapshots around it for our server."""
-    before = _snapshot(server.url) if server.kind == "ours" else None
-    rows, wall = asyncio.run(run())
+    """One arm, `run(at_drain)`, with lane snapshots around it for our server, and for a closed
+    loop one more when its first client runs out of requests: `steady_lane_occupancy` is the
+    lanes' rows per cycle while every client still had requests, apart from the drain at the
+    arm's end (its last requests finishing with fewer and fewer neighbours)."""
+    ours = server.kind == "ours"
+    before = _snapshot(server.url) if ours else None
+    drained: dict = {}
+
+    async def at_drain(client):
+        drained["snapshot"] = await _snapshot_with(client)
+
+    rows, wall = asyncio.run(run(at_drain if ours else None))
     summary = summarize_arm(rows, wall)
-    if server.kind == "ours":
+    if ours:
         summary["lane_occupancy"] = lane_occupancy(before, _snapshot(server.url))
+        summary["steady_lane_occupancy"] = lane_occupancy(before, drained.get("snapshot"))
     return summary, rows
 
 
@@ -947,6 +974,7 @@ def summarize_mixed(summary: dict) -> Dict[str, dict]:
         out[arm] = {"clients": int(arm.split("-")[1]), "ours_tok_s": e["ours"].get("tok_s"),
                     "peer_tok_s": e["peer"].get("tok_s"), "ours_over_peer": e.get("tok_s_ratio"),
                     "lane_occupancy": e["ours"].get("lane_occupancy"),
+                    "steady_lane_occupancy": e["ours"].get("steady_lane_occupancy"),
                     "mixed_over_shared": e.get("mixed_over_shared"),
                     "peer_mixed_over_shared": e.get("peer_mixed_over_shared"),
                     "greedy_identical": e.get("greedy_identical")}
@@ -982,14 +1010,15 @@ def format_table(record: dict) -> str:
 
 def format_mixed_table(mixed: Dict[str, dict]) -> str:
     """The mixed arm per client count (see `summarize_mixed`)."""
-    lines = ["| clients | ours tok/s | peer tok/s | ours/peer | lane rows/cycle | mixed/shared ours "
-             "| mixed/shared peer | greedy identical (t0 requests) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| clients | ours tok/s | peer tok/s | ours/peer | lane rows/cycle | steady rows/cycle "
+             "| mixed/shared ours | mixed/shared peer | greedy identical (t0 requests) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in mixed.values():
         same = e.get("greedy_identical")
         same_txt = f"{same['identical']}/{same['compared']}" if same else ""
         lines.append(f"| {e['clients']} | {_fmt(e['ours_tok_s'], digits=1)} | {_fmt(e['peer_tok_s'], digits=1)} "
                      f"| {_fmt(e['ours_over_peer'], digits=2)} | {_fmt(e['lane_occupancy'], digits=2)} "
+                     f"| {_fmt(e.get('steady_lane_occupancy'), digits=2)} "
                      f"| {_fmt(e['mixed_over_shared'], digits=3)} | {_fmt(e['peer_mixed_over_shared'], digits=3)} "
                      f"| {same_txt} |")
     return "\n".join(lines)
@@ -1086,7 +1115,9 @@ def _mixed_lines() -> List[str]:
         "each pair once in every block of 15 requests,",
         f"`top_k` {SAMPLED['top_k']}, to both servers; its sampled requests carry a `seed` to ours only.",
         f"Mixed/shared: the median of the per-run ratios of the mixed arm's tok/s over the "
-        f"{_temp_label(SHARED_TEMPERATURE)} arm's at the same client count.",
+        f"{_temp_label(SHARED_TEMPERATURE)} arm's at the same client count. Steady rows/cycle: the lanes' rows",
+        "per cycle from the arm's start until its first client ran out of requests (the drain after it, the",
+        "last requests finishing with fewer neighbours, left out).",
     ]
 
 

@@ -1,5 +1,6 @@
 """`bench load` helpers: no servers are started here."""
 
+import asyncio
 import json
 import struct
 import types
@@ -211,12 +212,12 @@ def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
     sent = []
 
     def fake_arm(server, run):
-        bodies = run()                          # the arm's bodies, from the closed_loop below
+        bodies = run(None)                      # the arm's bodies, from the closed_loop below
         sent.append([(b["generation_mode"], b["prompt"]) for b in bodies])
         rows = [{"mode": b["generation_mode"], "e2e": 0.5} for b in bodies]
         return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, rows
 
-    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
+    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
     monkeypatch.setattr(bl, "_timed_arm", fake_arm)
     monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": [r["mode"] for r in rows], "wall_s": wall,
                                                                   "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None,
@@ -239,11 +240,11 @@ def test_logprob_arms_alternate_off_and_on_in_a_mirrored_order(monkeypatch):
     sent = []
 
     def fake_arm(server, run):
-        bodies = run()
+        bodies = run(None)
         sent.append("on" if "logprobs" in bodies[0] else "off")
         return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, [{}] * len(bodies)
 
-    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
+    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
     monkeypatch.setattr(bl, "_timed_arm", fake_arm)
     monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": len(rows), "wall_s": wall, "tok_s": 1.0,
                                                                   "ttft_p95_s": None, "itl_p50_s": None, "errors": 0})
@@ -312,10 +313,11 @@ def test_mixed_over_shared_is_the_median_of_per_run_ratios():
     mixed = bl.summarize_mixed(summary)
     assert list(mixed) == ["closed-8"]
     assert mixed["closed-8"] == {"clients": 8, "ours_tok_s": 200, "peer_tok_s": 100, "ours_over_peer": 2.0,
-                                 "lane_occupancy": 7.5, "mixed_over_shared": 1.0, "peer_mixed_over_shared": 1.0,
+                                 "lane_occupancy": 7.5, "steady_lane_occupancy": None,
+                                 "mixed_over_shared": 1.0, "peer_mixed_over_shared": 1.0,
                                  "greedy_identical": {"identical": 6, "compared": 6, "fraction": 1.0}}
     table = bl.format_mixed_table(mixed)
-    assert table.splitlines()[-1] == "| 8 | 200.0 | 100.0 | 2.00 | 7.50 | 1.000 | 1.000 | 6/6 |"
+    assert table.splitlines()[-1] == "| 8 | 200.0 | 100.0 | 2.00 | 7.50 | - | 1.000 | 1.000 | 6/6 |"
     # a run without the t0.6 arm: no ratio; one without a mixed arm: no mixed table
     no_shared = [{**r, "ours": {"mixed/closed-8": r["ours"]["mixed/closed-8"]},
                   "peer": {"mixed/closed-8": r["peer"]["mixed/closed-8"]}} for r in per_run]
@@ -350,11 +352,11 @@ def test_run_turn_runs_the_mixed_arm_like_the_others(monkeypatch):
     sent = {}
 
     def fake_arm(server, run):
-        bodies = run()
+        bodies = run(None)
         return {"tok_s": 1.0, "req_s": 10.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, bodies
 
     monkeypatch.setattr(bl, "_warm_up", lambda *a: None)
-    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n: bodies)
+    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
     monkeypatch.setattr(bl, "open_loop", lambda url, bodies, arrivals: bodies)
     monkeypatch.setattr(bl, "_timed_arm", fake_arm)
     plan = {"temperatures": [0.6, "mixed"], "clients": [1, 8], "per_client": 2, "min_requests": 15,
@@ -371,3 +373,40 @@ def test_run_turn_runs_the_mixed_arm_like_the_others(monkeypatch):
         assert [b.get("seed") is not None for b in ours["rows"][key]] == [b["temperature"] > 0
                                                                           for b in peer["rows"][key]]
     assert len({(b["temperature"], b["top_p"]) for b in peer["rows"]["mixed/closed-8"]}) == 15
+
+
+def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypatch):
+    """`at_drain` runs once, as the first worker finds no request left and before the others
+    finish: the steady rows per cycle of `_timed_arm` end there."""
+    events = []
+
+    async def fake_request(client, i, body):
+        await asyncio.sleep(0.01 * (1 + i % 3))
+        events.append(i)
+        return {"index": i}
+
+    async def at_drain(client):
+        events.append("drain")
+
+    monkeypatch.setattr(bl, "_one_request", fake_request)
+    rows, _ = asyncio.run(bl.closed_loop("http://127.0.0.1:9", [{}] * 9, 3, at_drain))
+    assert [r["index"] for r in rows] == list(range(9))
+    assert events.count("drain") == 1 and 0 < events.index("drain") < len(events) - 1
+
+    snaps = iter([{"replicas": {"a": {"lane_row_cycles": 0, "lane_cycles": 0}}},
+                  {"replicas": {"a": {"lane_row_cycles": 90, "lane_cycles": 30}}}])
+    monkeypatch.setattr(bl, "_snapshot", lambda url: next(snaps))
+
+    async def drained(client):
+        return {"replicas": {"a": {"lane_row_cycles": 80, "lane_cycles": 10}}}
+
+    monkeypatch.setattr(bl, "_snapshot_with", drained)
+    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {})
+
+    async def run(at_drain):
+        await at_drain(None)
+        return [], 1.0
+
+    server = types.SimpleNamespace(url="http://x", kind="ours")
+    summary, _ = bl._timed_arm(server, run)
+    assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0}
