@@ -138,7 +138,7 @@ def test_a_checkpoint_without_a_head_serves_plain_ar(models):
     for i, (r, p) in enumerate(zip(results, prompts)):
         assert r["tokens"] == generate_ar(m, p, 10, GREEDY if i < 2 else SAMPLED, seed=i).tokens
         assert r["stats"]["generation_mode"] == "ar" and "no mtp" in r["stats"]["mtp_disabled_reason"]
-    assert results[0]["stats"]["mtp_batch_real_width"] == 2        # the greedy rows shared a lane
+    assert results[0]["stats"]["mtp_batch_real_width"] == 3        # greedy and sampled rows shared a lane
     serial = MTPBatchGenerationService.for_model(m, numerics="b1-exact")     # the solo path: AR too
     try:
         r = serial.submit(MTPBatchJob(request_id="s", prompt_ids=prompts[2], max_tokens=10, seed=2,
