@@ -194,6 +194,11 @@ def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
     floor = max(CANDIDATE_FLOOR, cfg.min_p)
     while True:
         cand = np.flatnonzero(z_all >= np.float32(floor))
+        if 0 < cfg.top_k < cand.size:
+            # top-k keeps none below the k-th heaviest weight: rank only the candidates at or above
+            # it (still closed under ties, so still a prefix of the whole ranking)
+            kth = np.partition(z_all[cand], cand.size - cfg.top_k)[cand.size - cfg.top_k]
+            cand = cand[z_all[cand] >= kth]
         z = z_all[cand]
         order = np.lexsort((cand, -z))
         cand, zs = cand[order], z[order].astype(np.float64)
