@@ -474,7 +474,7 @@ class OpenAIIngress:
             raise oa.context_length_exceeded(len(prompt_ids), max_tokens, max_context, param=req.max_tokens_param)
         sampler = oa.sampler_from_request(req, self.meta["sampler_defaults"])
         mode = req.generation_mode or self.default_mode
-        key = mtp_batch_compatibility_key(self.served_model, req.omit_speculative_bonus, sampler, None, mode)
+        key = mtp_batch_compatibility_key(self.served_model)     # rows of any sampling share a lane
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         if req.stop_token_ids:
             self._check_vocab(req.stop_token_ids, "stop_token_ids")

@@ -21,6 +21,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import chain
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -1149,8 +1150,11 @@ class RunningLane:
         rows at once: `greedy_ladder` while every row, live or queued, that drafts in its next cycle
         is greedy (a sampled row that does not draft makes the same draws at any depth)."""
         demand = self.demand
-        rows = [r for r in self.rows if r is not None] + [a.row for a in self.admitting] + list(self.waiting)
-        ladder = self.greedy_ladder if all(r.greedy or not r.wants_draft() for r in rows) else self.ladder
+        ladder = self.ladder
+        if self.greedy_ladder is not self.ladder:
+            rows = chain(self.rows, (a.row for a in self.admitting), self.waiting)
+            if all(r is None or r.greedy or not r.wants_draft() for r in rows):
+                ladder = self.greedy_ladder
         fit = next((ln for ln in ladder if ln.width >= demand), ladder[-1])
         if self.lane is None:
             self._reshape(fit, [])
