@@ -37,9 +37,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 import mtplx
-from mtplx.server import anthropic
-from mtplx.server import openai as oa
-from mtplx.server.mtp_batch import mtp_batch_compatibility_key
+from mtplx.api import anthropic
+from mtplx.api import openai as oa
+from mtplx.api.rows import mtp_batch_compatibility_key
 
 from ._proc import freeze_startup_objects, renice_process, renice_serve_proxy
 from .live_page import PAGE_HTML, PAGE_PATH

@@ -214,7 +214,7 @@ class MTPReplica:
         # environment would not change it. None: no OpenBLAS to set (macOS, or MTPLX_BLAS=off).
         import mtplx
         from mtplx.runtime import set_blas_threads
-        from mtplx.server import mtp_batch
+        from mtplx.scheduler import service as mtp_batch
 
         self._mtplx = mtplx
         self.blas_threads = set_blas_threads(int(blas_threads) if blas_threads else 1)
@@ -457,7 +457,7 @@ class MTPReplica:
     def _error_class(self, job, exc: BaseException) -> dict:
         """A failed row's error event, by class. Only messages written for clients leave this
         process; anything else is a bug of ours, logged here with the request id."""
-        from mtplx.generation import CapacityError
+        from mtplx.engine.prefill import CapacityError
 
         if isinstance(exc, ReplicaOverloaded):
             return {"kind": "overloaded", "message": str(exc), "retry_after_s": self.retry_after_s}

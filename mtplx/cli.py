@@ -11,7 +11,7 @@ from pathlib import Path
 
 def _generate(a):
     import mtplx
-    from mtplx.generation import generate_ar, generate_mtpk
+    from mtplx.engine.decode import generate_ar, generate_mtpk
     from mtplx.sampling import SamplerConfig
 
     model = mtplx.load_model(a.model)
@@ -35,18 +35,18 @@ def _generate(a):
 
 def _bench(a):
     import mtplx
-    from mtplx import bench
-    from mtplx.bench_report import machine_info, new_record, write_report
+    from benchmarks import lane as bench
+    from benchmarks.report import machine_info, new_record, write_report
 
     if a.what == "load":
-        from deployments.bench_load import run_cli
+        from benchmarks.load import run_cli
 
         run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
                 logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
                 open_requests=a.open_requests, direct_http=a.direct_http)
         return
     if a.what == "soak":
-        from deployments.bench_soak import run_cli as run_soak
+        from benchmarks.soak import run_cli as run_soak
 
         record = run_soak(quick=a.quick, model=a.model, json_out=a.json, direct_http=a.direct_http)
         if not all(record["checks"].values()):
@@ -54,7 +54,7 @@ def _bench(a):
         return
     machine, started = machine_info(), time.time()
     if a.what == "http":
-        from deployments import bench_http
+        from benchmarks import http as bench_http
 
         result = bench_http.bench_http(model_path=a.model, n_rows=a.prompts, max_tokens=a.tokens or 256,
                                        rounds=a.rounds)
@@ -72,7 +72,7 @@ def _bench(a):
             result = bench.bench_lane(model, tokens=options["tokens"], rounds=a.rounds)
             render, plot = bench.render_lane, bench.plot_lane
         else:
-            from mtplx.server.mtp_batch import bench_service_overhead
+            from mtplx.scheduler.service import bench_service_overhead
 
             budgets = {"min_tokens": a.tokens // 2, "max_tokens": a.tokens} if a.tokens else {}
             options = {"prompts": a.prompts, "rounds": a.rounds, **budgets}
@@ -91,7 +91,7 @@ def _bench(a):
 
 def add_load_options(p) -> None:
     """The options only `bench load` takes, shared by `mtplx bench load` and `python -m
-    deployments.bench_load` (here, so that building this parser imports nothing heavy)."""
+    benchmarks.load` (here, so that building this parser imports nothing heavy)."""
     p.add_argument("--temperatures", default=None,
                    help="comma-separated arms: temperatures (0 greedy) and `mixed`, the arm of per-request "
                         "temperature and top_p (default 0,0.6,mixed)")

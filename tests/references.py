@@ -2,7 +2,7 @@
 prompt for the whole test session: greedy decoding of n tokens is the first n tokens of any longer
 run, so one run serves every shorter budget."""
 
-from mtplx.generation import generate_ar
+from mtplx.engine.decode import generate_ar
 from mtplx.sampling import GREEDY
 
 

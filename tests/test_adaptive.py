@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.a3b_mtp_batch import (HISTORY_FLUSH_AT, ROW_PROBE_FIRST, A3BMTPBatchRequest, RunningLane, StepPolicy,
+from mtplx.engine.lane import (HISTORY_FLUSH_AT, ROW_PROBE_FIRST, A3BMTPBatchRequest, RunningLane, StepPolicy,
                                  draft_acceptance_prior, install_a3b_mtp_batch_lane, solo_lane)
 from mtplx.sampling import SamplerConfig
-from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
 from references import greedy_ar
 
@@ -285,7 +285,7 @@ def test_service_auto_is_the_default_and_reports_its_steps(model):
 
 
 def test_bench_load_mode_arms_summary():
-    from deployments import bench_load as bl
+    from benchmarks import load as bl
 
     def run(auto, mtp, ar):
         return {"ours_modes": {m: {f"greedy/closed-{n}": {"tok_s": v} for n, v in zip((1, 8, 32), vals)}
@@ -347,7 +347,7 @@ def test_a_sampled_row_chaining_drafts_depends_only_on_its_seed(model, chained):
     """A sampled row in a lane chaining two drafts draws the tokens it draws alone (solo
     `generate_mtpk` at depth 2, a one-row lane), whether it joins a running lane beside greedy
     rows or not; the greedy rows beside it stay exact."""
-    from mtplx.generation import generate_mtpk
+    from mtplx.engine.decode import generate_mtpk
 
     p = [model.tokenizer.encode(t) for t in TEXTS]
     greedy = _greedy_reqs(model, (90, 80))

@@ -21,7 +21,7 @@ PROMPT = "def add(a, b):\n    return"
 
 
 def _greedy(model, prompt_ids, max_tokens, stop_token_ids=None):
-    from mtplx.generation import generate_ar
+    from mtplx.engine.decode import generate_ar
     from mtplx.sampling import SamplerConfig
 
     stops = model.eos_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
@@ -42,7 +42,7 @@ def _first_new_token(tokens, start: int = 3) -> int:
 
 
 def test_stop_string_matcher_names_the_earliest_match():
-    from mtplx.server.openai import StopStringMatcher
+    from mtplx.api.openai import StopStringMatcher
 
     m = StopStringMatcher(["world", "lo w"])
     assert m.push("hello world") == "hel" and m.stopped and m.matched == "lo w"
@@ -50,7 +50,7 @@ def test_stop_string_matcher_names_the_earliest_match():
 
 
 def test_finish_reasons_are_openais_only():
-    from mtplx.server.openai import FINISH_REASONS, openai_finish_reason
+    from mtplx.api.openai import FINISH_REASONS, openai_finish_reason
 
     for engine in ("stop", "length", "cancelled", "repetition_stop", None):
         assert openai_finish_reason(engine) in FINISH_REASONS
@@ -60,7 +60,7 @@ def test_finish_reasons_are_openais_only():
 def test_overload_refusals_spread_their_retry_after():
     """Clients refused together are told different whole seconds, from the delay to twice it, so
     they do not come back as one burst; a replica that is unavailable gives the delay itself."""
-    from mtplx.server import openai as oa
+    from mtplx.api import openai as oa
 
     told = [int(oa.overloaded("full", 1.5, status=429).headers["retry-after"]) for _ in range(200)]
     assert set(told) == {2, 3, 4}
@@ -70,7 +70,7 @@ def test_overload_refusals_spread_their_retry_after():
 
 @pytest.mark.parametrize("field,value", [("min_tokens", 4), ("repetition_penalty", 1.3)])
 def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
-    from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
 
     for cls, base in ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
                       (CompletionRequest, {"prompt": "x"})):
@@ -82,7 +82,7 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
 
 
 def test_logprobs_fields_are_validated():
-    from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
 
     chat = {"messages": [{"role": "user", "content": "x"}]}
     cases = [(ChatCompletionRequest, {**chat, "top_logprobs": 3}, "top_logprobs"),        # without logprobs
@@ -100,7 +100,7 @@ def test_logprobs_fields_are_validated():
 
 
 def test_logprobs_shapes_carry_each_tokens_exact_bytes(model):
-    from mtplx.server.openai import TokenBytes, chat_logprobs, completion_logprobs
+    from mtplx.api.openai import TokenBytes, chat_logprobs, completion_logprobs
 
     tok = model.tokenizer
     text = "h\u00e9llo \u2192 w\u00f6rld\n"
@@ -120,8 +120,8 @@ def test_logprobs_shapes_carry_each_tokens_exact_bytes(model):
 
 
 def test_anthropic_request_translates_to_the_chat_path(model):
-    from mtplx.server import anthropic
-    from mtplx.server.openai import ChatMessage, OpenAIError, encode_chat, parse_request
+    from mtplx.api import anthropic
+    from mtplx.api.openai import ChatMessage, OpenAIError, encode_chat, parse_request
 
     body = {"model": MODEL, "max_tokens": 7, "system": [{"type": "text", "text": "Be brief."}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]},
@@ -206,7 +206,7 @@ def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monk
 @RAY_MARK
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(http, ref_model):
     import mtplx
-    from mtplx.server.openai import ChatMessage, encode_chat
+    from mtplx.api.openai import ChatMessage, encode_chat
 
     tok = ref_model.tokenizer
     r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
@@ -280,7 +280,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
 
 
 def _chat_ids(model, content):
-    from mtplx.server.openai import ChatMessage, encode_chat
+    from mtplx.api.openai import ChatMessage, encode_chat
 
     return encode_chat(model.tokenizer, [ChatMessage(role="user", content=content)])
 
@@ -363,7 +363,7 @@ def test_heaviest_ranks_like_a_full_sort():
     them: ties, a vocabulary that is not a multiple of the block, more ids than blocks."""
     import numpy as np
 
-    from mtplx.a3b_mtp_batch import heaviest, logprob_entry
+    from mtplx.engine.lane import heaviest, logprob_entry
 
     rng = np.random.default_rng(0)
     rows = [rng.standard_normal(4096).astype(np.float32), rng.standard_normal(1000).astype(np.float32) * 9,
@@ -382,7 +382,7 @@ def test_heaviest_ranks_like_a_full_sort():
 def test_lane_logprobs_are_the_targets_own(model, width, steps):
     """Every emitted token's entry (drafts accepted or not, bonus tokens, AR steps' tokens) equals
     the log-softmax of one plain forward over the prompt and the output."""
-    from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane, solo_lane
+    from mtplx.engine.lane import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane, solo_lane
     from mtplx.sampling import SamplerConfig
 
     lane = solo_lane(model) if width == 1 else install_a3b_mtp_batch_lane(model, width=width)
@@ -458,9 +458,9 @@ def test_logprobs_through_chat_and_completions(client, ref_model):
 def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
     """n jobs of one prefill group run as rows of one lane after ONE prefill of the prompt; greedy
     rows equal plain greedy AR, sampled rows follow their own seeds whatever their neighbours."""
-    import mtplx.a3b_mtp_batch as lane_mod
+    import mtplx.engine.lane as lane_mod
     from mtplx.sampling import SamplerConfig
-    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
     prefills = []
     real_start = lane_mod.start_prefill
@@ -504,7 +504,7 @@ def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
 
 
 def test_n_and_best_of_are_validated():
-    from mtplx.server.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
 
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for cls, body, param in [(ChatCompletionRequest, {**chat, "n": 0}, "n"),
@@ -561,7 +561,7 @@ def test_b1_exact_serves_logprobs_in_the_one_row_lane(tmp_path, head):
     (a checkpoint without an MTP head included: its rows decode plain AR)."""
     import mtplx
     from mtplx.sampling import SamplerConfig
-    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
     from mtplx.synthetic import write_checkpoint
 
     m = mtplx.load_model(write_checkpoint(tmp_path / head, head=head, vocab=4096))
@@ -620,7 +620,7 @@ def test_cancelled_choices_report_openais_finish_reason_in_stats(serve_app, http
 
 def test_bench_load_logprobs_arms_summary():
     """`bench load --logprobs K`: per arm, median tok/s without and with, and the median ratio."""
-    from deployments import bench_load as bl
+    from benchmarks import load as bl
 
     def run(off, on):
         return {"ours_logprobs": {"off": {"greedy/closed-8": {"tok_s": off}},

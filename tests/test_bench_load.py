@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from deployments import bench_load as bl
+from benchmarks import load as bl
 
 
 def _read_safetensors(path):

@@ -1,4 +1,4 @@
-"""Benchmark reports (`mtplx.bench_report`): each bench's record becomes a JSON file, a PNG chart
+"""Benchmark reports (`benchmarks.report`): each bench's record becomes a JSON file, a PNG chart
 and its own section of BENCHMARKS.md, and every other section stays as it was. The solo, lane and
 service records come from the real benches at a few tokens; the http record (its bench needs a
 server of its own) is written in bench_http's shape."""
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from deployments import bench_http
-from mtplx import bench
-from mtplx.bench_report import machine_info, new_record, replace_section, write_report
-from mtplx.server.mtp_batch import bench_service_overhead
+from benchmarks import http as bench_http
+from benchmarks import lane as bench
+from benchmarks.report import machine_info, new_record, replace_section, write_report
+from mtplx.scheduler.service import bench_service_overhead
 
 OTHER_SECTIONS = ("# Benchmarks\n\nintro\n\n<!-- bench:load -->\nload table\n<!-- /bench:load -->\n\n"
                   "<!-- bench:load-latest -->\nlatest quick run\n<!-- /bench:load-latest -->\n\ntail\n")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane
-from mtplx.generation import generate_ar
+from mtplx.engine.lane import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane
+from mtplx.engine.decode import generate_ar
 from mtplx.models import cpu_ops as A
 from mtplx.sampling import SamplerConfig
 

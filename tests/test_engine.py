@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.generation import CapacityError, generate_ar, generate_mtpk
+from mtplx.engine.decode import generate_ar, generate_mtpk
+from mtplx.engine.prefill import CapacityError
 from mtplx.models.loader import (SHIPPED_MODEL, CheckpointShapeError, ModelLoadError,
                                  ModelNotFoundError, UnsupportedModelError)
 from mtplx.sampling import SamplerConfig
@@ -93,7 +94,7 @@ def test_sampled_mtp_keeps_target_joint_distribution(model):
     from test_lane import seeded_outcomes
     from test_sampling import ALPHA, chi2_sf_even, chi2_stat
 
-    from mtplx.a3b_mtp_batch import RunningLane, install_a3b_mtp_batch_lane
+    from mtplx.engine.lane import RunningLane, install_a3b_mtp_batch_lane
     from mtplx.sampling import distribution
 
     ids = model.tokenizer.encode("def ")

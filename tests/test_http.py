@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TEST_API_KEY
-from deployments.bench_http import BENCH_PROMPTS as PROMPTS
+from benchmarks.http import BENCH_PROMPTS as PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
 RAY_MARK = pytest.mark.ray
@@ -30,14 +30,14 @@ SEED_STATS_KEYS = ("decode_elapsed_s", "decode_tok_s", "scheduler_policy", "mtp_
 
 
 def _chat_ids(model, content: str) -> list:
-    from mtplx.server.openai import ChatMessage, encode_chat
+    from mtplx.api.openai import ChatMessage, encode_chat
 
     return encode_chat(model.tokenizer, [ChatMessage(role="user", content=content)])
 
 
 def _reference(model, prompt_ids, max_tokens):
     """(text, completion_tokens, finish_reason) of solo greedy AR, as the server would report."""
-    from mtplx.generation import generate_ar
+    from mtplx.engine.decode import generate_ar
     from mtplx.sampling import SamplerConfig
 
     r = generate_ar(model, prompt_ids, max_tokens=max_tokens, sampler=SamplerConfig(temperature=0.0),
@@ -62,9 +62,9 @@ def _replica_sum(snap: dict, key: str) -> int:
 
 def test_ingress_path_never_imports_mlx():
     code = ("import sys, deployments, deployments.ingress, deployments.app, deployments.router, "
-            "mtplx.server.openai\n"
+            "mtplx.api.openai\n"
             "bad = [m for m in sys.modules if m == 'mlx' or m.startswith('mlx.') or m.startswith('mlx_lm')]\n"
-            "heavy = [m for m in ('mtplx.generation', 'mtplx.models', 'mtplx.a3b_mtp_batch') if m in sys.modules]\n"
+            "heavy = [m for m in ('mtplx.engine.decode', 'mtplx.models', 'mtplx.engine.lane') if m in sys.modules]\n"
             "assert not bad and not heavy, (bad, heavy)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -578,7 +578,7 @@ def test_load_generator_client_reads_streams_refusals_and_drops(serve_app):
     leaves mid-way, and a refusal with its OpenAI error body."""
     import asyncio
 
-    from deployments.bench_soak import RawConnection, raw_stream
+    from benchmarks.soak import RawConnection, raw_stream
 
     body = {"model": "mtplx-tiny-py", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}

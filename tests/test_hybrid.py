@@ -25,15 +25,15 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
 import mtplx
-from mtplx.a3b_mtp_batch import (A3BMTPBatchRequest, LaneSelfCheckError, generate_a3b_mtp_batch,
+from mtplx.engine.lane import (A3BMTPBatchRequest, LaneSelfCheckError, generate_a3b_mtp_batch,
                                  install_a3b_mtp_batch_lane)
-from mtplx.generation import generate_mtpk
+from mtplx.engine.decode import generate_mtpk
 from mtplx.models import recurrent_cache as rc
 from mtplx.models.loader import SHIPPED_MODEL, CheckpointShapeError, _architectures
 from mtplx.models.mtp_head import MTPHead
 from mtplx.models.recurrent_cache import RecurrentCache
 from mtplx.sampling import GREEDY
-from mtplx.session_bank import SessionBank
+from mtplx.scheduler.session_bank import SessionBank
 
 from references import greedy_ar
 
@@ -405,7 +405,7 @@ def test_row_isolation_with_recurrent_state(models, lanes, kind):
 def test_running_lane_admits_widens_and_narrows_with_recurrent_state(models, lanes, kind):
     """GDN rows joining a running lane mid-flight (their state put into a free row), the lane
     widening B3 -> B8 and narrowing back (states carried over by row): every row stays exact."""
-    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.engine.lane import RunningLane
 
     m = models[kind]
     running = RunningLane([lanes[(kind, 3)], lanes[(kind, 8)]], narrow_after=3)
@@ -428,7 +428,7 @@ def test_a_lane_changes_depth_with_its_rows_sampling_with_recurrent_state(models
     at the same width (the rows' recurrent state and owed head history carried over), and its
     leaving moves it back: greedy rows equal plain greedy decoding, the sampled row equals itself
     decoded alone."""
-    from mtplx.a3b_mtp_batch import RunningLane, solo_lane
+    from mtplx.engine.lane import RunningLane, solo_lane
     from mtplx.sampling import SamplerConfig
 
     m = models["qwen3_5"]
@@ -510,7 +510,7 @@ def test_compiled_cycle_graphs_carry_recurrent_state(models, kind):
 def test_capture_commit_cost_measurement_runs(models):
     """`mtplx bench` reports capture-commit vs a plain verify; it must leave the caches it borrows
     consistent and report both modes."""
-    from mtplx.bench import capture_commit_costs
+    from benchmarks.lane import capture_commit_costs
 
     out = capture_commit_costs(models["qwen3_5"], 3, ctx=8, n=1)
     assert {"[3,2] compiled plain ms", "[3,2] compiled capture_commit ms", "eager overhead",
@@ -521,7 +521,7 @@ def test_capture_commit_cost_measurement_runs(models):
 def test_compiled_lane_never_retraces_while_decoding(models, lanes):
     """A row's KV is sized for prompt + max_tokens when it joins, so rows that decode across a
     256-token buffer boundary never retrace the compiled cycle graphs (counted by the lane)."""
-    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.engine.lane import RunningLane
 
     m, lane = models["qwen3_5"], lanes[("qwen3_5", 3)]
     assert lane.compiled

@@ -2,12 +2,12 @@
 
 import pytest
 
-from mtplx.a3b_mtp_batch import install_a3b_mtp_batch_lane
-from mtplx.generation import CapacityError, KVBudgetError
+from mtplx.engine.lane import install_a3b_mtp_batch_lane
+from mtplx.engine.prefill import CapacityError, KVBudgetError
 from mtplx.models.cache import STEP
 from mtplx.sampling import SamplerConfig
-from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob, row_state_bytes
-from mtplx.session_bank import SessionBank
+from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob, row_state_bytes
+from mtplx.scheduler.session_bank import SessionBank
 
 from references import greedy_ar
 

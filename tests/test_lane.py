@@ -6,10 +6,10 @@ import threading
 import numpy as np
 import pytest
 
-import mtplx.a3b_mtp_batch as lane_mod
-from mtplx.a3b_mtp_batch import (A3BMTPBatchCapacityError, A3BMTPBatchRequest, LaneSelfCheckError,
+import mtplx.engine.lane as lane_mod
+from mtplx.engine.lane import (A3BMTPBatchCapacityError, A3BMTPBatchRequest, LaneSelfCheckError,
                                  generate_a3b_mtp_batch, install_a3b_mtp_batch_lane)
-from mtplx.generation import generate_ar
+from mtplx.engine.decode import generate_ar
 from mtplx.sampling import SamplerConfig
 
 from references import greedy_ar
@@ -198,7 +198,7 @@ def test_selfcheck_parity_tolerance_follows_the_dtype(model, monkeypatch):
     """A batched row that differs from solo greedy fails the fp32 self-check (exact); under a
     bf16/fp16 tolerance the same difference passes only as a divergence at a near-tie, listed in
     the receipt (here the tolerance is made wide enough to hold it)."""
-    import mtplx.generation as gen
+    import mtplx.engine.decode as gen
 
     real = gen.generate_ar
 
@@ -366,8 +366,8 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
 
 @pytest.mark.parametrize("draw", lane_mod.DRAFT_DRAWS)
 def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes, draw, monkeypatch):
-    from mtplx.a3b_mtp_batch import solo_lane
-    from mtplx.generation import generate_mtpk
+    from mtplx.engine.lane import solo_lane
+    from mtplx.engine.decode import generate_mtpk
 
     monkeypatch.setenv("MTPLX_DRAFT_DRAW", draw)     # the solo path's lane too
     hot = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)
@@ -454,7 +454,7 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft,
     critical value with this many samples."""
     from test_sampling import ALPHA, chi2_test
 
-    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.engine.lane import RunningLane
     from mtplx.sampling import row_distribution
 
     cfg = SamplerConfig(temperature=0.7, top_p=0.8, top_k=0, min_p=0.1, presence_penalty=0.4,
@@ -497,7 +497,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
     import mlx.core as mx
     from test_sampling import ALPHA, chi2_test
 
-    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.engine.lane import RunningLane
     from mtplx.sampling import row_distribution
 
     cfg = SamplerConfig(temperature=1.0, top_k=3, top_p=1.0, presence_penalty=0.5)
@@ -537,7 +537,7 @@ def _head_history_is_the_rows_own(model, running) -> int:
     output (entries (h_i, token_i+1)); returns how many entries were compared."""
     import mlx.core as mx
 
-    from mtplx.generation import prefill
+    from mtplx.engine.prefill import prefill
 
     compared = 0
     for b, row in enumerate(running.rows):
@@ -560,7 +560,7 @@ def test_ladder_of_mixed_depths_widens_and_narrows_exactly(model, lanes):
     chaining 1, then narrow back. At each change of depth a row that owes head-history entries
     (its last cycle accepted drafts) settles them first: the head's history stays each row's own
     (checked after every change), and every row's tokens equal plain greedy decoding."""
-    from mtplx.a3b_mtp_batch import solo_lane
+    from mtplx.engine.lane import solo_lane
 
     ladder = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), lanes[8]]
     prompts = _prompts(model, 6)
@@ -616,7 +616,7 @@ MIXED = [  # (sampler, extra request fields): every setting a client may send, s
 def _mixed_ladders(model, lanes):
     """The service's two ladders: depth 1 at every width, and deeper chains for lanes whose
     drafting rows are all greedy."""
-    from mtplx.a3b_mtp_batch import solo_lane
+    from mtplx.engine.lane import solo_lane
 
     deep = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=3),
             install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)]
@@ -629,7 +629,7 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
     they are queued (a sampled row's draws never see a deeper chain) and back once they leave.
     Every greedy row equals plain greedy decoding; every row, token for token (its logprob
     entries to 1e-4), equals the same request decoded alone in the one-row lane."""
-    from mtplx.a3b_mtp_batch import solo_lane
+    from mtplx.engine.lane import solo_lane
 
     ladder, deep = _mixed_ladders(model, lanes)
     prompts = _prompts(model, 8)
@@ -696,7 +696,7 @@ def test_a_sampled_row_that_stopped_drafting_leaves_its_greedy_neighbours_their_
     """A sampled `auto` row that has stopped drafting makes the same draws at any depth, so its
     greedy neighbour keeps chaining 3 drafts beside it; each probe it makes moves the lane to depth
     1 for that cycle. Its tokens equal its own decoded alone; the greedy row's, plain greedy's."""
-    from mtplx.a3b_mtp_batch import solo_lane
+    from mtplx.engine.lane import solo_lane
 
     monkeypatch.setattr(lane_mod, "ROW_STOP_BELOW", 0.95)      # one rejection stops a row
     ladder, deep = _mixed_ladders(model, lanes)

@@ -1,10 +1,10 @@
 """Prefix reuse through the session bank: cached tokens reported, greedy output unchanged."""
 
-from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
-from mtplx.generation import generate_mtpk
-from mtplx.prefix_cache import PrefixState
+from mtplx.engine.lane import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.engine.decode import generate_mtpk
+from mtplx.engine.prefix_cache import PrefixState
 from mtplx.sampling import SamplerConfig
-from mtplx.session_bank import SessionBank
+from mtplx.scheduler.session_bank import SessionBank
 
 GREEDY = SamplerConfig(temperature=0.0)
 SYSTEM = "You are a careful Python programmer. " * 40
@@ -152,7 +152,7 @@ def test_bank_fits_in_the_room_rows_leave_it(model):
 def test_service_reuses_prefixes_for_jobs_without_hooks(model):
     """for_model gives the service a bank: a second job sharing a long prefix reports cached
     tokens and the same greedy output as a cold run."""
-    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
     service = MTPBatchGenerationService.for_model(model, widths=(3,))
     try:

@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 import mtplx
-from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
-from mtplx.generation import generate_ar, generate_mtpk
+from mtplx.engine.lane import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import GREEDY, SamplerConfig
 from mtplx.synthetic import QWEN3_VOCAB, QWEN35_VOCAB, write_checkpoint
 
@@ -95,9 +95,9 @@ def test_repetition_stop_through_the_service(models, monkeypatch):
     """A row that arms the repetition stop ends when its output repeats (the tied test model
     repeats one token): its result drops the repeats after the first copy and says so; a row
     that does not arm it runs to its budget."""
-    import mtplx.a3b_mtp_batch as lane_mod
-    from mtplx.repetition import RepetitionLimits
-    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+    import mtplx.engine.lane as lane_mod
+    from mtplx.engine.repetition import RepetitionLimits
+    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
     monkeypatch.setattr(lane_mod, "REPETITION_LIMITS", RepetitionLimits(20, 12, 4, 8))
     m = models["qwen3_bf16_tied"]
@@ -122,7 +122,7 @@ def test_repetition_stop_through_the_service(models, monkeypatch):
 def test_a_checkpoint_without_a_head_serves_plain_ar(models):
     """No MTP head: the service starts with lanes of plain AR rows, every request (whatever its
     generation_mode) decodes exactly as generate_ar, and the snapshot and each result say why."""
-    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
     m = models["qwen3_bf16_nohead"]
     service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.05)
@@ -173,7 +173,7 @@ def served(models, serve_app):
 
 
 def _chat_ids(model, content):
-    from mtplx.server.openai import ChatMessage, encode_chat
+    from mtplx.api.openai import ChatMessage, encode_chat
 
     return encode_chat(model.tokenizer, [ChatMessage(role="user", content=content)])
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mtplx.repetition import RepetitionLimits, repeated_tail
+from mtplx.engine.repetition import RepetitionLimits, repeated_tail
 
 SMALL = RepetitionLimits(min_tokens=20, min_repeated=12, min_repeats=4, max_block=8)
 

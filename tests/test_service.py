@@ -1,4 +1,4 @@
-"""The cohort service (mtplx/server/mtp_batch.py) against the shipped model and the real lanes.
+"""The cohort service (mtplx/scheduler/service.py) against the shipped model and the real lanes.
 
 Fake drivers appear only where a rare fault must be forced (a driver error). Jobs are queued while
 the model-owner thread is held (`held_owner`), so which jobs share a cohort is deterministic.
@@ -11,10 +11,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from mtplx.a3b_mtp_batch import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane, solo_lane
-from mtplx.generation import generate_ar, generate_mtpk
+from mtplx.engine.lane import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane, solo_lane
+from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
-from mtplx.server.mtp_batch import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchCancelled,
+from mtplx.scheduler.service import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchCancelled,
                                     MTPBatchGenerationService, MTPBatchJob,
                                     MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
 
@@ -411,7 +411,7 @@ def test_callback_error_stays_row_local(service, prompts):
 
 
 def test_lane_error_fails_only_its_lane(make_service, prompts):
-    from mtplx.a3b_mtp_batch import RunningLane
+    from mtplx.engine.lane import RunningLane
 
     broken = []
 
@@ -662,7 +662,7 @@ def test_pump_once_without_owner_thread(make_service, prompts):
 def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkeypatch):
     """A lane whose self-check fails is not installed; the service still starts, names the failed
     check in its snapshot, and decodes that width's rows through the one-row lane (exactly)."""
-    import mtplx.a3b_mtp_batch as lane_mod
+    import mtplx.engine.lane as lane_mod
 
     real = lane_mod.run_selfcheck
     monkeypatch.setattr(lane_mod, "run_selfcheck", lambda lane: real(lane) if lane.width != 8 else {
@@ -686,7 +686,7 @@ def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkey
 def test_idle_owner_returns_free_heap_once_per_busy_spell(service, prompts, monkeypatch):
     """After work, an owner idle for IDLE_HEAP_RELEASE_S hands the C heap's free pages back to the
     OS (once; not again while it stays idle), and never while rows decode."""
-    import mtplx.server.mtp_batch as mb
+    import mtplx.scheduler.service as mb
     from mtplx.runtime import release_free_heap
 
     assert release_free_heap() is True          # glibc: the real call works here

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from .errors import CheckpointShapeError
 from .recurrent_cache import RecurrentCache, install_capture
 
 _NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
@@ -51,7 +52,6 @@ def checkpoint_shapes(path: Path) -> dict:
 
 def sanitize_mtp(weights: dict, *, raw: bool, num_experts: int) -> dict:
     """HF -> mlx layout for the head's weights (names without the `mtp.` prefix)."""
-    from .loader import CheckpointShapeError
 
     out = dict(weights)
     # Fused experts (Qwen3.5 MoE): gate_up [E, 2I, H] -> gate, up; down stays [E, H, I].

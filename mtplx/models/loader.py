@@ -20,25 +20,10 @@ from mlx_lm.utils import _get_classes
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from .cpu_ops import column_major_weights
+from .errors import CheckpointShapeError, ModelLoadError, ModelNotFoundError, UnsupportedModelError  # noqa: F401
 from .mtp_head import MTPHead
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "assets" / "mtplx-tiny-py"
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint could not be loaded; the message says what to fix."""
-
-
-class ModelNotFoundError(ModelLoadError, FileNotFoundError):
-    pass
-
-
-class UnsupportedModelError(ModelLoadError):
-    pass
-
-
-class CheckpointShapeError(ModelLoadError):
-    pass
 
 
 def _text_config(config: dict) -> dict:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .models.cache import restore_layer, snapshot_layer, snapshot_nbytes
+from mtplx.models.cache import restore_layer, snapshot_layer, snapshot_nbytes
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`bench soak`: the served app under churn and overload, as `serve run` starts it.
 
 Two phases, each on its own `serve run` of `serve_configs/config.yaml` (a fresh local Ray, free port,
-see `deployments.bench_load.start_ours`):
+see `benchmarks.load.start_ours`):
 
   * **soak** (the shipped config): REQUESTS streaming `/v1/completions` from CLIENTS closed-loop
     clients, greedy and sampled alternating by request index, `max_tokens` 8-256 (fixed per
@@ -16,7 +16,7 @@ see `deployments.bench_load.start_ours`):
     in OpenAI's error shape, answered within 100 ms (time to the status line); every admitted
     request must complete.
 
-    python -m deployments.bench_soak            # or: mtplx bench soak [--quick]
+    python -m benchmarks.soak            # or: mtplx bench soak [--quick]
 
 Writes `build/bench/soak-<stamp>.json` and the `bench:soak` section of `BENCHMARKS.md`.
 """
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Callable, List, Optional
 from urllib.parse import urlsplit
 
-from mtplx.server.mtp_batch import IDLE_HEAP_RELEASE_S
+from mtplx.scheduler.service import IDLE_HEAP_RELEASE_S
 
-from .bench_load import ROOT, _snapshot, percentile, prompt_for, replace_section, start_ours
+from benchmarks.load import ROOT, _snapshot, percentile, prompt_for, replace_section, start_ours
 
 REQUESTS, CLIENTS, DROP_FRACTION = 1000, 32, 0.30
 MIN_BUDGET, MAX_BUDGET = 8, 256
@@ -295,7 +295,7 @@ def probe(base_url: str, seconds: float, model: str) -> List[dict]:
 def _start_probe(base_url: str, seconds: float, model: str):
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-m", "deployments.bench_soak", "--probe", base_url,
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.soak", "--probe", base_url,
                              "--probe-seconds", str(seconds), "--probe-model", model],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequ
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..sampling import SamplerConfig
+from mtplx.sampling import SamplerConfig
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20

@@ -4,7 +4,7 @@ response, streaming event and error shapes.
 
 A Messages request rides the same path as a chat completion: the model's chat template, the same
 row in the same cohorts and running lanes, the same streaming machinery; only the framing differs.
-Like `mtplx.server.openai`, no MLX here (the ingress imports this module).
+Like `mtplx.api.openai`, no MLX here (the ingress imports this module).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from . import openai as oa
+from mtplx.api import openai as oa
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

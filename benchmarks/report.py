@@ -22,7 +22,7 @@ def now_iso() -> str:
 def machine_info() -> dict:
     """Where the figures came from: OS, cores, the live BLAS and MLX runtime, load at the start
     (the benches run side by side with whatever else the machine does)."""
-    from . import runtime_info
+    from mtplx import runtime_info
 
     return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "runtime": runtime_info(),
             "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}

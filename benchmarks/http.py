@@ -13,11 +13,11 @@ too. And what the metrics and the live page cost (target <= 2%): the `n_rows` SS
 app with metrics on while its snapshot is polled once a second (the live page), and against a
 copy of the app with `metrics: false` on the same Serve, arms alternating.
 
-    from deployments.bench_http import bench_http
+    from benchmarks.http import bench_http
     report = bench_http()                     # starts a local Ray Serve on a free loopback port
     report = bench_http(base_url="http://127.0.0.1:8000")   # or measure a running server
 
-`python -m deployments.bench_http [--json]` prints the report.
+`python -m benchmarks.http [--json]` prints the report.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Optional
 
-from ._proc import free_port
+from deployments._proc import free_port
 
 BENCH_PROMPTS = (
     "def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\nimport sys\n\n",
@@ -160,8 +160,8 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     import mtplx
     from mtplx.runtime import set_blas_threads
     from mtplx.sampling import SamplerConfig
-    from mtplx.server import mtp_batch
-    from mtplx.server.openai import ChatMessage, encode_chat
+    from mtplx.scheduler import service as mtp_batch
+    from mtplx.api.openai import ChatMessage, encode_chat
 
     model = mtplx.load_model(model_path)
     greedy = SamplerConfig(temperature=0.0)
@@ -326,8 +326,8 @@ def format_report(r: dict) -> str:
 
 
 def render_report(record: dict, image: str) -> str:
-    """The `bench:http` section of BENCHMARKS.md (see mtplx.bench_report)."""
-    from mtplx.bench_report import machine_line
+    """The `bench:http` section of BENCHMARKS.md (see benchmarks.report)."""
+    from benchmarks.report import machine_line
 
     t = record["lone_ttft"]
     threads = record["blas_threads"]
@@ -371,7 +371,7 @@ def render_report(record: dict, image: str) -> str:
 
 def plot_report(record: dict, path) -> None:
     """Aggregate tok/s per arm and row count; lone-request time to first token per arm."""
-    from mtplx.bench_report import grouped_bars, pyplot, save_figure
+    from benchmarks.report import grouped_bars, pyplot, save_figure
 
     plt = pyplot()
     fig, (ax_tok, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})

@@ -13,7 +13,7 @@ ratios from the same run, report medians).
   Both report, for hybrid (GDN) models, capture-commit vs a plain verify forward.
 
 Each bench (and `service`, `http`) also has a report: `render_*` writes its section of
-BENCHMARKS.md, `plot_*` its chart (`mtplx.bench_report.write_report` puts them in place).
+BENCHMARKS.md, `plot_*` its chart (`benchmarks.report.write_report` puts them in place).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from .a3b_mtp_batch import (A3BMTPBatchRequest, default_draft_draw, generate_a3b_mtp_batch,
+from mtplx.engine.lane import (A3BMTPBatchRequest, default_draft_draw, generate_a3b_mtp_batch,
                            install_a3b_mtp_batch_lane)
-from .bench_report import grouped_bars, machine_line, pyplot, save_figure
-from .generation import generate_ar, generate_mtpk
-from .sampling import SamplerConfig
+from benchmarks.report import grouped_bars, machine_line, pyplot, save_figure
+from mtplx.engine.decode import generate_ar, generate_mtpk
+from mtplx.sampling import SamplerConfig
 
 BENCH_PROMPTS = [
     "def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
@@ -146,7 +146,7 @@ def _child_bench(args, env_extra) -> dict:
 def _cohort_caches(model, B: int, ctx: int) -> list:
     """Target caches of a B-row lane, each row prefilled alone with `ctx` tokens, then put into
     its row as a running lane does (any layer type)."""
-    from .models.cache import empty_batch_layer
+    from mtplx.models.cache import empty_batch_layer
 
     per = [model.make_cache() for _ in range(B)]
     for pc in per:
@@ -183,8 +183,8 @@ def capture_commit_costs(model, B, ctx=64, n=20):
     None for attention-only models."""
     from mlx_lm.models.cache import ArraysCache
 
-    from .models.cache import RaggedKVCache, commit_rows
-    from .models.recurrent_cache import RecurrentCache
+    from mtplx.models.cache import RaggedKVCache, commit_rows
+    from mtplx.models.recurrent_cache import RecurrentCache
 
     if not any(isinstance(c, RecurrentCache) for c in model.make_cache()):
         return None
@@ -352,7 +352,7 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Reports: each bench's section of BENCHMARKS.md and its chart (written by mtplx.bench_report)
+# Reports: each bench's section of BENCHMARKS.md and its chart (written by benchmarks.report)
 
 
 def _cell(v, digits: int = 1) -> str:

@@ -1,5 +1,5 @@
 """An in-memory bank of prompt-prefix states, keyed by exact token prefix (boundary states) or
-by the exact prompt (whole-prompt states; see mtplx.prefix_cache).
+by the exact prompt (whole-prompt states; see mtplx.engine.prefix_cache).
 
 LRU within a byte budget; each entry carries the fingerprint of the model it was computed by
 and only matches that model. Under a service with a memory budget the bank also fits in what the
@@ -14,7 +14,7 @@ import threading
 from collections import Counter, OrderedDict
 from typing import Callable, Optional
 
-from .prefix_cache import PrefixState
+from mtplx.engine.prefix_cache import PrefixState
 
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 

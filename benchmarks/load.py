@@ -44,7 +44,7 @@ its temperature-0 requests only. The mixed arm's closed loops add, in a table of
 `mixed`), mixed/shared: the median of the per-run ratios of ours' mixed-arm tok/s over ours'
 t0.6-arm tok/s at the same client count (null without a t0.6 arm), and the same for the peer.
 
-    python -m deployments.bench_load --quick          # or: mtplx bench load --quick
+    python -m benchmarks.load --quick          # or: mtplx bench load --quick
 
 Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:load` section of
 `BENCHMARKS.md`; a run with `--modes`, `--logprobs` or `--model`, or with other arms or only some
@@ -87,9 +87,9 @@ import uuid
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
-from mtplx.bench_report import machine_info, replace_section
+from benchmarks.report import machine_info, replace_section
 
-from ._proc import DIRECT_HTTP_ENV, direct_http_env, free_port
+from deployments._proc import DIRECT_HTTP_ENV, direct_http_env, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODEL = ROOT / "mtplx" / "assets" / "mtplx-tiny-py"

@@ -1,0 +1,81 @@
+"""The row contract: what the ingress hands the replica for one completion (`RowSpec`), and the
+one rule for which rows share a running lane (`mtp_batch_compatibility_key`). Plain Python, no
+MLX; built once from the request, carried ingress -> replica -> scheduler unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mtplx.sampling import SamplerConfig
+
+GENERATION_MODES = ("auto", "mtp", "ar")
+
+
+def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus: bool = False,
+                                sampler: Optional[SamplerConfig] = None,
+                                draft_sampler: Optional[SamplerConfig] = None,
+                                generation_mode: str = "mtp") -> tuple:
+    """The compatibility key, the one rule for which rows share a running lane: the model, and
+    nothing of the request's sampling route. It takes the route's parts (MTPLX's signature) to
+    say, for each, why it stays out: every one travels with its row, and the lane acts on it per
+    row in the same forwards.
+
+    - sampler and draft sampler (temperature, top_p, top_k, min_p, penalties): each row draws
+      from its own distributions with its own RNG; greedy rows keep the argmax (a point mass).
+      A lane chains deeper drafts only while all its drafting rows are greedy
+      (``RunningLane.greedy_ladder``), so a sampled row's draws never depend on its neighbours.
+      Greedy and sampled rows share one lane: with mixed settings, lanes split by greedy/sampled
+      took turns at a third fewer rows a cycle (README, "Mixed sampling settings in one lane").
+    - omit-bonus flag: a row keeps or drops its own bonus token.
+    - generation mode: a row's ``speculative`` / ``adaptive`` flags; a row that does not draft
+      keeps one target token per cycle (AR's draws) in an MTP cycle.
+    - seed, stop sets, logprobs, ``n`` siblings: the row's own.
+
+    Only the model stays: rows of different weights cannot share a forward.
+    """
+    return (model_id,)
+
+
+def speculation(generation_mode: str) -> tuple:
+    """A generation mode as the engine's row flags (speculative, adaptive): "mtp" always drafts,
+    "ar" never, "auto" drafts while its drafts pay (the row's own acceptance)."""
+    if generation_mode not in GENERATION_MODES:
+        raise ValueError(f"generation_mode={generation_mode!r}: expected one of {GENERATION_MODES}")
+    return generation_mode != "ar", generation_mode == "auto"
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One completion row as the scheduler needs it: prompt, budget, sampling, stops, logprobs.
+    `stop_token_ids` are the request's own; the model's EOS joins them at the replica unless
+    `ignore_eos`. `prefill_group`: rows of one request (n > 1) that share one prefill."""
+
+    request_id: str
+    model: str
+    prompt_ids: tuple
+    max_tokens: int
+    sampler: SamplerConfig
+    seed: int
+    generation_mode: str = "auto"
+    draft_sampler: Optional[SamplerConfig] = None
+    omit_speculative_bonus: bool = False
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None          # None, or the alternatives per token (0-20)
+    prefill_group: Optional[str] = None
+
+    def __post_init__(self):
+        speculation(self.generation_mode)    # a bad mode fails here, where the row is built
+
+    @property
+    def compatibility_key(self) -> tuple:
+        return mtp_batch_compatibility_key(self.model)
+
+    @property
+    def speculative(self) -> bool:
+        return speculation(self.generation_mode)[0]
+
+    @property
+    def adaptive(self) -> bool:
+        return speculation(self.generation_mode)[1]
