@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from benchmarks import load as bl
+from benchmarks import report, servers
+from benchmarks.load import arms, cli, clients, outputs, summary, workload
 
 
 def _read_safetensors(path):
@@ -23,8 +24,8 @@ def _read_safetensors(path):
 
 def test_peer_checkpoint_drops_mtp_and_keeps_the_rest_byte_identical(tmp_path):
     out = tmp_path / "peer"
-    info = bl.make_peer_checkpoint(bl.SHIPPED_MODEL, out)
-    src, src_meta = _read_safetensors(bl.SHIPPED_MODEL / "model.safetensors")
+    info = servers.make_peer_checkpoint(servers.SHIPPED_MODEL, out)
+    src, src_meta = _read_safetensors(servers.SHIPPED_MODEL / "model.safetensors")
     dst, dst_meta = _read_safetensors(out / "model.safetensors")
     mtp = {k for k in src if k.startswith("mtp.")}
     assert mtp and info["dropped_tensors"] == len(mtp)
@@ -33,10 +34,10 @@ def test_peer_checkpoint_drops_mtp_and_keeps_the_rest_byte_identical(tmp_path):
     assert dst_meta == src_meta
     cfg = json.loads((out / "config.json").read_text())
     assert "mtp_num_hidden_layers" not in cfg
-    src_cfg = json.loads((bl.SHIPPED_MODEL / "config.json").read_text())
+    src_cfg = json.loads((servers.SHIPPED_MODEL / "config.json").read_text())
     src_cfg.pop("mtp_num_hidden_layers")
     assert cfg == src_cfg
-    assert (out / "tokenizer.json").read_bytes() == (bl.SHIPPED_MODEL / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (servers.SHIPPED_MODEL / "tokenizer.json").read_bytes()
 
 
 def test_strip_safetensors_handles_any_dtype_and_offsets(tmp_path):
@@ -50,7 +51,7 @@ def test_strip_safetensors_handles_any_dtype_and_offsets(tmp_path):
     h = json.dumps(header).encode()
     src = tmp_path / "src.safetensors"
     src.write_bytes(struct.pack("<Q", len(h)) + h + blob)
-    dropped = bl.strip_safetensors(src, tmp_path / "dst.safetensors", bl.is_mtp_tensor)
+    dropped = servers.strip_safetensors(src, tmp_path / "dst.safetensors", servers.is_mtp_tensor)
     out, meta = _read_safetensors(tmp_path / "dst.safetensors")
     assert dropped == ["mtp.x"]
     assert out == {k: v for k, v in tensors.items() if k != "mtp.x"}
@@ -61,12 +62,12 @@ def test_strip_safetensors_handles_any_dtype_and_offsets(tmp_path):
 
 def test_percentile_matches_linear_interpolation():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
-    assert bl.percentile(xs, 50) == 3.0
-    assert bl.percentile(xs, 95) == pytest.approx(4.8)
-    assert bl.percentile(xs, 0) == 1.0 and bl.percentile(xs, 100) == 5.0
-    assert bl.percentile([None, 7.0], 95) == 7.0
-    assert bl.percentile([], 50) is None
-    assert bl.median_or_none([None, 1.0, 3.0]) == 2.0 and bl.median_or_none([None]) is None
+    assert summary.percentile(xs, 50) == 3.0
+    assert summary.percentile(xs, 95) == pytest.approx(4.8)
+    assert summary.percentile(xs, 0) == 1.0 and summary.percentile(xs, 100) == 5.0
+    assert summary.percentile([None, 7.0], 95) == 7.0
+    assert summary.percentile([], 50) is None
+    assert summary.median_or_none([None, 1.0, 3.0]) == 2.0 and summary.median_or_none([None]) is None
 
 
 def _row(index, ttft, itl, e2e, tokens, text="x", error=None, gaps=()):
@@ -77,7 +78,7 @@ def _row(index, ttft, itl, e2e, tokens, text="x", error=None, gaps=()):
 def test_summarize_arm_counts_only_successful_requests():
     rows = [_row(0, 0.1, 0.01, 1.0, 100, gaps=[0.01, 0.02]), _row(1, 0.3, 0.03, 2.0, 50, gaps=[0.03]),
             _row(2, None, None, None, 0, error="HTTP 503: busy")]
-    s = bl.summarize_arm(rows, wall_s=3.0)
+    s = summary.summarize_arm(rows, wall_s=3.0)
     assert s["requests"] == 3 and s["errors"] == 1 and s["error_samples"] == ["HTTP 503: busy"]
     assert s["completion_tokens"] == 150 and s["tok_s"] == pytest.approx(50.0)
     assert s["req_s"] == pytest.approx(2 / 3)
@@ -92,10 +93,10 @@ def test_lane_occupancy_sums_replicas_and_tolerates_missing_counters():
 
     before = snap({"lane_row_cycles": 10, "lane_cycles": 5}, {"lane_row_cycles": 0, "lane_cycles": 0})
     after = snap({"lane_row_cycles": 50, "lane_cycles": 15}, {"lane_row_cycles": 30, "lane_cycles": 10})
-    assert bl.lane_occupancy(before, after) == pytest.approx(70 / 20)
-    assert bl.lane_occupancy(snap({"cohort_calls": 1}), snap({"cohort_calls": 2})) is None
-    assert bl.lane_occupancy(None, after) is None
-    assert bl.lane_occupancy(after, after) is None
+    assert summary.lane_occupancy(before, after) == pytest.approx(70 / 20)
+    assert summary.lane_occupancy(snap({"cohort_calls": 1}), snap({"cohort_calls": 2})) is None
+    assert summary.lane_occupancy(None, after) is None
+    assert summary.lane_occupancy(after, after) is None
 
 
 def test_identical_texts_pairs_by_index_and_skips_errors():
@@ -104,7 +105,7 @@ def test_identical_texts_pairs_by_index_and_skips_errors():
     peer = [_row(1, 0, 0, 0, 1, "B"), _row(0, 0, 0, 0, 1, "a b"), _row(2, 0, 0, 0, 1, "c"),
             _row(3, 0, 0, 0, 1, "d")]
     # one leading space is ignored (mlx-lm trims it), a second one is a difference
-    assert bl.identical_texts(ours, peer) == {"identical": 1, "compared": 3, "fraction": 1 / 3,
+    assert summary.identical_texts(ours, peer) == {"identical": 1, "compared": 3, "fraction": 1 / 3,
                                               "differing_indices": [1, 3]}
 
 
@@ -116,7 +117,7 @@ def test_summarize_runs_medians_ratio_and_summed_errors():
     per_run = [{"ours": {"greedy/closed-8": arm(t_o, 0)}, "peer": {"greedy/closed-8": arm(t_p, e)},
                 "identical": {"greedy/closed-8": {"identical": 3, "compared": 4, "fraction": 0.75}}}
                for t_o, t_p, e in ((200, 100, 0), (300, 100, 1), (100, 200, 0))]
-    s = bl.summarize_runs(per_run)["greedy/closed-8"]
+    s = summary.summarize_runs(per_run)["greedy/closed-8"]
     assert s["ours"]["tok_s"] == 200 and s["peer"]["tok_s"] == 100
     assert s["tok_s_ratio"] == 2.0            # median of 2.0, 3.0, 0.5
     assert s["peer"]["errors"] == 1 and s["peer"]["requests"] == 12
@@ -126,34 +127,34 @@ def test_summarize_runs_medians_ratio_and_summed_errors():
 
 def test_replace_section_keeps_other_sections():
     text = "# Benchmarks\n\nintro\n\n<!-- bench:solo -->\nsolo v1\n<!-- /bench:solo -->\n\ntail\n"
-    once = bl.replace_section(text, "load", "load v1")
+    once = report.replace_section(text, "load", "load v1")
     assert "<!-- bench:load -->\nload v1\n<!-- /bench:load -->" in once
-    twice = bl.replace_section(once, "load", "load v2")
+    twice = report.replace_section(once, "load", "load v2")
     assert "load v1" not in twice and twice.count("<!-- bench:load -->") == 1
     assert twice.replace("<!-- bench:load -->\nload v2\n<!-- /bench:load -->", "X") == \
         once.replace("<!-- bench:load -->\nload v1\n<!-- /bench:load -->", "X")
     assert "solo v1" in twice and "intro" in twice and "tail" in twice
-    assert bl.replace_section("", "load", "body").startswith("# Benchmarks\n\n<!-- bench:load -->")
+    assert report.replace_section("", "load", "body").startswith("# Benchmarks\n\n<!-- bench:load -->")
 
 
 def test_workload_is_deterministic_and_mixed():
-    a = [bl.request_body(i, 0.6, "m", send_seed=True) for i in range(40)]
-    b = [bl.request_body(i, 0.6, "m", send_seed=True) for i in range(40)]
+    a = [workload.request_body(i, 0.6, "m", send_seed=True) for i in range(40)]
+    b = [workload.request_body(i, 0.6, "m", send_seed=True) for i in range(40)]
     assert a == b
     assert [x["seed"] for x in a] == [1000 + i for i in range(40)]
-    assert "seed" not in bl.request_body(3, 0.6, "m", send_seed=False)
-    greedy = bl.request_body(3, 0.0, "m", send_seed=True)
+    assert "seed" not in workload.request_body(3, 0.6, "m", send_seed=False)
+    greedy = workload.request_body(3, 0.0, "m", send_seed=True)
     assert "seed" not in greedy and "top_p" not in greedy and greedy["stream_options"] == {"include_usage": True}
-    budgets = [bl.budget_for(i) for i in range(241)]
+    budgets = [workload.budget_for(i) for i in range(241)]
     assert sorted(budgets) == list(range(16, 257))        # every budget once per 241 requests
-    short = [len(bl.prompt_for(i)) for i in range(40) if i % 5 != 4]
-    long = [len(bl.prompt_for(i)) for i in range(40) if i % 5 == 4]
+    short = [len(workload.prompt_for(i)) for i in range(40) if i % 5 != 4]
+    long = [len(workload.prompt_for(i)) for i in range(40) if i % 5 == 4]
     ratio = (sum(long) / len(long)) / (sum(short) / len(short))
     assert 5.0 < ratio < 7.0
-    assert bl.poisson_arrivals(20, 2.0, seed=1) == bl.poisson_arrivals(20, 2.0, seed=1)
-    arrivals = bl.poisson_arrivals(2000, 2.0, seed=1)
+    assert workload.poisson_arrivals(20, 2.0, seed=1) == workload.poisson_arrivals(20, 2.0, seed=1)
+    arrivals = workload.poisson_arrivals(2000, 2.0, seed=1)
     assert arrivals == sorted(arrivals) and 900 < arrivals[-1] < 1100
-    assert bl.closed_loop_requests(1, 6, 12) == 12 and bl.closed_loop_requests(8, 6, 12) == 48
+    assert workload.closed_loop_requests(1, 6, 12) == 12 and workload.closed_loop_requests(8, 6, 12) == 48
 
 
 def test_cli_options_reach_the_plan(monkeypatch):
@@ -169,13 +170,13 @@ def test_cli_options_reach_the_plan(monkeypatch):
         seen["command"] = command
         return {"table": "", "json": "j", "png": "p", "markdown": "m"}
 
-    monkeypatch.setattr(bl, "bench_load", fake_bench_load)
-    monkeypatch.setattr(bl, "write_outputs", fake_outputs)
-    bl.main(["--runs", "2", "--clients", "1,8", "--temperatures", "0,1.0", "--modes", "auto,mtp,ar"])
+    monkeypatch.setattr(cli, "bench_load", fake_bench_load)
+    monkeypatch.setattr(cli, "write_outputs", fake_outputs)
+    cli.main(["--runs", "2", "--clients", "1,8", "--temperatures", "0,1.0", "--modes", "auto,mtp,ar"])
     assert seen["runs"] == 2 and seen["clients"] == [1, 8] and seen["temperatures"] == [0.0, 1.0]
     assert seen["modes"] == ["auto", "mtp", "ar"]
     assert seen["command"] == "mtplx bench load --runs 2 --clients 1,8 --temperatures 0,1.0 --modes auto,mtp,ar"
-    bl.main(["--quick"])
+    cli.main(["--quick"])
     assert seen["temperatures"] == (0.0,) and seen["command"] == "mtplx bench load --quick"
 
 
@@ -184,24 +185,24 @@ def test_runs_with_other_arms_or_models_get_sections_of_their_own():
         return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs, "temperatures": list(temperatures),
                                          "clients": list(clients)}}
 
-    assert bl.section_name(record()) == "load"
-    assert bl.section_name(record(modes=["auto", "ar"])) == "load-modes"
-    assert bl.section_name(record(logprobs=0)) == "load-logprobs"
-    assert bl.section_name(record(model="/tmp/x/Never_Ckpt", modes=["auto"])) == "load-never-ckpt-modes"
-    assert bl.section_name(record(modes=["auto"], temperatures=[0.0])) == "load-modes"
-    assert bl.section_name(record(modes=["auto"], temperatures=[1.0])) == "load-modes-t1"
-    assert bl.section_name(record(temperatures=[0.0, 0.7])) == "load-t07"
-    assert bl.section_name(record(modes=["auto"], temperatures=[0.0, 1.0], clients=[1])) == "load-modes-t1-c1"
-    assert bl.section_name(record(logprobs=5, clients=[1, 8, 16, 32])) == "load-logprobs"
+    assert outputs.section_name(record()) == "load"
+    assert outputs.section_name(record(modes=["auto", "ar"])) == "load-modes"
+    assert outputs.section_name(record(logprobs=0)) == "load-logprobs"
+    assert outputs.section_name(record(model="/tmp/x/Never_Ckpt", modes=["auto"])) == "load-never-ckpt-modes"
+    assert outputs.section_name(record(modes=["auto"], temperatures=[0.0])) == "load-modes"
+    assert outputs.section_name(record(modes=["auto"], temperatures=[1.0])) == "load-modes-t1"
+    assert outputs.section_name(record(temperatures=[0.0, 0.7])) == "load-t07"
+    assert outputs.section_name(record(modes=["auto"], temperatures=[0.0, 1.0], clients=[1])) == "load-modes-t1-c1"
+    assert outputs.section_name(record(logprobs=5, clients=[1, 8, 16, 32])) == "load-logprobs"
     # a partial comparison never replaces the default one
-    assert bl.section_name(record(temperatures=[0.0], clients=[16])) == "load-greedy-c16"
-    assert bl.section_name(record(clients=[8, 16])) == "load-c8-16"
+    assert outputs.section_name(record(temperatures=[0.0], clients=[16])) == "load-greedy-c16"
+    assert outputs.section_name(record(clients=[8, 16])) == "load-c8-16"
     # the default arms are greedy, t0.6 and mixed: a run without the mixed arm is partial
-    assert bl.section_name(record(temperatures=[0.0, 0.6])) == "load-greedy-t06"
-    assert bl.section_name(record(temperatures=[0.6, "mixed"], clients=[8, 16])) == "load-t06-mixed-c8-16"
-    assert bl.section_name(record(temperatures=["mixed"])) == "load-mixed"
-    assert bl.section_name(record(temperatures=[0.0, 0.7, "mixed"])) == "load-t07"
-    assert bl.section_name(record(modes=["auto"], temperatures=[0.0, "mixed"])) == "load-modes"
+    assert outputs.section_name(record(temperatures=[0.0, 0.6])) == "load-greedy-t06"
+    assert outputs.section_name(record(temperatures=[0.6, "mixed"], clients=[8, 16])) == "load-t06-mixed-c8-16"
+    assert outputs.section_name(record(temperatures=["mixed"])) == "load-mixed"
+    assert outputs.section_name(record(temperatures=[0.0, 0.7, "mixed"])) == "load-t07"
+    assert outputs.section_name(record(modes=["auto"], temperatures=[0.0, "mixed"])) == "load-modes"
 
 
 def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
@@ -217,16 +218,16 @@ def test_mode_arms_run_each_mode_twice_in_a_mirrored_order(monkeypatch):
         rows = [{"mode": b["generation_mode"], "e2e": 0.5} for b in bodies]
         return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, rows
 
-    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
-    monkeypatch.setattr(bl, "_timed_arm", fake_arm)
-    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": [r["mode"] for r in rows], "wall_s": wall,
+    monkeypatch.setattr(arms, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
+    monkeypatch.setattr(arms, "_timed_arm", fake_arm)
+    monkeypatch.setattr(arms, "summarize_arm", lambda rows, wall: {"rows": [r["mode"] for r in rows], "wall_s": wall,
                                                                   "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None,
                                                                   "errors": 0})
     server = types.SimpleNamespace(url="http://x", model="m", kind="ours")
     plan = {"temperatures": [0.0], "clients": [1, 8], "modes": ["auto", "mtp", "ar"], "per_client": 1,
             "min_requests": 2}
-    out = bl.run_mode_arms(server, plan, run=1, log=lambda s: None)
-    p0, p1 = bl.prompt_for(0), bl.prompt_for(1)
+    out = arms.run_mode_arms(server, plan, run=1, log=lambda s: None)
+    p0, p1 = workload.prompt_for(0), workload.prompt_for(1)
     closed_1 = [("mtp", p0), ("ar", p0), ("auto", p0), ("auto", p1), ("ar", p1), ("mtp", p1)]  # rotation 1
     assert sent[0] == closed_1 + closed_1        # one closed loop: each mode twice over, request by request
     assert [[mode for mode, _ in arm] for arm in sent[1:]] == [
@@ -244,46 +245,46 @@ def test_logprob_arms_alternate_off_and_on_in_a_mirrored_order(monkeypatch):
         sent.append("on" if "logprobs" in bodies[0] else "off")
         return {"wall_s": 2.0, "tok_s": 1.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, [{}] * len(bodies)
 
-    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
-    monkeypatch.setattr(bl, "_timed_arm", fake_arm)
-    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {"rows": len(rows), "wall_s": wall, "tok_s": 1.0,
+    monkeypatch.setattr(arms, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
+    monkeypatch.setattr(arms, "_timed_arm", fake_arm)
+    monkeypatch.setattr(arms, "summarize_arm", lambda rows, wall: {"rows": len(rows), "wall_s": wall, "tok_s": 1.0,
                                                                   "ttft_p95_s": None, "itl_p50_s": None, "errors": 0})
     server = types.SimpleNamespace(url="http://x", model="m", kind="ours")
     plan = {"temperatures": [0.0], "clients": [8, 16], "logprobs": 5, "per_client": 1, "min_requests": 1}
-    out = bl.run_logprob_arms(server, plan, run=0, log=lambda s: None)
+    out = arms.run_logprob_arms(server, plan, run=0, log=lambda s: None)
     assert sent == ["off", "on", "on", "off", "on", "off", "off", "on"]
     assert out["on"]["greedy/closed-16"] == {"rows": 32, "wall_s": 4.0, "tok_s": 1.0, "ttft_p95_s": None,
                                              "itl_p50_s": None, "errors": 0}
 
 
 def test_mixed_arm_payloads_are_per_index_and_identical_for_both_servers_but_the_seed():
-    ours = [bl.request_body(i, bl.MIXED, "m", send_seed=True) for i in range(60)]
-    peer = [bl.request_body(i, bl.MIXED, "m", send_seed=False) for i in range(60)]
-    assert ours == [bl.request_body(i, "mixed", "m", send_seed=True) for i in range(60)]   # deterministic
+    ours = [workload.request_body(i, workload.MIXED, "m", send_seed=True) for i in range(60)]
+    peer = [workload.request_body(i, workload.MIXED, "m", send_seed=False) for i in range(60)]
+    assert ours == [workload.request_body(i, "mixed", "m", send_seed=True) for i in range(60)]   # deterministic
     for i, (o, p) in enumerate(zip(ours, peer)):
-        t, top_p = bl.mixed_settings(i)
+        t, top_p = workload.mixed_settings(i)
         assert (o["temperature"], o["top_p"], o["top_k"]) == (t, top_p, 20) and p["top_k"] == 20
         assert "seed" not in p
         assert o.get("seed") == (1000 + i if t > 0 else None)      # sampled only, ours only
         assert {k: v for k, v in o.items() if k != "seed"} == p
-        shared = bl.request_body(i, 0.6, "m", send_seed=False)      # same prompt and budget by index
+        shared = workload.request_body(i, 0.6, "m", send_seed=False)      # same prompt and budget by index
         assert (p["prompt"], p["max_tokens"], p["stream_options"]) == \
             (shared["prompt"], shared["max_tokens"], shared["stream_options"])
     pairs = [(b["temperature"], b["top_p"]) for b in peer[:15]]
-    assert sorted(pairs) == sorted((t, q) for t in bl.MIXED_TEMPERATURES for q in bl.MIXED_TOP_PS)
+    assert sorted(pairs) == sorted((t, q) for t in workload.MIXED_TEMPERATURES for q in workload.MIXED_TOP_PS)
     assert sorted(pairs) == sorted((b["temperature"], b["top_p"]) for b in peer[45:60])   # every block of 15
-    ours = [bl.request_body(i, bl.MIXED, "m", send_seed=True) for i in range(75)]
-    long = {(b["temperature"], b["top_p"]) for i, b in enumerate(ours) if i % bl.LONG_EVERY == bl.LONG_EVERY - 1}
+    ours = [workload.request_body(i, workload.MIXED, "m", send_seed=True) for i in range(75)]
+    long = {(b["temperature"], b["top_p"]) for i, b in enumerate(ours) if i % workload.LONG_EVERY == workload.LONG_EVERY - 1}
     assert len(long) == 15                                          # long prompts meet every pair
     # the other arms are unchanged: t0.6 sends top_p 0.95 / top_k 20
-    assert {k: bl.request_body(2, 0.6, "m", False)[k] for k in ("temperature", "top_p", "top_k")} == \
+    assert {k: workload.request_body(2, 0.6, "m", False)[k] for k in ("temperature", "top_p", "top_k")} == \
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
 def test_mixed_arm_counts_identical_texts_of_its_greedy_requests_only():
     ours_rows = [_row(i, 0, 0, 0, 1, f"o{i}") for i in range(15)]
-    peer_rows = [_row(i, 0, 0, 0, 1, f"o{i}" if bl.mixed_settings(i)[0] == 0 else f"p{i}") for i in range(15)]
-    out = bl.identical_by_arm({"greedy/closed-8": ours_rows, "t0.6/closed-8": ours_rows, "mixed/closed-8": ours_rows,
+    peer_rows = [_row(i, 0, 0, 0, 1, f"o{i}" if workload.mixed_settings(i)[0] == 0 else f"p{i}") for i in range(15)]
+    out = summary.identical_by_arm({"greedy/closed-8": ours_rows, "t0.6/closed-8": ours_rows, "mixed/closed-8": ours_rows,
                                "mixed/open": ours_rows},
                               {"greedy/closed-8": peer_rows, "t0.6/closed-8": peer_rows, "mixed/closed-8": peer_rows,
                                "mixed/open": peer_rows})
@@ -304,45 +305,45 @@ def test_mixed_over_shared_is_the_median_of_per_run_ratios():
                 "identical": {"mixed/closed-8": {"identical": 2, "compared": 2, "fraction": 1.0},
                               "mixed/open": {"identical": 1, "compared": 1, "fraction": 1.0}}}
                for m, s, pm in ((100, 100, 50), (300, 100, 100), (200, 400, 200))]
-    summary = bl.summarize_runs(per_run)
-    e = summary["mixed/closed-8"]
+    by_arm = summary.summarize_runs(per_run)
+    e = by_arm["mixed/closed-8"]
     assert e["mixed_over_shared"] == 1.0
     assert e["peer_mixed_over_shared"] == 1.0          # peer: 0.5, 1.0, 2.0
     assert e["tok_s_ratio"] == 2.0                     # ours/peer: 2.0, 3.0, 1.0
-    assert "mixed_over_shared" not in summary["mixed/open"] and "mixed_over_shared" not in summary["t0.6/closed-8"]
-    mixed = bl.summarize_mixed(summary)
+    assert "mixed_over_shared" not in by_arm["mixed/open"] and "mixed_over_shared" not in by_arm["t0.6/closed-8"]
+    mixed = summary.summarize_mixed(by_arm)
     assert list(mixed) == ["closed-8"]
     assert mixed["closed-8"] == {"clients": 8, "ours_tok_s": 200, "peer_tok_s": 100, "ours_over_peer": 2.0,
                                  "lane_occupancy": 7.5, "steady_lane_occupancy": None,
                                  "mixed_over_shared": 1.0, "peer_mixed_over_shared": 1.0,
                                  "greedy_identical": {"identical": 6, "compared": 6, "fraction": 1.0}}
-    table = bl.format_mixed_table(mixed)
+    table = outputs.format_mixed_table(mixed)
     assert table.splitlines()[-1] == "| 8 | 200.0 | 100.0 | 2.00 | 7.50 | - | 1.000 | 1.000 | 6/6 |"
     # a run without the t0.6 arm: no ratio; one without a mixed arm: no mixed table
     no_shared = [{**r, "ours": {"mixed/closed-8": r["ours"]["mixed/closed-8"]},
                   "peer": {"mixed/closed-8": r["peer"]["mixed/closed-8"]}} for r in per_run]
-    assert bl.summarize_runs(no_shared)["mixed/closed-8"]["mixed_over_shared"] is None
-    assert bl.summarize_mixed({"t0.6/closed-8": summary["t0.6/closed-8"]}) == {}
+    assert summary.summarize_runs(no_shared)["mixed/closed-8"]["mixed_over_shared"] is None
+    assert summary.summarize_mixed({"t0.6/closed-8": by_arm["t0.6/closed-8"]}) == {}
 
 
 def test_temperatures_accept_the_mixed_arm(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bl, "bench_load", lambda **opts: seen.update(opts) or {})
-    monkeypatch.setattr(bl, "write_outputs",
+    monkeypatch.setattr(cli, "bench_load", lambda **opts: seen.update(opts) or {})
+    monkeypatch.setattr(cli, "write_outputs",
                         lambda record, command: seen.update(command=command) or {"table": "", "json": "j", "png": "p",
                                                                                  "markdown": "m"})
-    assert bl.parse_temperatures("0, 0.6,Mixed") == [0.0, 0.6, "mixed"]
-    bl.main(["--clients", "8,16", "--temperatures", "0.6,mixed"])
+    assert workload.parse_temperatures("0, 0.6,Mixed") == [0.0, 0.6, "mixed"]
+    cli.main(["--clients", "8,16", "--temperatures", "0.6,mixed"])
     assert seen["temperatures"] == [0.6, "mixed"] and seen["clients"] == [8, 16]
     assert seen["command"] == "mtplx bench load --runs 3 --clients 8,16 --temperatures 0.6,mixed"
     seen.clear()
-    bl.main([])
-    assert seen["temperatures"] == (0.0, 0.6, "mixed") == bl.DEFAULT_TEMPERATURES
+    cli.main([])
+    assert seen["temperatures"] == (0.0, 0.6, "mixed") == workload.DEFAULT_TEMPERATURES
     with pytest.raises(SystemExit):
-        bl.main(["--temperatures", "0,hot"])
-    from mtplx import cli
+        cli.main(["--temperatures", "0,hot"])
+    from mtplx import cli as mtplx_cli
     seen.clear()
-    cli.main(["bench", "load", "--temperatures", "0,0.6,mixed", "--clients", "8"])
+    mtplx_cli.main(["bench", "load", "--temperatures", "0,0.6,mixed", "--clients", "8"])
     assert seen["temperatures"] == [0.0, 0.6, "mixed"] and seen["clients"] == [8]
 
 
@@ -355,15 +356,15 @@ def test_run_turn_runs_the_mixed_arm_like_the_others(monkeypatch):
         bodies = run(None)
         return {"tok_s": 1.0, "req_s": 10.0, "ttft_p95_s": None, "itl_p50_s": None, "errors": 0}, bodies
 
-    monkeypatch.setattr(bl, "_warm_up", lambda *a: None)
-    monkeypatch.setattr(bl, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
-    monkeypatch.setattr(bl, "open_loop", lambda url, bodies, arrivals: bodies)
-    monkeypatch.setattr(bl, "_timed_arm", fake_arm)
+    monkeypatch.setattr(arms, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(arms, "closed_loop", lambda url, bodies, n, at_drain=None: bodies)
+    monkeypatch.setattr(arms, "open_loop", lambda url, bodies, arrivals: bodies)
+    monkeypatch.setattr(arms, "_timed_arm", fake_arm)
     plan = {"temperatures": [0.6, "mixed"], "clients": [1, 8], "per_client": 2, "min_requests": 15,
             "capacity_clients": 8, "open_requests": 15, "seed": 0}
     for kind, seed in (("peer", False), ("ours", True)):
         server = types.SimpleNamespace(url="http://x", model="m", kind=kind)
-        sent[kind] = bl.run_turn(server, plan, 0, {}, send_seed=seed, log=lambda s: None)
+        sent[kind] = arms.run_turn(server, plan, 0, {}, send_seed=seed, log=lambda s: None)
     peer, ours = sent["peer"], sent["ours"]
     assert list(peer["arms"]) == ["t0.6/closed-1", "t0.6/closed-8", "t0.6/open",
                                   "mixed/closed-1", "mixed/closed-8", "mixed/open"]
@@ -388,25 +389,25 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
     async def at_drain(client):
         events.append("drain")
 
-    monkeypatch.setattr(bl, "_one_request", fake_request)
-    rows, _ = asyncio.run(bl.closed_loop("http://127.0.0.1:9", [{}] * 9, 3, at_drain))
+    monkeypatch.setattr(clients, "_one_request", fake_request)
+    rows, _ = asyncio.run(clients.closed_loop("http://127.0.0.1:9", [{}] * 9, 3, at_drain))
     assert [r["index"] for r in rows] == list(range(9))
     assert events.count("drain") == 1 and 0 < events.index("drain") < len(events) - 1
 
     snaps = iter([{"replicas": {"a": {"lane_row_cycles": 0, "lane_cycles": 0}}},
                   {"replicas": {"a": {"lane_row_cycles": 90, "lane_cycles": 30}}}])
-    monkeypatch.setattr(bl, "_snapshot", lambda url: next(snaps))
+    monkeypatch.setattr(arms, "snapshot", lambda url: next(snaps))
 
     async def drained(client):
         return {"replicas": {"a": {"lane_row_cycles": 80, "lane_cycles": 10}}}
 
-    monkeypatch.setattr(bl, "_snapshot_with", drained)
-    monkeypatch.setattr(bl, "summarize_arm", lambda rows, wall: {})
+    monkeypatch.setattr(arms, "snapshot_with", drained)
+    monkeypatch.setattr(arms, "summarize_arm", lambda rows, wall: {})
 
     async def run(at_drain):
         await at_drain(None)
         return [], 1.0
 
     server = types.SimpleNamespace(url="http://x", kind="ours")
-    summary, _ = bl._timed_arm(server, run)
+    summary, _ = arms._timed_arm(server, run)
     assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0}

@@ -1,0 +1,77 @@
+"""`mtplx bench load` and `python -m benchmarks.load`: options to a plan, the run, its outputs."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from benchmarks.load.bench import bench_load
+from benchmarks.load.outputs import write_outputs
+from benchmarks.load.workload import DEFAULT_CLIENTS, DEFAULT_TEMPERATURES, parse_temperatures
+
+
+def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
+            json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None,
+            modes: Optional[str] = None, logprobs: Optional[int] = None,
+            temperatures: Optional[str] = None, direct_http: bool = False) -> dict:
+    """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
+    if quick:
+        opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
+    else:
+        opts = dict(runs=runs, clients=DEFAULT_CLIENTS, temperatures=DEFAULT_TEMPERATURES, per_client=6, min_requests=12,
+                    open_requests=48)
+    if clients:
+        opts["clients"] = [int(c) for c in clients.split(",")]
+    if per_client:
+        opts["per_client"] = per_client
+    if open_requests:
+        opts["open_requests"] = open_requests
+    if temperatures:
+        opts["temperatures"] = parse_temperatures(temperatures)
+    if modes:
+        opts["modes"] = [m.strip() for m in modes.split(",")]
+    if logprobs is not None:
+        opts["logprobs"] = logprobs
+    record = bench_load(model_dir=model, direct_http=direct_http, **opts)
+    record["quick"] = quick
+    command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
+        (f" --clients {clients}" if clients else "") + (f" --temperatures {temperatures}" if temperatures else "") + \
+        (f" --model {model}" if model else "") + \
+        (f" --requests-per-client {per_client}" if per_client else "") + \
+        (f" --open-requests {open_requests}" if open_requests else "") + \
+        (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "") + \
+        (" --direct-http" if direct_http else "")
+    out = write_outputs(record, command)
+    if json_out:
+        print(json.dumps(record, default=str), flush=True)
+    else:
+        print(out["table"])
+        print(f"\nJSON: {out['json']}\nchart: {out['png']}\nsection: {out['markdown']}", flush=True)
+    return record
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from mtplx.cli import add_load_options
+
+    import benchmarks.load
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.load", description=benchmarks.load.__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 run, clients 1,8, greedy only, few requests")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--clients", default=None, help="comma-separated closed-loop client counts (default 1,8,16,32)")
+    p.add_argument("--model", default=None, help="checkpoint dir for both servers (default: the shipped model)")
+    p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
+    p.add_argument("--direct-http", action="store_true", help="ours: clients call the ingress replica on its own port")
+    add_load_options(p)
+    a = p.parse_args(argv)
+    if a.temperatures:
+        try:
+            parse_temperatures(a.temperatures)
+        except ValueError as exc:
+            p.error(str(exc))
+    run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
+            per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
+            logprobs=a.logprobs, temperatures=a.temperatures, direct_http=a.direct_http)
+    return 0
