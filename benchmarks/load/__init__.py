@@ -23,7 +23,7 @@ its batching; greedy requests carry none.
 
 The mixed arm gives each request its own settings, the same for both servers: request i sends
 one of the 15 pairs of a temperature (0, 0.2, 0.6, 0.7, 1.0) and a top_p (1.0, 0.95, 0.9), each
-pair once in every block of 15 requests (`mixed_settings`; greedy requests send their top_p too),
+pair once in every block of 15 requests (`workload.mixed_settings`; greedy requests send their top_p too),
 with the t0.6 arm's `top_k` 20. Its prompts and `max_tokens` are those of the other arms by
 request index; its long prompts meet every pair. Issue targets: at 8 clients, lane rows per cycle >= 7,
 tok/s >= 0.95x ours on the t0.6 arm (mixed/shared) and >= 1.2x the peer; at 16 clients >= 1.15x
@@ -50,7 +50,7 @@ Writes `build/bench/load-<stamp>.json`, `docs/bench_load.png` and the `bench:loa
 `BENCHMARKS.md`; a run with `--modes`, `--logprobs` or `--model`, or with other arms or only some
 of the default ones (`--temperatures 0,0.6` lacks `mixed`), or other client counts, writes a
 section and chart of its own instead (`bench:load-modes`, `bench:load-greedy-t06`,
-`docs/bench_load_modes.png`, ...; see `section_name`), leaving the default comparison.
+`docs/bench_load_modes.png`, ...; see `outputs.section_name`), leaving the default comparison.
 
 `--modes auto,mtp,ar` adds, for ours only, every closed-loop arm (the mixed one included when it
 is planned) twice per `generation_mode`

@@ -36,7 +36,7 @@ def format_table(record: dict) -> str:
 
 
 def format_mixed_table(mixed: Dict[str, dict]) -> str:
-    """The mixed arm per client count (see `summarize_mixed`)."""
+    """The mixed arm per client count (see `summary.summarize_mixed`)."""
     lines = ["| clients | ours tok/s | peer tok/s | ours/peer | lane rows/cycle | steady rows/cycle "
              "| mixed/shared ours | mixed/shared peer | greedy identical (t0 requests) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -26,7 +26,7 @@ def median_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
 
 
 def summarize_arm(rows: List[dict], wall_s: float) -> dict:
-    """The figures of one arm from its per-request rows (see `_one_request`)."""
+    """The figures of one arm from its per-request rows (see `clients._one_request`)."""
     ok = [r for r in rows if r["error"] is None]
     tokens = sum(r["tokens"] for r in ok)
     gaps = [g for r in ok for g in r["gaps"]]
