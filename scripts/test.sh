@@ -11,4 +11,6 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus chromium
 fi
+# the layer contract (pyproject.toml [tool.importlinter]): a broken one fails the run before any test
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest -q "$@"
