@@ -89,6 +89,8 @@ CASES = [
     ("unknown field chat", "POST", CHAT, chat(frobnicate=True), JSON, 400, "frobnicate"),
     ("unknown field completions", "POST", COMP, comp(best_of_luck=1), JSON, 400, "best_of_luck"),
     ("misspelt max_token", "POST", CHAT, chat(max_token=5), JSON, 400, "max_token"),
+    ("session_id chat", "POST", CHAT, chat(session_id="s-1"), JSON, 400, "session_id"),
+    ("session_id completions", "POST", COMP, comp(session_id="s-1"), JSON, 400, "session_id"),
     # unsupported features, unknown things
     ("tools", "POST", CHAT, chat(tools=[{"type": "function"}]), JSON, 400, "tools"),
     ("echo", "POST", COMP, comp(echo=True), JSON, 400, "echo"),

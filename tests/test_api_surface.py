@@ -42,11 +42,42 @@ def _first_new_token(tokens, start: int = 3) -> int:
 
 
 def test_stop_string_matcher_names_the_earliest_match():
-    from mtplx.api.openai import StopStringMatcher
+    from mtplx.api.text import StopStringMatcher
 
     m = StopStringMatcher(["world", "lo w"])
     assert m.push("hello world") == "hel" and m.stopped and m.matched == "lo w"
     assert StopStringMatcher(["x"]).matched is None
+
+
+def test_detokenizer_returns_special_tokens_as_text(model):
+    """Special tokens inside the output are text (every returned token is in the text, as
+    mlx_lm.server returns them); a multi-byte character split over tokens is never cut."""
+    from mtplx.api.text import IncrementalDetokenizer
+
+    tok = model.tokenizer
+    special = sorted(model.eos_token_ids)
+    ids = (list(tok.encode("def f(x):", add_special_tokens=False)) + special
+           + list(tok.encode(" return \u2192 \u00e9", add_special_tokens=False)))
+    detok = IncrementalDetokenizer(tok)
+    text = "".join(detok.push([t]) for t in ids) + detok.flush()
+    assert text == tok.decode(ids) and all(tok.decode([t]) in text for t in special)
+    assert "\ufffd" not in text
+
+
+def test_anthropic_usage_splits_the_prompt_only_for_cache_control():
+    from mtplx.api import anthropic
+    from mtplx.api.openai import parse_request
+
+    def req(**extra):
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], **extra}
+        return parse_request(anthropic.MessagesRequest, json.dumps(body).encode())
+
+    assert not req().sends_cache_control
+    assert req(cache_control={"type": "ephemeral"}).sends_cache_control
+    assert req(system=[{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}]).sends_cache_control
+    assert req(messages=[{"role": "user", "content": [{"type": "text", "text": "x",
+                                                        "cache_control": {"type": "ephemeral"}}]}]).sends_cache_control
+    assert anthropic.new_message_id().startswith("msg_")
 
 
 def test_finish_reasons_are_openais_only():
@@ -100,7 +131,8 @@ def test_logprobs_fields_are_validated():
 
 
 def test_logprobs_shapes_carry_each_tokens_exact_bytes(model):
-    from mtplx.api.openai import TokenBytes, chat_logprobs, completion_logprobs
+    from mtplx.api.openai import chat_logprobs, completion_logprobs
+    from mtplx.api.text import TokenBytes
 
     tok = model.tokenizer
     text = "h\u00e9llo \u2192 w\u00f6rld\n"
@@ -168,6 +200,7 @@ def replica():
 
 
 def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monkeypatch):
+    from mtplx.api.rows import RowSpec
     from mtplx.sampling import SamplerConfig
 
     model = replica.model
@@ -178,8 +211,8 @@ def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monk
     monkeypatch.setattr(model, "eos_token_ids", frozenset({ref[k]}))
 
     def row(i, **extra):
-        return {"request_id": f"stopset-{i}", "prompt_ids": ids, "max_tokens": 24, "seed": 0,
-                "sampler": SamplerConfig(temperature=0.0), "compatibility_key": ("test", "greedy"), **extra}
+        return RowSpec(request_id=f"stopset-{i}", model=MODEL, prompt_ids=tuple(ids), max_tokens=24, seed=0,
+                       sampler=SamplerConfig(temperature=0.0), **extra)
 
     async def go(rows):
         toks, finals = {}, {}
@@ -189,8 +222,9 @@ def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monk
             finals.update(msg.get("f") or {})
         return toks, finals
 
-    toks, finals = asyncio.run(go([row(0), row(1, ignore_eos=True), row(2, ignore_eos=True, stop_token_ids=[ref[k]])]))
-    # EOS ends row 0 at k (the stop token is counted, not streamed) and is reported as the stop token
+    toks, finals = asyncio.run(go([row(0), row(1, ignore_eos=True), row(2, ignore_eos=True, stop_token_ids=(ref[k],))]))
+    # EOS ends row 0 at k (the stop token is not streamed; the replica counts it, the ingress does not)
+    # and is reported as the stop token
     assert toks[0] == ref[:k] and finals[0]["finish_reason"] == "stop" and finals[0]["stop_token_id"] == ref[k]
     assert finals[0]["completion_tokens"] == k + 1
     # ignore_eos: the row runs to its budget, the "EOS" streamed as a token
@@ -246,17 +280,17 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     ids = list(tok.encode(PROMPT, add_special_tokens=False))
     ref = _greedy(ref_model, ids, 24).tokens
     k = _first_new_token(ref)
-    text_k = tok.decode(ref[:k], skip_special_tokens=True)
-    # a requested stop token ends the row there; its text is not part of the output
+    text_k = tok.decode(ref[:k])
+    # a requested stop token ends the row there; it is not returned (no text, not counted)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                   extra_body={"stop_token_ids": [ref[k]], "ignore_eos": False})
     c = r.choices[0]
     assert c.text == text_k and c.finish_reason == "stop" and c.model_extra["stop_reason"] == ref[k]
-    assert r.usage.completion_tokens == k + 1
+    assert r.usage.completion_tokens == k
     # no stop: stop_reason null; a stop string: the string
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
-    full = tok.decode(ref, skip_special_tokens=True)
+    full = tok.decode(ref)
     at = next(i for i in range(2, len(full) - 3) if full[i:i + 3].strip() and full.find(full[i:i + 3]) == i)
     stop = full[at:at + 3]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
@@ -269,7 +303,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
                                                  stream=True, extra_body={"stop_token_ids": [cref[kc]]}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert text == tok.decode(cref[:kc], skip_special_tokens=True)
+    assert text == tok.decode(cref[:kc])
     reasons = [(ch.choices[0].finish_reason, ch.choices[0].model_extra["stop_reason"]) for ch in chunks]
     assert reasons[-1] == ("stop", cref[kc]) and all(r == (None, None) for r in reasons[:-1])
     # refused fields name themselves
@@ -363,7 +397,7 @@ def test_heaviest_ranks_like_a_full_sort():
     them: ties, a vocabulary that is not a multiple of the block, more ids than blocks."""
     import numpy as np
 
-    from mtplx.engine.lane import heaviest, logprob_entry
+    from mtplx.engine.row import heaviest, logprob_entry
 
     rng = np.random.default_rng(0)
     rows = [rng.standard_normal(4096).astype(np.float32), rng.standard_normal(1000).astype(np.float32) * 9,
@@ -382,7 +416,10 @@ def test_heaviest_ranks_like_a_full_sort():
 def test_lane_logprobs_are_the_targets_own(model, width, steps):
     """Every emitted token's entry (drafts accepted or not, bonus tokens, AR steps' tokens) equals
     the log-softmax of one plain forward over the prompt and the output."""
-    from mtplx.engine.lane import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane, solo_lane
+    from mtplx.engine.install import install_a3b_mtp_batch_lane
+    from mtplx.engine.installed import solo_lane
+    from mtplx.engine.lane import RunningLane
+    from mtplx.engine.row import A3BMTPBatchRequest
     from mtplx.sampling import SamplerConfig
 
     lane = solo_lane(model) if width == 1 else install_a3b_mtp_batch_lane(model, width=width)
@@ -412,8 +449,7 @@ def test_lane_logprobs_are_the_targets_own(model, width, steps):
                                                                                       4 - i)):
                 assert abs(lp - ref_lp) < 1e-4 and len(alts) == 4 - i
                 assert all(abs(a[1] - r) < 1e-4 for a, r in zip(alts, ref_top))
-                if sampler.is_greedy and alts:
-                    assert alts[0][1] == lp
+                assert alts[0][1] == lp or not sampler.is_greedy     # greedy: the heaviest token
 
 
 @RAY_MARK
@@ -458,18 +494,18 @@ def test_logprobs_through_chat_and_completions(client, ref_model):
 def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
     """n jobs of one prefill group run as rows of one lane after ONE prefill of the prompt; greedy
     rows equal plain greedy AR, sampled rows follow their own seeds whatever their neighbours."""
-    import mtplx.engine.lane as lane_mod
+    import mtplx.engine.admission as admission_mod
     from mtplx.sampling import SamplerConfig
     from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
     prefills = []
-    real_start = lane_mod.start_prefill
+    real_start = admission_mod.start_prefill
 
     def counting(model_, prompt, *a, **k):
         prefills.append(len(prompt))
         return real_start(model_, prompt, *a, **k)
 
-    monkeypatch.setattr(lane_mod, "start_prefill", counting)
+    monkeypatch.setattr(admission_mod, "start_prefill", counting)
     prompt = list(model.tokenizer.encode(PROMPT, add_special_tokens=False))
     sampled = SamplerConfig(temperature=0.9, top_p=0.95)
 
@@ -523,7 +559,7 @@ def test_n_choices_through_chat_and_completions(client, ref_model):
     import openai
 
     ids = _chat_ids(ref_model, PROMPT)
-    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens, skip_special_tokens=True)
+    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens)
     msgs = [{"role": "user", "content": PROMPT}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]

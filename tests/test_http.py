@@ -35,15 +35,22 @@ def _chat_ids(model, content: str) -> list:
     return encode_chat(model.tokenizer, [ChatMessage(role="user", content=content)])
 
 
-def _reference(model, prompt_ids, max_tokens):
-    """(text, completion_tokens, finish_reason) of solo greedy AR, as the server would report."""
+def _greedy_tokens(model, prompt_ids, max_tokens):
+    """Solo greedy AR's returned tokens (the EOS that ends a row is not returned) and finish reason."""
     from mtplx.engine.decode import generate_ar
     from mtplx.sampling import SamplerConfig
 
     r = generate_ar(model, prompt_ids, max_tokens=max_tokens, sampler=SamplerConfig(temperature=0.0),
                     seed=0, stop_token_ids=model.eos_token_ids)
-    visible = [t for t in r.tokens if t not in model.eos_token_ids]
-    return model.tokenizer.decode(visible, skip_special_tokens=True), len(r.tokens), r.finish_reason
+    ended_on_eos = r.finish_reason == "stop" and r.tokens[-1] in model.eos_token_ids
+    return (r.tokens[:-1] if ended_on_eos else list(r.tokens)), r.finish_reason
+
+
+def _reference(model, prompt_ids, max_tokens):
+    """(text, completion_tokens, finish_reason) of solo greedy AR, as the server reports them (as
+    mlx_lm.server does: special tokens are text, the token that ended the row is not)."""
+    tokens, reason = _greedy_tokens(model, prompt_ids, max_tokens)
+    return model.tokenizer.decode(tokens), len(tokens), reason
 
 
 def _snapshot(http) -> dict:
@@ -70,14 +77,16 @@ def test_ingress_path_never_imports_mlx():
 
 
 def test_app_args_are_validated():
+    from pydantic import ValidationError
+
     from deployments.app import AppArgs
 
     assert AppArgs().widths == [3, 8, 16, 32]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         AppArgs(widths=[3, 64])
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         AppArgs(max_batch_size=0)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         AppArgs(not_an_arg=1)
 
 
@@ -95,15 +104,22 @@ def test_models_and_health(http):
     assert body["status"] == "ok" and body["ingress"]["mlx_imported"] is False
     (rep,) = body["replicas"].values()
     assert rep["ok"] and rep["runtime"]["blas"] and rep["installed_widths"] == [3, 8, 16, 32]
-    if rep["runtime"]["blas"] == "openblas":     # the replica's setting is the one in effect
-        assert rep["runtime"]["blas_threads"] == rep["blas_threads"] == 1
-    if sys.platform == "linux":
-        # Serve's proxy runs as strong as the ingress (Ray starts it at 15); with no replica_niceness
-        # the model replica runs at the same niceness
-        ingress = body["ingress"]
-        proxies = ingress["proxy_niceness"]
-        assert proxies and all(n == ingress["niceness"] for n in proxies.values()), (proxies, ingress)
-        assert rep["niceness"] == ingress["niceness"], (rep["niceness"], ingress)
+
+
+@RAY_MARK
+@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS and process niceness: the Linux CPU build")
+def test_linux_replica_runs_openblas_at_the_ingress_niceness(http):
+    body = http.get("/health").json()
+    (rep,) = body["replicas"].values()
+    # the engine loads OpenBLAS itself on Linux; the replica's thread setting is the one in effect
+    assert rep["runtime"]["blas"] == "openblas"
+    assert rep["runtime"]["blas_threads"] == rep["blas_threads"] == 1
+    # Serve's proxy runs as strong as the ingress (Ray starts it at 15); with no replica_niceness
+    # the model replica runs at the same niceness
+    ingress = body["ingress"]
+    proxies = ingress["proxy_niceness"]
+    assert proxies and all(n == ingress["niceness"] for n in proxies.values()), (proxies, ingress)
+    assert rep["niceness"] == ingress["niceness"], (rep["niceness"], ingress)
 
 
 @RAY_MARK
@@ -224,29 +240,112 @@ def test_ar_generation_mode(client, ref_model):
     assert r.model_extra["mtplx_stats"]["generation_mode"] == "ar"
 
 
+def _stop_in(text: str, at: int, size: int = 3) -> str:
+    """A stop string of `size` characters from `text`, first occurring at or after `at`."""
+    return next(text[i:i + size] for i in range(at, len(text) - size) if text[i:i + size].strip()
+                and text.find(text[i:i + size]) == i)
+
+
+def _ingress_counts(http) -> tuple:
+    snap = _snapshot(http)
+    return snap["ingress"]["stop_string_stops"], snap["ingress"]["row_cancels"], \
+        _replica_sum(snap, "requests_cancelled")
+
+
 @RAY_MARK
-def test_stop_string_cuts_text_and_cancels_row(client, http, ref_model):
-    prompt = PROMPTS[4]
-    text, n, _ = _reference(ref_model, _chat_ids(ref_model, prompt), 64)
-    # A stop string from the middle of the reference output.
-    stop = text[len(text) // 2: len(text) // 2 + 3]
-    if not stop.strip():
-        stop = text[len(text) // 3: len(text) // 3 + 2]
+def test_stop_string_ends_its_row_early_as_a_stop(serve_app, client, http, ref_model):
+    """A stop string from early in a long greedy output, through the openai client (chat, with and
+    without logprobs, streamed) and the anthropic client: the text is cut before it, usage counts
+    the tokens up to and including the one that completed it (not what the last cycle decoded past
+    it), logprob entries match that count, and the row ended as a stop: not a cancellation."""
+    import anthropic
+
+    prompt, max_tokens = PROMPTS[4], 160
+    tokens, _ = _greedy_tokens(ref_model, _chat_ids(ref_model, prompt), max_tokens)
+    text = ref_model.tokenizer.decode(tokens)
+    stop = _stop_in(text, 40)
     expected = text[:text.find(stop)]
-    before = _replica_sum(_snapshot(http), "requests_cancelled")
+    n = next(k for k in range(1, len(tokens) + 1) if stop in ref_model.tokenizer.decode(tokens[:k]))
+    assert n < max_tokens // 2, (n, stop)              # the row still decodes when its stop matches
+    before = _ingress_counts(http)
+    kw = dict(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}], temperature=0,
+              max_tokens=max_tokens, stop=[stop, "\x00never"])
+    plain = client.chat.completions.create(**kw)
+    with_lp = client.chat.completions.create(logprobs=True, **kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    for r in (plain, with_lp):
+        assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens == n, (r.usage.completion_tokens, n)
+        stats = r.model_extra["mtplx_stats"]
+        assert stats["stop_string_matched"] is True and stats["cancelled"] is False
+        assert stats["engine_finish_reason"] != "cancelled" and stats["completion_tokens"] == n
+        assert r.choices[0].model_extra["stop_reason"] == stop
+    entries = with_lp.choices[0].logprobs.content
+    assert len(entries) == n and "".join(e.token for e in entries).startswith(expected)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == n
+    ac = anthropic.Anthropic(base_url=serve_app.base, api_key=TEST_API_KEY, max_retries=0, timeout=120)
+    m = ac.messages.create(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}],
+                           max_tokens=max_tokens, stop_sequences=[stop], extra_body={"temperature": 0})
+    assert m.content[0].text == expected and m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.usage.output_tokens == n and m.model_extra["mtplx_stats"]["cancelled"] is False
+    with ac.messages.stream(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}],
+                            max_tokens=max_tokens, stop_sequences=[stop], extra_body={"temperature": 0}) as st:
+        final = st.get_final_message()
+    assert final.content[0].text == expected and final.usage.output_tokens == n
+    # five rows ended by their stop string: none counts as a cancellation, here or at the replica
+    stops, cancels, replica_cancels = _ingress_counts(http)
+    assert (stops - before[0], cancels, replica_cancels) == (5, before[1], before[2])
+
+
+@RAY_MARK
+def test_the_token_that_ends_a_row_is_not_returned(client, ref_model):
+    """A requested stop token ends the row: it has no text, no logprob entry and no count; every
+    returned token has one entry, in order, and together they are the text."""
+    prompt = PROMPTS[2]
+    tokens, _ = _greedy_tokens(ref_model, _chat_ids(ref_model, prompt), 40)
+    k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i])
     r = client.chat.completions.create(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}],
-                                       temperature=0, max_tokens=64, stop=[stop, "\x00never"])
-    assert r.choices[0].message.content == expected
-    assert r.choices[0].finish_reason == "stop"
-    assert r.model_extra["mtplx_stats"].get("stop_string_matched") is True
-    s = list(client.chat.completions.create(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}],
-                                            temperature=0, max_tokens=64, stop=stop, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == expected
-    if len(expected) < len(text) - 8:   # the rows stopped early were cancelled at the replica
-        deadline = time.time() + 5
-        while _replica_sum(_snapshot(http), "requests_cancelled") < before + 2 and time.time() < deadline:
-            time.sleep(0.1)
-        assert _replica_sum(_snapshot(http), "requests_cancelled") >= before + 2
+                                       temperature=0, max_tokens=40, logprobs=True,
+                                       extra_body={"stop_token_ids": [tokens[k]]})
+    content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert content == ref_model.tokenizer.decode(tokens[:k]) and r.usage.completion_tokens == k == len(entries)
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == content
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == tokens[k]
+
+
+@RAY_MARK
+def test_anthropic_usage_ids_and_request_id_header(serve_app, http, ref_model):
+    """A repeated prompt reports its whole prompt as input and no cache reads (no cache_control
+    sent); with cache_control, Anthropic's split; a stream's message_start and message_delta
+    agree; ids are msg_..., and /v1/messages answers carry Anthropic's request-id header."""
+    import anthropic
+
+    ac = anthropic.Anthropic(base_url=serve_app.base, api_key=TEST_API_KEY, max_retries=0, timeout=120)
+    prompt = PROMPTS[3]
+    n_prompt = len(_chat_ids(ref_model, prompt))
+    kw = dict(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}], max_tokens=6)
+    for _ in range(2):     # the second is served from the prefix cache
+        m = ac.messages.create(extra_body={"temperature": 0}, **kw)
+        assert (m.usage.input_tokens, m.usage.cache_read_input_tokens) == (n_prompt, 0), m.usage
+        assert m.id.startswith("msg_") and m._request_id == m.id
+    cached = ac.messages.create(extra_body={"temperature": 0, "cache_control": {"type": "ephemeral"}}, **kw)
+    assert cached.usage.input_tokens + cached.usage.cache_read_input_tokens == n_prompt
+    assert cached.usage.cache_read_input_tokens > 0, cached.usage
+    with ac.messages.stream(extra_body={"temperature": 0, "cache_control": {"type": "ephemeral"}}, **kw) as st:
+        events = list(st)
+    (start,) = [e.message.usage for e in events if e.type == "message_start"]
+    (delta,) = [e.usage for e in events if e.type == "message_delta"]
+    assert (start.input_tokens, start.cache_read_input_tokens) == (delta.input_tokens,
+                                                                  delta.cache_read_input_tokens) == (n_prompt, 0)
+    assert delta.output_tokens == 6
+    # the header on every /v1/messages answer, errors included; not on OpenAI's routes
+    ok = http.post("/v1/messages", json={**kw, "temperature": 0})
+    assert ok.status_code == 200 and ok.headers["request-id"] == ok.json()["id"] == ok.headers["x-mtplx-request-id"]
+    bad = http.post("/v1/messages", json={**kw, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.headers["request-id"].startswith("msg_")
+    assert bad.json()["type"] == "error"
+    assert "request-id" not in http.get("/v1/models").headers
 
 
 @RAY_MARK
@@ -303,11 +402,11 @@ def test_disconnect_mid_stream_cancels_only_that_row(serve_app, http, ref_model)
         peers_running = not all(f.done() for f in stayers)
         outs = [f.result() for f in stayers]
     assert cancelled, "the disconnected row was not cancelled"
+    assert peers_running, "the cancel landed only after the peers ended"
     for (text, n, reason), (got, stats) in zip(refs[:3], outs):
         assert got == text                       # the others complete identically
         assert stats["completion_tokens"] == n
-    if peers_running:   # the cancel landed while the cohort was still running (the usual case)
-        assert max(s["mtp_batch_real_width"] for _, s in outs) >= 2
+    assert max(s["mtp_batch_real_width"] for _, s in outs) >= 2
 
 
 def _assert_openai_error(r, status: int, param=None, case=None):

@@ -10,6 +10,7 @@ Like `mtplx.api.openai`, no MLX here (the ingress imports this module).
 from __future__ import annotations
 
 import json
+import uuid
 from typing import List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -22,6 +23,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
+REQUEST_ID_HEADER = "request-id"     # Anthropic's; its clients read it as a response's request id
+
+
+def new_message_id() -> str:
+    """A message id in Anthropic's form (msg_...); it is the request's id too."""
+    return f"msg_{uuid.uuid4().hex}"
+
+
 def error_body(exc: oa.OpenAIError) -> dict:
     """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
     return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}}
@@ -32,7 +41,8 @@ def error_body(exc: oa.OpenAIError) -> dict:
 
 
 class ContentBlock(BaseModel):
-    """A content block; only text blocks are served (cache_control and citations are ignored)."""
+    """A content block; only text blocks are served (citations are ignored; a cache_control hint
+    only changes how usage splits the prompt, see `MessagesRequest.sends_cache_control`)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -114,7 +124,8 @@ class MessagesRequest(_MessagesPrompt):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0, strict=True)
-    # accepted, not acted on: bookkeeping, and a prompt-caching hint (the prefix cache is automatic)
+    # accepted: bookkeeping, and a prompt-caching hint (the prefix cache is automatic; the hint only
+    # asks for usage split into cache reads and uncached input)
     metadata: Optional[Metadata] = None
     service_tier: Optional[str] = None
     cache_control: Optional[dict] = None
@@ -138,6 +149,16 @@ class MessagesRequest(_MessagesPrompt):
             stop=list(self.stop_sequences) if self.stop_sequences else None, stream=self.stream,
             user=self.metadata.user_id if self.metadata else None)
 
+    @property
+    def sends_cache_control(self) -> bool:
+        """Whether the request marks anything for prompt caching (top level, system or a message
+        block): only then is usage split into cache reads and uncached input, as Anthropic's is."""
+        blocks = [b for m in self.messages if not isinstance(m.content, str) for b in m.content]
+        if self.system is not None and not isinstance(self.system, str):
+            blocks += self.system
+        return bool(self.cache_control) or any(
+            (b.model_extra or {}).get("cache_control") for b in blocks)
+
 
 # ----------------------------------------------------------------------------------------------
 # Responses
@@ -151,7 +172,8 @@ def stop_reason(finish_reason: str, stop_sequence: Optional[str]) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """Anthropic's usage: input_tokens excludes the prompt tokens read from the prefix cache."""
+    """Anthropic's usage: input_tokens excludes the prompt tokens read from the prefix cache (the
+    ingress passes cached tokens only when the request sent cache_control)."""
     cached = int(cached_tokens or 0)
     return {"input_tokens": int(prompt_tokens) - cached, "output_tokens": int(completion_tokens),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
@@ -172,7 +194,8 @@ def sse_event(name: str, data: dict) -> bytes:
 class MessageStream:
     """The server-sent events of one streamed message: message_start, one text content block
     (content_block_start, content_block_delta..., content_block_stop), message_delta (stop reason
-    and output usage), message_stop; or an error event."""
+    and usage), message_stop; or an error event. message_start goes out before the prefix cache
+    has answered, so both usages count the whole prompt as input (no cache reads): the two agree."""
 
     def __init__(self, msg_id: str, model: str, prompt_tokens: int):
         self.msg_id, self.model, self.prompt_tokens = msg_id, model, int(prompt_tokens)
@@ -189,13 +212,14 @@ class MessageStream:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                  "delta": {"type": "text_delta", "text": delta}})
 
-    def finish(self, finish_reason: str, stop_sequence: Optional[str], usage_: dict,
+    def finish(self, finish_reason: str, stop_sequence: Optional[str], output_tokens: int,
                stats: Optional[dict]) -> bytes:
         return (sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
                 + sse_event("message_delta", {"type": "message_delta",
                                               "delta": {"stop_reason": stop_reason(finish_reason, stop_sequence),
                                                         "stop_sequence": stop_sequence},
-                                              "usage": usage_, "mtplx_stats": stats})
+                                              "usage": usage(self.prompt_tokens, output_tokens),
+                                              "mtplx_stats": stats})
                 + sse_event("message_stop", {"type": "message_stop"}))
 
     @staticmethod

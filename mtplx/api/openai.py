@@ -1,5 +1,5 @@
-"""OpenAI protocol for the HTTP front door: request models, response shapes, errors, the cohort
-compatibility key, an incremental UTF-8-safe detokenizer and a stop-string matcher.
+"""OpenAI protocol for the HTTP front door: request models, response and log-probability shapes,
+errors. (A row's tokens as text, stop strings included, are `mtplx.api.text`'s.)
 
 No MLX here: the Ray Serve ingress imports this module, and the ingress must never load MLX
 (`tests/test_http.py` checks it). Only pydantic, numpy-free stdlib and `mtplx.sampling`
@@ -17,11 +17,11 @@ from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequ
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mtplx.api.text import TokenBytes
 from mtplx.sampling import SamplerConfig
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
-GENERATION_MODES = ("mtp", "ar")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +214,6 @@ class _GenerationFields(BaseModel):
     # mtplx extensions
     generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
     omit_speculative_bonus: bool = False
-    session_id: Optional[str] = None
 
     @field_validator("stop")
     @classmethod
@@ -586,43 +585,6 @@ def models_list(model_ids: Iterable[str], created: int, max_context: Optional[in
 # its top alternatives, heaviest first.
 
 
-def _byte_level_alphabet() -> Dict[str, int]:
-    """GPT-2's byte-level BPE alphabet (a printable character per byte), character -> byte."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-    chars, extra = dict(zip(printable, printable)), 0
-    for b in range(256):
-        if b not in chars:
-            chars[b], extra = 256 + extra, extra + 1
-    return {chr(c): b for b, c in chars.items()}
-
-
-class TokenBytes:
-    """A token's exact bytes and its text as logprobs report them. Byte-level BPE tokens map back to
-    their raw bytes (a token holding part of a UTF-8 character has bytes and a U+FFFD text, as the
-    tokenizer decodes it alone); special tokens are their own text."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
-        self._special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-        self._cache: Dict[int, tuple] = {}
-
-    def __call__(self, token_id: int) -> tuple:
-        """(text, bytes) of one token."""
-        hit = self._cache.get(token_id)
-        if hit is None:
-            piece = self._tok.convert_ids_to_tokens(int(token_id))
-            if self._alphabet is not None and token_id not in self._special and piece is not None \
-                    and all(ch in self._alphabet for ch in piece):
-                raw = bytes(self._alphabet[ch] for ch in piece)
-            else:
-                raw = self._tok.decode([int(token_id)]).encode("utf-8")
-            hit = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
-        return hit
-
-
 def chat_logprobs(tokens: Sequence[int], entries: Sequence[tuple], top: int, token_bytes: TokenBytes) -> dict:
     """A chat choice's (or chunk's) `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def item(token_id, logprob):
@@ -662,91 +624,3 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def now() -> int:
     return int(time.time())
-
-
-# ----------------------------------------------------------------------------------------------
-# Incremental detokenization
-
-
-class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas, never splitting a UTF-8 character.
-
-    Decodes a short sliding window (the tokens since the last clean boundary) rather than the whole
-    sequence, so cost per step stays small; a window ending in U+FFFD (an incomplete byte sequence
-    of a byte-level BPE) is held back until the next token completes it.
-    """
-
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self.ids: List[int] = []
-        self._start = 0      # window start: a token boundary where decoding is clean
-        self._read = 0       # tokens up to here have been turned into text
-        self.text = ""
-
-    def _decode(self, ids) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
-
-    def push(self, tokens: Iterable[int]) -> str:
-        self.ids.extend(int(t) for t in tokens)
-        if len(self.ids) == self._read:
-            return ""
-        prefix = self._decode(self.ids[self._start:self._read])
-        full = self._decode(self.ids[self._start:])
-        if (full.endswith("\ufffd") or len(full) <= len(prefix)) and len(self.ids) - self._read < 8:
-            # An incomplete UTF-8 character at the end: wait for the token that completes it.
-            # (Genuinely invalid bytes are let through as U+FFFD after 8 tokens.)
-            return ""
-        delta = full[len(prefix):]
-        self._start, self._read = self._read, len(self.ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """Whatever is held back (an incomplete character at the very end decodes as U+FFFD)."""
-        if self._read == len(self.ids):
-            return ""
-        prefix = self._decode(self.ids[self._start:self._read])
-        full = self._decode(self.ids[self._start:])
-        delta = full[len(prefix):] if full.startswith(prefix) else full
-        self._start = self._read = len(self.ids)
-        self.text += delta
-        return delta
-
-
-class StopStringMatcher:
-    """Matches stop strings on streamed text. Text that could be the start of a stop string is held
-    back; on a match the text is cut before the stop string, `stopped` becomes True and `matched`
-    is the stop string that matched (the earliest in the text)."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self._buf = ""
-        self.stopped = False
-        self.matched: Optional[str] = None
-
-    def push(self, delta: str) -> str:
-        if self.stopped or not delta:
-            return ""
-        if not self.stops:
-            return delta
-        text = self._buf + delta
-        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
-            at, self.matched = min(hits, key=lambda hit: hit[0])
-            self.stopped = True
-            self._buf = ""
-            return text[:at]
-        keep = 0
-        for n in range(min(self._hold, len(text)), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                keep = n
-                break
-        self._buf = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
-
-    def flush(self) -> str:
-        out, self._buf = ("" if self.stopped else self._buf), ""
-        return out

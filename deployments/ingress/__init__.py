@@ -1,0 +1,20 @@
+"""The OpenAI- and Anthropic-compatible HTTP ingress (no MLX in this process).
+
+Per request: route (`routes`: Starlette's router, the API key, request ids, errors in the route's
+shape), parse and validate (pydantic, 400s naming the field), apply the chat template and
+tokenize, then hold a place in the bound on waiting rows (`admission`) and build one typed row
+(`mtplx.api.rows.RowSpec`). Rows enter the `@serve.batch` window; each window goes to one MTP
+replica as a single streaming call, whose per-row updates are demultiplexed back to the rows
+(`dispatch`). Each row then turns tokens into text, matches stop strings and decides how it ended
+(`row_stream`), and answers as JSON or SSE in its route's format (`formats`: chat, completion,
+Anthropic message).
+
+Row-level cancellation: a client that disconnects cancels only its row, and a stop string that
+matches ends only its row, with a call pinned (by `deployments.router`) to the replica that runs
+its cohort; a row whose client left before its window closed is never sent. The cohort stream
+itself is never cancelled by one row.
+"""
+
+from .server import OpenAIIngress
+
+__all__ = ["OpenAIIngress"]

@@ -1,0 +1,29 @@
+"""A row as the ingress holds it: the spec that travels to the replica, and the state that stays
+here. The ingress's own marks never travel: `RowSpec` is all the replica sees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mtplx.api.rows import RowSpec
+
+# How a row ends early at the ingress.
+DISCONNECT = "disconnect"           # the client went away: a cancellation
+STOP_STRING = "stop_string"         # a stop string matched: a normal stop, not a cancellation
+
+
+@dataclass
+class PendingRow:
+    """`spec`, and when its HTTP request arrived and its batch started, whether it counts as
+    waiting for a batch, and why it ended early (DISCONNECT, STOP_STRING), if it did."""
+
+    spec: RowSpec
+    http_received_at: float
+    batch_started_at: Optional[float] = None
+    waiting_here: bool = False
+    ended_early: Optional[str] = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id

@@ -1,0 +1,435 @@
+"""`OpenAIIngress`, the Serve deployment class: its routes and their handlers (see the package's
+docstring for a request's path). Errors are OpenAI-shaped by class (Anthropic-shaped on
+/v1/messages routes); an internal failure reaches the client only as "internal error, request id
+X", its details go to the log."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import List, Optional
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Router
+
+import mtplx
+from mtplx.api import anthropic
+from mtplx.api import openai as oa
+from mtplx.api.rows import RowSpec
+from mtplx.api.text import TokenBytes
+
+from .._proc import freeze_startup_objects, renice_process, renice_serve_proxy
+from ..live_page import PAGE_HTML, PAGE_PATH
+from ..metrics import INGRESS_SERIES, make_metrics, record
+from .admission import Admission, WaitingBound
+from .auth import authorize, load_api_keys
+from .dispatch import ReplicaDispatcher, call
+from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
+from .model_files import load_model_metadata, load_tokenizer, resolve_model_dir
+from .pending import PendingRow
+from .routes import IngressRoute, RequestContext, match, request_id, route_path
+from .row_stream import RowStream
+
+log = logging.getLogger("ray.serve")
+
+_SSE_HEADERS = {"cache-control": "no-cache"}
+
+
+class OpenAIIngress:
+    """Serve deployment class (decorated in `deployments.app`)."""
+
+    def __init__(self, replica, config: Optional[dict] = None):
+        cfg = dict(config or {})
+        self.niceness = cfg.get("niceness", 0)
+        self._niceness_in_effect = renice_process(self.niceness)
+        renice_serve_proxy(self.niceness)
+        self._replica = replica
+        model_dir = resolve_model_dir(cfg.get("model_path"))
+        self.model_dir = model_dir
+        self.meta: Optional[dict] = None
+        self.tokenizer = None
+        self.token_bytes: Optional[TokenBytes] = None      # each token's text and bytes, for logprobs
+        self._model_lock = asyncio.Lock()
+        source = cfg.get("tokenizer_source", "auto")
+        if source == "local" or (source == "auto" and (model_dir / "config.json").is_file()):
+            self._load_model_files(model_dir)
+        # else: this node does not have the checkpoint (a head node without MLX, say): the
+        # tokenizer and metadata files are fetched from a replica on first use.
+        self.served_model = cfg.get("served_model_name") or model_dir.name
+        self.model_aliases = {self.served_model, model_dir.name, str(model_dir), str(cfg.get("model_path") or "")}
+        self.model_aliases.discard("")
+        self.default_max_tokens = int(cfg.get("default_max_tokens", 512))
+        self.default_mode = cfg.get("default_generation_mode", "auto")
+        self.stop_wait_s = float(cfg.get("stop_wait_s", 2.0))
+        self.max_body_bytes = int(cfg.get("max_body_bytes", 8 * 1024 * 1024))
+        self.max_tokens_limit = cfg.get("max_tokens_limit")
+        self._api_keys = load_api_keys(cfg.get("api_keys_env", "MTPLX_API_KEYS"), cfg.get("api_keys_file"))
+        self.bound = WaitingBound(cfg.get("max_waiting_rows", 256), cfg.get("retry_after_s", 1.0),
+                                  cfg.get("overload_status", 429))
+        self.created = oa.now()
+        self.max_batch_size = int(cfg.get("max_batch_size", 8))
+        self.batch_wait_timeout_s = float(cfg.get("batch_wait_timeout_s", 0.02))
+        self.max_concurrent_batches = int(cfg.get("max_concurrent_batches", 4))
+        self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
+                       "cohort_size_histogram": {}, "row_cancels": 0, "stop_string_stops": 0, "errors": 0,
+                       "rejected_overload": 0, "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0}
+        self._metrics = make_metrics(INGRESS_SERIES, log) if cfg.get("metrics", True) else None
+        self.dispatch = ReplicaDispatcher(
+            replica, self.bound, self._stats, self._metric, retry_after_s=self.bound.retry_after_s,
+            max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
+            max_concurrent_batches=self.max_concurrent_batches)
+        self._router = self._routes()
+        try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
+            from ..grafana import provision
+
+            provision(log=log)
+        except Exception as exc:
+            log.warning("mtplx: Grafana provisioning skipped: %s: %s", type(exc).__name__, exc)
+        freeze_startup_objects()
+
+    def _routes(self) -> Router:
+        R = IngressRoute
+        return Router(routes=[
+            R("/v1/chat/completions", self._chat, "POST", needs_model=True, new_id=request_id("chatcmpl")),
+            R("/v1/completions", self._completions, "POST", needs_model=True, new_id=request_id("cmpl")),
+            R("/v1/messages", self._messages, "POST", needs_model=True, new_id=anthropic.new_message_id),
+            R("/v1/messages/count_tokens", self._count_tokens, "POST", needs_model=True),
+            R("/tokenize", self._tokenize, "POST", needs_model=True),
+            R("/detokenize", self._detokenize, "POST", needs_model=True),
+            R("/version", self._version, "GET"),
+            R("/v1/models", self._models, "GET", needs_model=True),
+            R("/v1/models/{model:path}", self._model, "GET", needs_model=True, tag="/v1/models/{model}"),
+            R("/health", self._health, "GET", open=True),
+            R("/v1/mtplx/snapshot", self._snapshot_route, "GET"),
+            R(PAGE_PATH, self._page, "GET", open=True),   # holds no data; its snapshot calls carry the key
+            R("/v1/mtplx/cancel/{rid}", self._cancel, "POST", tag="/v1/mtplx/cancel"),
+        ])
+
+    def _load_model_files(self, model_dir: Path) -> None:
+        self.meta = load_model_metadata(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.token_bytes = TokenBytes(self.tokenizer)
+
+    async def _ensure_model(self) -> None:
+        if self.tokenizer is not None:
+            return
+        async with self._model_lock:
+            if self.tokenizer is not None:
+                return
+            try:
+                files = await call(self._replica.model_files, timeout_s=120)
+            except Exception:
+                log.exception("mtplx ingress: fetching the tokenizer from a replica failed")
+                raise oa.unavailable("no model replica is ready yet; retry shortly",
+                                     retry_after_s=self.bound.retry_after_s) from None
+            local = Path(tempfile.mkdtemp(prefix="mtplx-tokenizer-"))
+            for name, data in files.items():
+                (local / Path(name).name).write_bytes(data)
+            await asyncio.get_running_loop().run_in_executor(None, self._load_model_files, local)
+            freeze_startup_objects()      # the tokenizer is long-lived too (a local one is frozen at start)
+            log.info("mtplx ingress: tokenizer and metadata fetched from a replica into %s", local)
+
+    def _metric(self, name: str, value: float = 1, tags: Optional[dict] = None) -> None:
+        record(self._metrics, name, value, tags)
+
+    # ------------------------------------------------------------------------------------------
+    # HTTP dispatch
+
+    async def __call__(self, request: Request) -> Response:
+        method, path = request.method, route_path(request)
+        found = match(self._router, method, path)
+        # The server names every request; a client's own id is only metadata, echoed back.
+        ctx = RequestContext(rid=(found.known.new_id if found.known else request_id("req"))(), path=path,
+                             params=found.params)
+        try:
+            resp = await self._handle(request, found, ctx)
+        except oa.OpenAIError as exc:
+            resp = ctx.error_response(exc)
+            if exc.status == 401:
+                self._stats["rejected_unauthorized"] += 1
+            elif exc.status in (429, 503) and exc.code == "server_overloaded":
+                self._stats["rejected_overload"] += 1
+        except Exception:  # a bug of ours: 500 in the route's shape, details only in the log; keep serving
+            log.exception("mtplx ingress: unhandled error on %s %s (request id %s)", method, path, ctx.rid)
+            self._stats["errors"] += 1
+            resp = ctx.error_response(oa.internal_error(ctx.rid))
+        for name, value in ctx.headers().items():
+            resp.headers.setdefault(name, value)
+        self._metric("requests", 1, {"route": found.tag, "status": str(resp.status_code)})
+        return resp
+
+    async def _handle(self, request: Request, found, ctx: RequestContext) -> Response:
+        ctx.read_client_id(request)
+        if not found.open:
+            authorize(request, self._api_keys)
+        route = found.raise_unless_found(request.method, ctx.path)
+        if route.needs_model:
+            await self._ensure_model()
+        return await route.endpoint(request, ctx)
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes the limit: a declared Content-Length
+        before reading, a chunked (or lying) body while it is read."""
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > self.max_body_bytes:
+            raise self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> oa.OpenAIError:
+        return oa.OpenAIError(f"The request body exceeds the {self.max_body_bytes}-byte limit; send a smaller "
+                              f"prompt", status=413, code="request_too_large")
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model and model not in self.model_aliases:
+            raise oa.model_not_found(model, [self.served_model])
+
+    async def _admitted_body(self, request: Request) -> bytes:
+        self.bound.check()      # before the body is read
+        return await self._body(request)
+
+    # ------------------------------------------------------------------------------------------
+    # Generation endpoints
+
+    async def _chat(self, request: Request, ctx: RequestContext) -> Response:
+        t0 = time.perf_counter()
+        body = await self._admitted_body(request)
+        with self.bound.admit() as place:
+            req = oa.parse_request(oa.ChatCompletionRequest, body)
+            self._check_model(req.model)
+            prompt_ids = await _off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages)
+            return await self._generate(ChatFormat, req, prompt_ids, t0, ctx, place)
+
+    async def _completions(self, request: Request, ctx: RequestContext) -> Response:
+        t0 = time.perf_counter()
+        body = await self._admitted_body(request)
+        with self.bound.admit() as place:
+            req = oa.parse_request(oa.CompletionRequest, body)
+            self._check_model(req.model)
+            prompt = req.single_prompt()
+            prompt_ids = await _off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
+                                         self.meta["vocab_size"] or 2 ** 31)
+            if not prompt_ids:
+                raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
+            return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place)
+
+    async def _messages(self, request: Request, ctx: RequestContext) -> Response:
+        """Anthropic Messages, served as the chat completion it translates to (same cohorts, lanes
+        and streaming; Anthropic's framing)."""
+        t0 = time.perf_counter()
+        body = await self._admitted_body(request)
+        with self.bound.admit() as place:
+            msg = oa.parse_request(anthropic.MessagesRequest, body)
+            self._check_model(msg.model)
+            req = msg.to_chat_request()
+            prompt_ids = await _off_loop(_messages_size(req.messages), msg.encode, self.tokenizer)
+            answer = partial(AnthropicFormat, cache_split=msg.sends_cache_control)
+            return await self._generate(answer, req, prompt_ids, t0, ctx, place, route=AnthropicFormat.name)
+
+    async def _generate(self, answer, req, prompt_ids: List[int], t0: float, ctx: RequestContext,
+                        place: Admission, route: Optional[str] = None) -> Response:
+        """One request's rows, from its spec to its answer in format `answer` (a format class)."""
+        spec = self._row_spec(req, prompt_ids, ctx.rid)
+        received_at = time.time() - (time.perf_counter() - t0)
+        self._stats["requests"] += 1
+        rows = self._choice_rows(req, spec) if req.requested_rows > 1 else [spec]
+        formats = [answer(RowStream(self, PendingRow(s, received_at), req, response_id=ctx.rid, t0=t0,
+                                    client_id=ctx.client_id, route=route or answer.name)) for s in rows]
+        place.hand_over(f.run for f in formats)
+        if len(formats) > 1:
+            return await self._choices(formats, req)
+        (fmt,) = formats
+        if req.stream:
+            await fmt.run.start()   # errors before the first token still get a status code
+            return StreamingResponse(fmt.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return JSONResponse(await fmt.response())
+
+    def _row_spec(self, req, prompt_ids: List[int], rid: str) -> RowSpec:
+        """The row this request decodes as (its n > 1 choices are copies of it)."""
+        if req.stop_token_ids:
+            self._check_vocab(req.stop_token_ids, "stop_token_ids")
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        return RowSpec(
+            request_id=rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
+            max_tokens=self._max_tokens(req, len(prompt_ids)),
+            sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"]), seed=int(seed) % (2 ** 64),
+            generation_mode=req.generation_mode or self.default_mode,
+            omit_speculative_bonus=bool(req.omit_speculative_bonus),
+            # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
+            stop_token_ids=tuple(sorted(set(req.stop_token_ids or ()))), ignore_eos=bool(req.ignore_eos),
+            logprobs=req.requested_logprobs)
+
+    def _max_tokens(self, req, n_prompt: int) -> int:
+        """The row's budget: the request's (within this server's limit and the context window), or
+        the default that fits."""
+        max_context, limit = self.meta["max_context"], self.max_tokens_limit
+        if n_prompt >= max_context:
+            raise oa.context_length_exceeded(n_prompt, 1, max_context, param="messages"
+                                             if isinstance(req, oa.ChatCompletionRequest) else "prompt")
+        max_tokens = req.requested_max_tokens
+        if max_tokens is None:
+            return int(min(self.default_max_tokens, max_context - n_prompt, limit or max_context))
+        if limit is not None and max_tokens > limit:
+            raise oa.invalid_request(f"{req.max_tokens_param}={max_tokens} is above this server's limit of "
+                                     f"{limit} tokens per completion; ask for at most {limit}",
+                                     param=req.max_tokens_param, code="invalid_value")
+        if n_prompt + max_tokens > max_context:
+            raise oa.context_length_exceeded(n_prompt, max_tokens, max_context, param=req.max_tokens_param)
+        return int(max_tokens)
+
+    @property
+    def max_choices(self) -> int:
+        """The most choices (n) one request may ask for: its rows must fit one batch window (so
+        that they reach one replica together and share one prefill) and the rows waiting here."""
+        return min(self.max_batch_size, self.bound.max_waiting_rows)
+
+    def _choice_rows(self, req, spec: RowSpec) -> List[RowSpec]:
+        """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
+        replica's lane prefills the prompt once for all of them. Each row has its own id (a stop
+        string ends its row only); a cancel of the request's id reaches the group. best_of > n:
+        every row reports log-probabilities, whether or not the client asked, to rank them."""
+        n, m = req.requested_n, req.requested_rows
+        if m > self.max_choices:
+            param = "n" if m == n else "best_of"
+            raise oa.invalid_request(f"{param}={m} is above this server's limit of {self.max_choices} rows per "
+                                     f"request (its batch window holds {self.max_batch_size} rows)",
+                                     param=param, code="invalid_value")
+        logprobs = spec.logprobs if spec.logprobs is not None or m == n else 0
+        return [dataclasses.replace(spec, request_id=f"{spec.request_id}-{i}", seed=(spec.seed + i) % (2 ** 64),
+                                    prefill_group=spec.request_id, logprobs=logprobs) for i in range(m)]
+
+    async def _choices(self, formats, req) -> Response:
+        try:
+            if req.stream:
+                await asyncio.gather(*(f.run.start() for f in formats))
+                return StreamingResponse(choices_sse(formats), media_type="text/event-stream", headers=_SSE_HEADERS)
+            return JSONResponse(await choices_response(formats, req.requested_n))
+        except BaseException:
+            for f in formats:
+                f.run.close()
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    # Token endpoints
+
+    async def _count_tokens(self, request: Request, ctx: RequestContext) -> Response:
+        req = oa.parse_request(anthropic.CountTokensRequest, await self._body(request))
+        self._check_model(req.model)
+        ids = await _off_loop(_messages_size(req.messages), req.encode, self.tokenizer)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    async def _tokenize(self, request: Request, ctx: RequestContext) -> Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        req = oa.parse_tokenize_request(await self._body(request))
+        self._check_model(req.model)
+        if isinstance(req, oa.TokenizeChatRequest):
+            ids = await _off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages,
+                                  req.add_generation_prompt, req.continue_final_message, req.add_special_tokens)
+        else:
+            ids = await _off_loop(len(req.prompt), lambda: list(
+                self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse(oa.tokenize_response(ids, self.meta["max_context"], strs))
+
+    async def _detokenize(self, request: Request, ctx: RequestContext) -> Response:
+        """vLLM's /detokenize: token ids to text (special tokens included)."""
+        req = oa.parse_request(oa.DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        self._check_vocab(req.tokens, "tokens")
+        text = await _off_loop(len(req.tokens), lambda: self.tokenizer.decode(req.tokens))
+        return JSONResponse({"prompt": text})
+
+    def _check_vocab(self, ids: List[int], param: str) -> None:
+        vocab = self.meta["vocab_size"] or 2 ** 31
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise oa.invalid_request(f"token id {bad[0]} in {param} is outside the vocabulary [0, {vocab})",
+                                     param=param, code="invalid_value")
+
+    # ------------------------------------------------------------------------------------------
+    # Models, version, operations
+
+    async def _models(self, request: Request, ctx: RequestContext) -> Response:
+        return JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"]))
+
+    async def _model(self, request: Request, ctx: RequestContext) -> Response:
+        name = ctx.params["model"]
+        if name not in self.model_aliases:
+            raise oa.model_not_found(name, [self.served_model])
+        return JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"])["data"][0])
+
+    async def _version(self, request: Request, ctx: RequestContext) -> Response:
+        return JSONResponse({"version": mtplx.__version__})
+
+    async def _page(self, request: Request, ctx: RequestContext) -> Response:
+        return HTMLResponse(PAGE_HTML, headers={"Cache-Control": "no-store"})
+
+    async def _health(self, request: Request, ctx: RequestContext) -> Response:
+        try:
+            replicas = await self.dispatch.fan_out("health", timeout_s=10)
+        except Exception as exc:
+            log.warning("mtplx ingress: health: no model replica answered: %s: %s", type(exc).__name__, exc)
+            err = oa.unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s)
+            return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503, headers=err.headers)
+        ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
+        ingress = {"mlx_imported": "mlx.core" in sys.modules or "mlx" in sys.modules,
+                   "niceness": self._niceness_in_effect,
+                   # a restarted proxy starts at Ray's 15 again
+                   "proxy_niceness": renice_serve_proxy(self.niceness)}
+        body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
+                "max_context": (self.meta or {}).get("max_context"), "ingress": ingress, "replicas": replicas}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def _snapshot_route(self, request: Request, ctx: RequestContext) -> Response:
+        try:
+            replicas = await self.dispatch.fan_out("snapshot", timeout_s=10)
+        except Exception as exc:
+            log.warning("mtplx ingress: snapshot: no model replica answered: %s: %s", type(exc).__name__, exc)
+            raise oa.unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s) from None
+        # time: the server's clock when it answered, so rates between two snapshots need no client clock
+        return JSONResponse({"model": self.served_model, "time": time.time(), "ingress": self.ingress_snapshot(),
+                             "replicas": replicas})
+
+    def ingress_snapshot(self) -> dict:
+        s = dict(self._stats)
+        s.update({"max_batch_size": self.max_batch_size, "batch_wait_timeout_s": self.batch_wait_timeout_s,
+                  "max_concurrent_batches": self.max_concurrent_batches,
+                  "rows_in_flight": len(self.dispatch.row_replica), "rows_waiting": self.bound.waiting_rows,
+                  "requests_admitting": self.bound.admitting, "max_waiting_rows": self.bound.max_waiting_rows,
+                  "batch_size_histogram": dict(self._stats["batch_size_histogram"]),
+                  "cohort_size_histogram": dict(self._stats["cohort_size_histogram"])})
+        return s
+
+    async def _cancel(self, request: Request, ctx: RequestContext) -> Response:
+        rid = ctx.params["rid"]
+        n = await self.dispatch.cancel_request(rid)
+        if not n:
+            raise oa.OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
+                                 param="request_id", code="request_not_found")
+        return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
+
+
+def _messages_size(messages) -> int:
+    """A prompt's size for `_off_loop` (a list of parts counts as 1 KiB)."""
+    return sum(len(m.content) if isinstance(m.content, str) else 1024 for m in messages)
+
+
+async def _off_loop(size: int, fn, *args):
+    """Small prompts are tokenized inline; long ones in a worker thread so that one big prompt
+    does not stall every other request's stream on this event loop."""
+    if size < 16384:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
