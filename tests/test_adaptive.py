@@ -70,10 +70,10 @@ def test_greedy_equals_plain_ar_whichever_steps_run(model, lane3, plan):
     running, streams = _run([solo_lane(model), lane3], reqs, PLANS[plan], join_at={3: 12})
     for i, (s, ref) in enumerate(zip(streams, refs)):
         assert s.tokens == ref, f"row {i}"
-    assert running.ar_steps > 0 and (plan == "ar") == (running.mtp_cycles == 0)
-    if plan == "ar":
-        assert running.accepted == running.rejected == 0
-        assert all(s.spec_cycles == 0 and s.drafts_skipped == s.cycles for s in streams)
+    all_ar = plan == "ar"
+    assert running.ar_steps > 0 and all_ar == (running.mtp_cycles == 0)
+    assert all_ar == (running.accepted == running.rejected == 0)
+    assert all_ar == all(s.spec_cycles == 0 and s.drafts_skipped == s.cycles for s in streams)
 
 
 def test_history_owed_by_ar_steps_is_what_mtp_cycles_would_have_written(model, lane3):
