@@ -1,0 +1,143 @@
+"""The lanes a service's running lanes move along: the installed widths (self-checked), their
+deeper greedy counterparts (`greedy_depths`), the forced width, the numerics profile, and the
+ladder a key's running lane takes from them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional
+
+from mtplx.scheduler.config import MAX_COHORT_ROWS, NUMERICS, checked_greedy_depths, resolve_force_width
+from mtplx.scheduler.results import MTP_DEPTH, installed_snapshot
+
+logger = logging.getLogger(__name__)
+
+
+class LaneLadder:
+    """Installed lanes by width. `numerics=None` takes the installed lanes' profile (else
+    "throughput"); `force_width=None` reads MTPLX_MTP_BATCH_FORCE_WIDTH; `compiled=None`: the
+    engine's default. Lane installation runs on the model-owner thread (the service's call)."""
+
+    def __init__(self, model, lanes=None, *, numerics: Optional[str] = None, greedy_depths=None,
+                 force_width: Optional[int] = None, compiled: Optional[bool] = None,
+                 max_rows: Optional[int] = None):
+        from mtplx.engine.installed import DEPTHS, MAX_WIDTH
+
+        self.model = model
+        # A lane whose drafting rows are all greedy may chain more drafts at some widths (width ->
+        # depth; 1 is the solo lane): a greedy row's tokens are the same at any depth. While a
+        # sampled row drafts in it, the lane chains MTP_DEPTH at every width: a chain's depth
+        # decides which draws a row makes, and a row's draws must not depend on its neighbours.
+        self.greedy_depths = checked_greedy_depths(greedy_depths, MAX_WIDTH, DEPTHS)
+        self.greedy_lanes: dict[int, Any] = {}    # width -> lane at greedy_depths[width] (not MTP_DEPTH)
+        self.compiled = compiled
+        self.max_rows = int(max_rows) if max_rows is not None else None
+        self.forced_width, self._forced_by = resolve_force_width(force_width)
+        self.lanes: dict[int, Any] = {}
+        self.refused_widths: dict[int, str] = {}   # width -> why its lane refused to install
+        self.numerics = numerics
+        self.set_lanes(lanes or {})
+        if self.numerics is None:
+            self.numerics = "throughput"
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics={self.numerics!r} is invalid: choose one of {NUMERICS}")
+
+    def install(self, widths: Iterable[int]) -> list:
+        """Install (and self-check) lanes of these widths, adding to the installed set; a width
+        whose self-check fails is refused (its rows run narrower, solo at worst)."""
+        from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
+
+        lanes = dict(self.lanes)
+        for w in widths:
+            if w not in lanes:
+                try:
+                    lanes[w] = install_a3b_mtp_batch_lane(self.model, w, numerics=self.numerics,
+                                                          compiled=self.compiled)
+                except LaneSelfCheckError as exc:
+                    self.refused_widths[w] = str(exc)
+                    logger.warning("MTP batch lane B%d refused: %s", w, exc)
+        self._install_greedy_lanes(lanes)
+        self.set_lanes(lanes)
+        return sorted(lanes)
+
+    def _install_greedy_lanes(self, lanes: dict) -> None:
+        """Deeper greedy lanes only where the width's own lane passed its self-check (the same
+        forwards at that width; the self-check injects single drafts at any depth)."""
+        from mtplx.engine.install import install_a3b_mtp_batch_lane, measure_step_costs
+        from mtplx.engine.installed import solo_lane
+
+        for w, d in sorted(self.greedy_depths.items()):
+            if d != MTP_DEPTH and w not in self.greedy_lanes and (w == 1 or w in lanes):
+                lane = (solo_lane(self.model, d) if w == 1 else install_a3b_mtp_batch_lane(
+                    self.model, w, numerics=self.numerics, selfcheck=False, depth=d, compiled=self.compiled))
+                if not lane.step_costs:
+                    measure_step_costs(lane)
+                self.greedy_lanes[w] = lane
+
+    def set_lanes(self, lanes) -> None:
+        if not isinstance(lanes, dict):
+            lanes = {lane.width: lane for lane in lanes}
+        lanes = {int(w): lane for w, lane in lanes.items()}
+        for w, lane in lanes.items():
+            if getattr(lane, "width", w) != w:
+                raise ValueError(f"lane {getattr(lane, 'route_id', lane)!r} has width {lane.width}, "
+                                 f"installed under {w}")
+        self._take_profile(lanes)
+        if lanes and self.forced_width is not None and self.forced_width not in lanes:
+            raise ValueError(f"{self._forced_by}={self.forced_width} is not an installed width {sorted(lanes)}")
+        self.lanes = lanes
+
+    def _take_profile(self, lanes: dict) -> None:
+        profiles = {getattr(lane, "numerics", None) for lane in lanes.values()} - {None}
+        if len(profiles) > 1:
+            raise ValueError(f"installed lanes disagree on the numerics profile: {sorted(profiles)}")
+        if profiles:
+            (profile,) = profiles
+            if self.numerics is None:
+                self.numerics = profile
+            elif self.numerics != profile:
+                raise ValueError(f"lanes are {profile!r} but the service was asked for {self.numerics!r}")
+
+    @property
+    def max_cohort_rows(self) -> int:
+        """Most rows of one key that decode together: the widest installed lane (capped by
+        `max_rows` when given)."""
+        if self.numerics == "b1-exact" or not self.lanes:
+            return self.max_rows or MAX_COHORT_ROWS
+        return min(self.max_rows or max(self.lanes), max(self.lanes))
+
+    def lane_for_real_width(self, real_width: int):
+        """(fixed_width, lane): the forced width if it fits, else the narrowest lane that fits."""
+        if self.forced_width is not None and self.forced_width in self.lanes and self.forced_width >= real_width:
+            return self.forced_width, self.lanes[self.forced_width]
+        for w in sorted(self.lanes):
+            if w >= real_width:
+                return w, self.lanes[w]
+        raise ValueError(f"no installed lane fits a cohort of {real_width} rows (installed widths {sorted(self.lanes)})")
+
+    def ladder(self, greedy: bool = False) -> list:
+        """The widths a key's running lane may run at: from the forced width (or the one-row solo
+        lane) up to the widest installed lane within `max_cohort_rows`; for a lane of greedy rows,
+        each at its `greedy_depths` depth where that lane is installed. "b1-exact": the one-row
+        lane alone, so a lane's rows decode one at a time."""
+        from mtplx.engine.installed import solo_lane
+
+        if self.numerics == "b1-exact":
+            return [solo_lane(self.model)]
+        lanes = [self.lanes[w] for w in sorted(self.lanes) if w <= self.max_cohort_rows]
+        if self.forced_width is not None:
+            lanes = [ln for ln in lanes if ln.width >= self.forced_width]
+        elif not lanes or lanes[0].width > 1:     # (every width refused: rows decode solo)
+            lanes.insert(0, solo_lane(self.model))
+        if greedy:
+            lanes = [self.greedy_lanes.get(ln.width, ln) for ln in lanes]
+        return lanes
+
+    def widths(self) -> list:
+        return sorted({getattr(lane, "width", 1) for lane in self.ladder()}) or [1]
+
+    def snapshot(self) -> dict:
+        return {"installed_widths": sorted(self.lanes),
+                "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
+                **installed_snapshot(self.lanes), "forced_width": self.forced_width, "numerics": self.numerics,
+                "max_cohort_rows": self.max_cohort_rows}

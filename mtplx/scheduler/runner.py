@@ -1,0 +1,49 @@
+"""A job's own `solo_runner` (the seed's MTPBatchJob parameter): what its return value means for
+the job's result. The service calls the runner at the job's turn; this module reads its output."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mtplx.scheduler.results import Placement, build_result
+
+
+def unpack_runner_result(out) -> tuple:
+    """(tokens, finish_reason, stats, extra result keys) from a solo runner's return value."""
+    if isinstance(out, dict):
+        stats = dict(out.get("stats") or {})
+        extra = {k: v for k, v in out.items() if k not in ("tokens", "stats", "finish_reason")}
+        return list(out.get("tokens") or []), out.get("finish_reason") or stats.get("finish_reason"), \
+            stats, extra
+    tokens = getattr(out, "tokens", None)
+    if tokens is None:
+        raise TypeError(f"solo_runner returned {type(out).__name__}; expected a result dict or a "
+                        f"GenerationResult")
+    return list(tokens), getattr(out, "finish_reason", None), dict(getattr(out, "stats", {}) or {}), {}
+
+
+def runner_result(job, placement: Placement, out) -> tuple:
+    """(the job's result dict, (cycles, accepted, rejected)) from its runner's output; (None, ())
+    when the job was cancelled meanwhile. A job stopped by its caller (a stop string) ends as a
+    stop."""
+    if job.cancel_requested() and not job.stopped_by_caller:
+        return None, ()
+    tokens, finish_reason, runner_stats, extra = unpack_runner_result(out)
+    if not job.tokens and tokens:       # a runner that did not stream through emit_token
+        job.tokens = [int(t) for t in tokens]
+    if job.decode_started_s is None:
+        pe = runner_stats.get("prompt_eval_time_s")
+        job.decode_started_s = placement.started_s + (pe if isinstance(pe, (int, float)) and pe >= 0 else 0)
+    job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
+                      "tokens_done": len(job.prompt_ids), "cached_tokens": 0})
+    counts = tuple(int(runner_stats.get(k, 0) or 0) for k in ("verify_calls", "accepted_drafts", "rejected_drafts"))
+    extra_stats = {k: v for k, v in runner_stats.items() if k in ("acceptance_rate", "mean_tokens_per_verify")}
+    finish_reason: Optional[str] = finish_reason or "length"
+    if job.stopped_by_caller:
+        finish_reason, extra_stats["engine_finish_reason"] = "stop", "stop_string"
+    result = build_result(job, placement, finish_reason=finish_reason, cycles=counts[0], accepted=counts[1],
+                          rejected=counts[2], cached_tokens=int(runner_stats.get("cached_tokens", 0) or 0),
+                          solo=True, extra_stats=extra_stats)
+    for k, v in extra.items():
+        result.setdefault(k, v)
+    return result, counts
