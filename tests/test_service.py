@@ -4,18 +4,19 @@ Fake drivers appear only where a rare fault must be forced (a driver error). Job
 the model-owner thread is held (`held_owner`), so which jobs share a cohort is deterministic.
 """
 
-import asyncio
 import threading
 import time
 from contextlib import contextmanager
 
 import pytest
 
-from mtplx.engine.lane import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane, solo_lane
+from mtplx.engine.cohort import generate_a3b_mtp_batch
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.installed import solo_lane
+from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.service import (FORCE_WIDTH_ENV, AsyncTokenStream, MTPBatchCancelled,
-                                    MTPBatchGenerationService, MTPBatchJob,
+from mtplx.scheduler.service import (FORCE_WIDTH_ENV, MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob,
                                     MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
 
 from references import greedy_ar
@@ -292,12 +293,14 @@ def test_one_job_runs_the_solo_mtp_path(model, service, prompts):
     s = r["stats"]
     assert (s["mtp_batch_real_width"], s["mtp_batch_fixed_width"]) == (1, 1)
     assert s["scheduler_policy"] == "solo_mtp" and s["scheduler_lane"] == "mtp_batch"
-    assert (s["row_accepted_drafts"], s["row_rejected_drafts"], s["verify_calls"]) == (
+    assert (s["accepted_drafts"], s["rejected_drafts"], s["verify_calls"]) == (
         ref.stats["accepted_drafts"], ref.stats["rejected_drafts"], ref.stats["verify_calls"])
     assert service.snapshot()["solo_runs"] == 1
 
 
-def test_b1_exact_runs_every_job_serially_through_solo(model, prompts):
+def test_b1_exact_runs_every_job_serially_in_the_one_row_lane(model, prompts):
+    """b1-exact: rows decode one at a time in the one-row lane, with the solo path's tokens; a job
+    with its own solo runner runs through it, and its failure stays its own."""
     service = MTPBatchGenerationService.for_model(model, numerics="b1-exact")
     try:
         def boom(_job):
@@ -318,9 +321,9 @@ def test_b1_exact_runs_every_job_serially_through_solo(model, prompts):
         # serial: each job's decode started after the previous one finished
         for a, b in zip(jobs[:2], jobs[1:3]):
             assert b.decode_started_s > a.completed_s
-        snap = service.snapshot()
+        snap = settle(service)
         assert snap["installed_widths"] == [] and snap["solo_runs"] == 4
-        assert snap["lanes_started"] == 0 and snap["shut_down"] is False
+        assert set(snap["fixed_width_histogram"]) == {"1"} and snap["shut_down"] is False
     finally:
         service.shutdown()
 
@@ -573,12 +576,12 @@ def test_stats_timing_invariants_and_observability_merge(model, service, prompts
         assert s["mtp_batch_fixed_width"] == obs[i]["mtp_batch_fixed_width"] == 3
         assert obs[i]["mtp_batch_route_id"] == lanes[3].route_id
         assert s["verify_calls"] >= 1
-        assert s["row_accepted_drafts"] + s["row_rejected_drafts"] <= s["verify_calls"]
+        assert s["accepted_drafts"] + s["rejected_drafts"] <= s["verify_calls"]
         if r["finish_reason"] == "stop":
             assert r["tokens"][-1] in stop and r["_mtp_batch_stop_token_ids"] == sorted(stop)
     snap = settle(service)
-    assert snap["accepted_draft_tokens"] == sum(r["stats"]["row_accepted_drafts"] for r in results)
-    assert snap["rejected_draft_tokens"] == sum(r["stats"]["row_rejected_drafts"] for r in results)
+    assert snap["accepted_draft_tokens"] == sum(r["stats"]["accepted_drafts"] for r in results)
+    assert snap["rejected_draft_tokens"] == sum(r["stats"]["rejected_drafts"] for r in results)
     solo = job(prompts[5], max_tokens=9, seed=9, request_observability=obs[3])
     r = service.submit(solo).result(TIMEOUT)
     _check_timing(solo, r)
@@ -606,26 +609,9 @@ def run_held_futures(service, jobs):
 # ------------------------------------------------------------------------------ hand-over hooks
 
 
-def test_async_token_stream_and_call_on_owner(model, service, prompts):
+def test_call_on_owner_runs_on_the_model_owner_thread(service):
     assert service.call_on_owner(lambda: threading.current_thread().name).result(TIMEOUT) == \
         "mtplx-model-owner"
-    stop = set(model.eos_token_ids)
-
-    async def main():
-        streams = [AsyncTokenStream() for _ in range(2)]
-        jobs = [job(prompts[i], max_tokens=20, seed=i, token_callback=streams[i].push,
-                    stop_token_ids=stop) for i in range(2)]
-        for s, f in zip(streams, service.submit_cohort(jobs)):
-            s.bind(f)
-        got = []
-        for s in streams:
-            toks = [t async for chunk in s for t in chunk]
-            got.append((toks, await s.result()))
-        return got
-
-    for toks, result in asyncio.run(main()):
-        assert toks == [t for t in result["tokens"] if t not in stop]
-        assert result["stats"]["mtp_batch_real_width"] == 2
 
 
 def test_session_hooks_are_passed_through_and_fail_safe(service, prompts):
@@ -662,10 +648,10 @@ def test_pump_once_without_owner_thread(make_service, prompts):
 def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkeypatch):
     """A lane whose self-check fails is not installed; the service still starts, names the failed
     check in its snapshot, and decodes that width's rows through the one-row lane (exactly)."""
-    import mtplx.engine.lane as lane_mod
+    import mtplx.engine.install as install_mod
 
-    real = lane_mod.run_selfcheck
-    monkeypatch.setattr(lane_mod, "run_selfcheck", lambda lane: real(lane) if lane.width != 8 else {
+    real = install_mod.run_selfcheck
+    monkeypatch.setattr(install_mod, "run_selfcheck", lambda lane: real(lane) if lane.width != 8 else {
         "ok": False, "failures": ["row_isolation: injected fault"], "failed_checks": ["row_isolation"]})
     service = MTPBatchGenerationService.for_model(model, widths=(8,), batch_wait_s=0.01)
     try:
@@ -686,7 +672,7 @@ def test_a_refused_lane_width_serves_solo_with_the_reason(model, prompts, monkey
 def test_idle_owner_returns_free_heap_once_per_busy_spell(service, prompts, monkeypatch):
     """After work, an owner idle for IDLE_HEAP_RELEASE_S hands the C heap's free pages back to the
     OS (once; not again while it stays idle), and never while rows decode."""
-    import mtplx.scheduler.service as mb
+    import mtplx.scheduler.owner as mb
     from mtplx.runtime import release_free_heap
 
     assert release_free_heap() is True          # glibc: the real call works here
@@ -735,3 +721,78 @@ def test_greedy_keys_chain_deeper_drafts_where_configured_sampled_keys_do_not(mo
 def test_greedy_depths_are_checked(make_service, depths):
     with pytest.raises(ValueError, match="greedy_depths"):
         make_service(greedy_depths=depths)
+
+
+# ------------------------------------------------------------------------------ settings and stops
+
+
+def test_force_width_setting_names_itself(make_service, prompts):
+    service = make_service(force_width=8)
+    results = run_held(service, [job(prompts[i], seed=i) for i in range(2)])
+    assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {8}
+    with pytest.raises(ValueError, match="force_width=5 is not an installed width"):
+        make_service(force_width=5)
+
+
+@pytest.mark.parametrize("settings, named", [({"draft_draw": "gpu"}, "draft_draw="),
+                                            ({"numerics": "fast", "lanes": {}}, "numerics=")])
+def test_settings_are_checked_at_construction(make_service, settings, named):
+    with pytest.raises(ValueError, match=named):
+        make_service(**settings)
+
+
+def test_a_stop_string_ends_the_row_as_a_stop_not_a_cancel(service, prompts):
+    """cancel("stop_string") mid-decode: the row leaves its lane at the next boundary and
+    resolves with its tokens so far, finish_reason "stop"; its neighbour is undisturbed; the
+    service counts a completed request, not a cancelled one."""
+    undisturbed = run_held(service, _cohort(prompts, 2, [60, 60], sampler=GREEDY))
+    reached = threading.Event()
+    seen = []
+
+    def cb(toks):
+        seen.extend(toks)
+        if len(seen) >= 5:
+            reached.set()
+
+    jobs = _cohort(prompts, 2, [60, 60], sampler=GREEDY, per_row={0: {"token_callback": cb}})
+    before = settle(service)
+    futures = service.submit_cohort(jobs)
+    assert reached.wait(TIMEOUT)
+    assert service.cancel(jobs[0], "stop_string") is True
+    stopped, peer = futures[0].result(TIMEOUT), futures[1].result(TIMEOUT)
+    assert stopped["finish_reason"] == "stop" and stopped["stats"]["finish_reason"] == "stop"
+    assert stopped["stats"]["engine_finish_reason"] == "stop_string" and stopped["stats"]["cancelled"] is False
+    assert stopped["tokens"] == undisturbed[0]["tokens"][:len(stopped["tokens"])] and len(stopped["tokens"]) < 60
+    assert peer["tokens"] == undisturbed[1]["tokens"]
+    after = settle(service)
+    assert after["requests_cancelled"] == before["requests_cancelled"]
+    assert after["requests_completed"] == before["requests_completed"] + 2
+    assert jobs[0].cancel() is False                 # already ended
+
+
+def test_a_queued_row_stopped_by_its_caller_ends_at_once_with_no_tokens(service, prompts):
+    with held_owner(service):
+        j = job(prompts[0], seed=0)
+        f = service.submit(j)
+        j.cancel("stop_string")
+        r = f.result(0)
+    assert r["finish_reason"] == "stop" and r["tokens"] == [] and r["stats"]["cancelled"] is False
+    with pytest.raises(ValueError, match="reason='gone'"):
+        job(prompts[1]).cancel("gone")
+
+
+def test_repetition_limits_apply_to_every_row(model, lanes, make_service, prompts):
+    """repetition_limits: every row stops on a literal repetition (the shipped model repeats a
+    two-token block on this prompt), its repeats trimmed; without them a row runs to its budget."""
+    from mtplx.engine.repetition import RepetitionLimits
+
+    prompt = model.tokenizer.encode("def add(a, b):\n")
+    plain = greedy_ar(model, prompt, 40)
+    assert plain[4:10] == plain[6:12]                 # the model does repeat
+    limits = RepetitionLimits(min_tokens=10, min_repeated=6, min_repeats=3, max_block=4)
+    armed = make_service(repetition_limits=limits).submit(job(prompt, max_tokens=40)).result(TIMEOUT)
+    st = armed["stats"]
+    assert armed["finish_reason"] == "stop" and st["repetition_stop_triggered"]
+    assert armed["tokens"] == plain[:len(armed["tokens"])] and len(armed["tokens"]) < 20
+    unarmed = make_service().submit(job(prompt, max_tokens=40)).result(TIMEOUT)
+    assert unarmed["tokens"] == plain and not unarmed["stats"]["repetition_stop_triggered"]
