@@ -215,9 +215,8 @@ async def choices_response(formats: List[_OpenAIFormat], n: int) -> dict:
     highest cumulative log-probability (vLLM's semantics)."""
     bodies = await asyncio.gather(*(f.response() for f in formats))
     runs = [f.run for f in formats]
-    chosen = sorted(range(len(runs)), key=lambda i: -runs[i].cumulative_logprob)[:n]
-    if len(runs) == n:
-        chosen = list(range(n))
+    chosen = list(range(n)) if len(runs) == n else \
+        sorted(range(len(runs)), key=lambda i: -runs[i].cumulative_logprob)[:n]
     body = dict(bodies[chosen[0]])
     body["choices"] = [dict(bodies[i]["choices"][0], index=k) for k, i in enumerate(chosen)]
     body["usage"], body["mtplx_stats"] = choices_usage_and_stats(formats, chosen)

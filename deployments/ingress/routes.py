@@ -57,7 +57,8 @@ class RouteMatch:
 
     @property
     def open(self) -> bool:
-        return self.route is not None and self.route.open
+        """Served without an API key (an open path answers its 405 without one too)."""
+        return self.known is not None and self.known.open
 
     @property
     def tag(self) -> str:
