@@ -2,9 +2,10 @@
 
     OpenAIIngress (HTTP, @serve.batch cohorts, no MLX)  --streaming handle-->  MTPReplica (MLX model)
 
-Every knob is an application arg (see `AppArgs`); a `deployments:` entry of the config file with
-the same deployment name overrides the Serve options set here (num_replicas, max_ongoing_requests,
-ray_actor_options...).
+Every knob is an application arg (see `AppArgs`), with one default: the scheduler's from
+`mtplx.scheduler.config`, the replica's from `deployments.replica`. A `deployments:` entry of the
+config file with the same deployment name overrides the Serve options set here (num_replicas,
+max_ongoing_requests, ray_actor_options...).
 """
 
 from __future__ import annotations
@@ -15,21 +16,35 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from mtplx.engine.repetition import RepetitionLimits
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, DEFAULT_WIDTHS
+
 from ._proc import direct_http_enabled
 from .ingress import OpenAIIngress
-from .replica import MTPReplica
+from .replica import (DEFAULT_MAX_WAITING_ROWS_PER_KEY, DEFAULT_NICENESS, DEFAULT_RETRY_AFTER_S,
+                      DEFAULT_STREAM_INTERVAL_MS, DEFAULT_SUMMARY_INTERVAL_S, DEFAULT_WATCHDOG_S, MTPReplica)
 
 INGRESS_NAME = "OpenAIIngress"
 REFUSAL_SLOTS = 256
 # With direct HTTP, the ingress's code runs on its replica's own event loop, not a second loop in a
-# thread of its own, so a request crosses no thread between Serve's HTTP server and our handler.
-# Nothing of ours blocks that loop (long prompts are tokenized off it). Opening burst of 128 clients
-# against a small queue, direct HTTP, 6 alternated starts each: refusal p99 as the clients saw it
-# 59-147 ms (median 83) against 87-170 (median 116); request sent to status line, p50 26-51 against
-# 54-109 ms. Through Serve's proxy it is left on its own thread: there the burst did not change, and
-# 8 clients served 0.94-0.97x the tok/s in 3 alternated starts.
+# thread of its own, so a request crosses no thread between Serve's HTTP server and our handler
+# (README, "direct HTTP": what it measured). Nothing of ours blocks that loop (long prompts are
+# tokenized off it). Through Serve's proxy it is left on its own thread.
 INGRESS_DIRECT_HTTP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 REPLICA_NAME = "MTPReplica"
+
+
+class RepetitionStopArgs(BaseModel):
+    """The literal-repetition stop every row runs under (mtplx.engine.repetition): a row stops
+    once it has `min_tokens` tokens and ends in one block of 1..`max_block` tokens repeated at
+    least `min_repeats` times over at least `min_repeated` tokens; the repeats are trimmed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_tokens: int = Field(RepetitionLimits.min_tokens, ge=1)
+    min_repeated: int = Field(RepetitionLimits.min_repeated, ge=1)
+    min_repeats: int = Field(RepetitionLimits.min_repeats, ge=2)
+    max_block: int = Field(RepetitionLimits.max_block, ge=1)
 
 
 class AppArgs(BaseModel):
@@ -39,20 +54,36 @@ class AppArgs(BaseModel):
 
     model_path: Optional[str] = Field(None, description="HF-layout model dir; None = the shipped model")
     served_model_name: Optional[str] = Field(None, description="Name in /v1/models; default: the dir name")
-    widths: List[int] = Field(default_factory=lambda: [3, 8, 16, 32],
+    widths: List[int] = Field(default_factory=lambda: list(DEFAULT_WIDTHS),
                               description="Lane widths to install; a key's running lane moves between them")
     greedy_depths: Dict[int, int] = Field(
-        default_factory=lambda: {1: 3, 3: 3, 8: 3, 16: 2},
+        default_factory=lambda: dict(DEFAULT_GREEDY_DEPTHS),
         description="Drafts a cycle chains, by lane width (1: the one-row lane), while every drafting row "
                     "of the lane is greedy; unlisted widths chain 1. A lane with a drafting sampled row chains 1")
-    numerics: Literal["throughput", "b1-exact"] = "throughput"
+    numerics: Literal["throughput", "b1-exact"] = Field(
+        "throughput", description="b1-exact: every row decodes alone in the one-row lane (the solo path's numerics)")
+    force_width: Optional[int] = Field(
+        None, ge=1, le=32, description="Pin the narrowest lane width (an installed width); None: "
+                                       "MTPLX_MTP_BATCH_FORCE_WIDTH in the replica's environment, else none")
+    draft_draw: Optional[Literal["device", "host"]] = Field(
+        None, description="Where sampled rows draw their drafts; None: MTPLX_DRAFT_DRAW, else device on a "
+                          "GPU and host on MLX's CPU backend")
+    compiled: Optional[bool] = Field(
+        None, description="Compiled cycle graphs (mx.compile) for the installed lanes; None: "
+                          "MTPLX_MTP_BATCH_COMPILE, else compiled")
+    kv_budget_gb: Optional[float] = Field(
+        None, gt=0.0, description="Decode state (KV and recurrent) all lanes of a replica may hold, GiB; rows "
+                                  "wait beyond it. None: MTPLX_KV_BUDGET_GB, else half the replica's memory")
+    repetition_stop: Optional[RepetitionStopArgs] = Field(
+        None, description="Stop every row on a literal repetition within these limits ({} for the "
+                          "defaults); None: off")
     max_batch_size: int = Field(8, ge=1, le=64, description="@serve.batch max_batch_size (rows per window)")
     batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=5.0, description="@serve.batch window")
     max_concurrent_batches: int = Field(
         64, ge=1, le=1024, description="@serve.batch windows in flight; each stays open until its "
                                        "longest row ends, so this bounds the rows in flight per ingress")
-    service_batch_wait_s: float = Field(0.02, ge=0.0, description="Service gather wait (single submits)")
-    stream_interval_ms: float = Field(0.0, ge=0.0, le=1000.0,
+    service_batch_wait_s: float = Field(DEFAULT_BATCH_WAIT_S, ge=0.0, description="Service gather wait (single submits)")
+    stream_interval_ms: float = Field(DEFAULT_STREAM_INTERVAL_MS, ge=0.0, le=1000.0,
                                       description="Replica: extra wait to group token updates per message")
     default_max_tokens: int = Field(512, ge=1)
     max_tokens_limit: Optional[int] = Field(
@@ -68,7 +99,7 @@ class AppArgs(BaseModel):
     max_waiting_rows: int = Field(
         256, ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
     max_waiting_rows_per_key: int = Field(
-        64, ge=0, description="Replica: rows of one lane (one model) waiting beyond its widest lane; beyond: 429/503")
+        DEFAULT_MAX_WAITING_ROWS_PER_KEY, ge=0, description="Replica: rows of one lane (one model) waiting beyond its widest lane; beyond: 429/503")
     max_queued_requests: int = Field(
         1024, ge=1, description="Serve's max_queued_requests of the ingress (requests the HTTP proxy holds "
                                 "when every ingress replica is at max_ongoing_requests): Serve answers "
@@ -76,11 +107,11 @@ class AppArgs(BaseModel):
     replica_max_queued_requests: int = Field(
         64, ge=1, description="Serve's max_queued_requests of the model replicas (cohort calls waiting for a "
                               "replica, e.g. while one restarts): beyond it those rows get 503 with Retry-After")
-    retry_after_s: float = Field(1.0, gt=0.0, description="Retry-After of 429/503 overload answers")
+    retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0.0, description="Retry-After of 429/503 overload answers")
     overload_status: Literal[429, 503] = Field(429, description="Status of an overload answer")
-    watchdog_s: float = Field(120.0, gt=0.0, description="Replica check_health fails (and Serve replaces the "
+    watchdog_s: float = Field(DEFAULT_WATCHDOG_S, gt=0.0, description="Replica check_health fails (and Serve replaces the "
                                                          "replica) when one model step runs longer")
-    summary_interval_s: float = Field(10.0, ge=0.0, description="Replica: seconds between cohort summaries in its "
+    summary_interval_s: float = Field(DEFAULT_SUMMARY_INTERVAL_S, ge=0.0, description="Replica: seconds between cohort summaries in its "
                                                               "log while it has work (0: none)")
     metrics: bool = Field(True, description="Export the mtplx Ray metrics and log cohort summaries (false: "
                                             "neither, e.g. to measure what they cost)")
@@ -97,7 +128,7 @@ class AppArgs(BaseModel):
         256, ge=1, description="Cohort calls (batch windows) in flight per replica, plus cancel/snapshot calls")
     warmup: bool = True
     niceness: Optional[int] = Field(
-        0, ge=-20, le=19, description="Niceness of the ingress and model replica processes (Ray starts workers at 15; "
+        DEFAULT_NICENESS, ge=-20, le=19, description="Niceness of the ingress and model replica processes (Ray starts workers at 15; "
                                       "null keeps Ray's value; lowering needs CAP_SYS_NICE)")
     replica_niceness: Optional[int] = Field(
         None, ge=-20, le=19, description="Niceness of the model replicas, apart from the ingress (null: "
@@ -150,10 +181,11 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         model_path=a.model_path, widths=tuple(a.widths), greedy_depths=dict(a.greedy_depths),
         batch_wait_s=a.service_batch_wait_s,
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
-        warmup=a.warmup, num_cpus=a.replica_num_cpus,
-        niceness=a.niceness if a.replica_niceness is None else a.replica_niceness,
+        warmup=a.warmup, niceness=a.niceness if a.replica_niceness is None else a.replica_niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
-        watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics)
+        watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics,
+        force_width=a.force_width, draft_draw=a.draft_draw, compiled=a.compiled, kv_budget_gb=a.kv_budget_gb,
+        repetition_stop=a.repetition_stop.model_dump() if a.repetition_stop is not None else None)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
     # the rows waiting for a window, and requests it is answering 429 (so that overload gets our
     # OpenAI-shaped 429 rather than the proxy's plain 503 queue).
@@ -181,4 +213,4 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     return ingress
 
 
-__all__ = ["AppArgs", "build_app", "ingress_max_ongoing", "INGRESS_NAME", "REPLICA_NAME"]
+__all__ = ["AppArgs", "RepetitionStopArgs", "build_app", "ingress_max_ongoing", "INGRESS_NAME", "REPLICA_NAME"]

@@ -155,8 +155,49 @@ def lane_route_label(ln: dict) -> str:
     return ln["route"] if ln["route"] in LANE_ROUTES else "other"
 
 
+# engine-level reasons that end a row as one of FINISH_REASONS: a stop string matched by the
+# ingress is a stop, not a cancellation
+FINISH_REASON_OF = {"stop_string": "stop"}
+
+
 def finish_reason_label(reason: Optional[str]) -> str:
+    reason = FINISH_REASON_OF.get(reason, reason)
     return reason if reason in FINISH_REASONS else "other"
+
+
+def _lane_gauges(snap: dict) -> dict:
+    """(series, tags) -> value of every lane gauge in a snapshot: rows waiting and live, running
+    lanes and their rows by route and sampling, and each lane's step policy (lanes sharing a
+    label and width averaged)."""
+    counts: Dict[tuple, float] = {("waiting_rows", (("lane", "queue"),)): int(snap.get("pending") or 0)}
+    policy: Dict[tuple, list] = {}
+    for ln in snap.get("lanes") or ():
+        lane, width = lane_route_label(ln), str(ln["width"])
+        rows = zip(ROW_SAMPLINGS, (ln["greedy_rows"], ln["live_rows"] - ln["greedy_rows"]))
+        for key, n in [(("waiting_rows", (("lane", lane),)), ln["waiting_rows"] + ln["prefilling_rows"]),
+                       (("live_rows", (("lane", lane), ("width", width))), ln["live_rows"]),
+                       (("running_lanes", (("route", lane),)), 1)] + [
+                (("lane_rows", (("route", lane), ("sampling", sampling))), n) for sampling, n in rows if n > 0]:
+            counts[key] = counts.get(key, 0) + n
+        if ln["width"]:
+            for key, value in _policy_gauges(ln.get("step_policy") or {}, (("lane", lane), ("width", width))):
+                policy.setdefault(key, []).append(value)
+    counts.update({key: sum(vs) / len(vs) for key, vs in policy.items()})
+    return counts
+
+
+def _policy_gauges(pol: dict, tags: tuple) -> list:
+    """A running lane's step choice as gauges: MTP cycles or AR steps, its acceptance estimate,
+    and its cost model."""
+    out = []
+    if pol.get("kind"):
+        out.append((("lane_speculating", tags), float(pol["kind"] == "mtp")))
+    if pol.get("acceptance") is not None:
+        out.append((("lane_acceptance", tags), pol["acceptance"]))
+    for kind, key in (("mtp", "mtp_cycle_s"), ("ar", "ar_step_s")):
+        if pol.get(key) is not None:
+            out.append((("lane_step_cost", tags + (("kind", kind),)), pol[key]))
+    return out
 
 
 class CohortMonitor:
@@ -268,35 +309,7 @@ class CohortMonitor:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
     def _set_gauges(self, snap: dict) -> None:
-        waiting: Dict[str, int] = {"queue": int(snap.get("pending") or 0)}
-        live: Dict[tuple, int] = {}
-        policy: Dict[tuple, list] = {}          # (series, tags) -> values of the lanes sharing them
-        lanes: Dict[str, int] = {}               # route -> running lanes
-        rows: Dict[tuple, int] = {}              # (route, row sampling) -> live rows
-        for ln in snap.get("lanes") or ():
-            lane = lane_route_label(ln)
-            waiting[lane] = waiting.get(lane, 0) + ln["waiting_rows"] + ln["prefilling_rows"]
-            live[(lane, str(ln["width"]))] = live.get((lane, str(ln["width"])), 0) + ln["live_rows"]
-            lanes[lane] = lanes.get(lane, 0) + 1
-            for sampling, n in zip(ROW_SAMPLINGS, (ln["greedy_rows"], ln["live_rows"] - ln["greedy_rows"])):
-                if n > 0:
-                    rows[(lane, sampling)] = rows.get((lane, sampling), 0) + n
-            if not ln["width"]:
-                continue
-            tags = (("lane", lane), ("width", str(ln["width"])))
-            pol = ln.get("step_policy") or {}
-            if pol.get("kind"):
-                policy.setdefault(("lane_speculating", tags), []).append(float(pol["kind"] == "mtp"))
-            if pol.get("acceptance") is not None:
-                policy.setdefault(("lane_acceptance", tags), []).append(pol["acceptance"])
-            for kind, key in (("mtp", "mtp_cycle_s"), ("ar", "ar_step_s")):
-                if pol.get(key) is not None:
-                    policy.setdefault(("lane_step_cost", tags + (("kind", kind),)), []).append(pol[key])
-        now = {("waiting_rows", (("lane", k),)): v for k, v in waiting.items()}
-        now.update({("live_rows", (("lane", k[0]), ("width", k[1]))): v for k, v in live.items()})
-        now.update({("running_lanes", (("route", k),)): v for k, v in lanes.items()})
-        now.update({("lane_rows", (("route", k[0]), ("sampling", k[1]))): v for k, v in rows.items()})
-        now.update({key: sum(vs) / len(vs) for key, vs in policy.items()})
+        now = _lane_gauges(snap)
         for key in self._gauges - set(now):   # a lane that ended reads 0, not its last value
             now[key] = 0
         for (name, tags), v in now.items():

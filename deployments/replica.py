@@ -1,7 +1,8 @@
 """The MTP replica: owns one MLX model and its `MTPBatchGenerationService`.
 
-The ingress sends each cohort it sealed with `@serve.batch` here as one streaming call
-(`run_cohort`). The replica turns the rows into `MTPBatchJob`s, submits them together
+The ingress sends the rows of each `@serve.batch` window here as one streaming call
+(`run_cohort`, a list of `mtplx.api.rows.RowSpec`). The replica turns the rows into
+`MTPBatchJob`s, submits them together
 (`service.submit_cohort`) and streams back, per wake-up of its event loop, the tokens every row
 committed since the last message and the final result of each row that ended. Token callbacks
 run on the service's model-owner thread; they only append to a locked buffer and wake the loop
@@ -21,11 +22,23 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from ray import serve
 
+from mtplx.api.rows import RowSpec, mtp_batch_compatibility_key
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, DEFAULT_WIDTHS, checked_cancel_reason
+
 from .metrics import REPLICA_SERIES, CohortMonitor, finish_reason_label, make_metrics, record
 
 log = logging.getLogger("ray.serve")
 
 URGENT_TOKENS = 4   # a row's first tokens skip the stream grouping delay
+
+# The replica's settings' defaults (`deployments.app.AppArgs` uses these; the scheduler's own are
+# in mtplx.scheduler.config)
+DEFAULT_STREAM_INTERVAL_MS = 0.0
+DEFAULT_MAX_WAITING_ROWS_PER_KEY = 64
+DEFAULT_RETRY_AFTER_S = 1.0
+DEFAULT_WATCHDOG_S = 120.0
+DEFAULT_SUMMARY_INTERVAL_S = 10.0
+DEFAULT_NICENESS = 0
 
 
 MODEL_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -196,25 +209,32 @@ def _partial_result(job, generation_mode: str, reason: str) -> dict:
 class MTPReplica:
     """Serve deployment class (decorated in `deployments.app`); see the module docstring."""
 
-    def __init__(self, model_path: Optional[str] = None, widths=(3, 8), greedy_depths=None, batch_wait_s: float = 0.02,
-                 stream_interval_ms: float = 0.0, blas_threads: Optional[int] = None,
-                 numerics: str = "throughput", warmup: bool = True, num_cpus: float = 1.0,
-                 niceness: Optional[int] = 0, max_waiting_rows_per_key: int = 64,
-                 retry_after_s: float = 1.0, watchdog_s: float = 120.0, summary_interval_s: float = 10.0,
-                 metrics: bool = True):
+    def __init__(self, model_path: Optional[str] = None, widths=DEFAULT_WIDTHS, greedy_depths=None,
+                 batch_wait_s: float = DEFAULT_BATCH_WAIT_S, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
+                 blas_threads: Optional[int] = None, numerics: str = "throughput", warmup: bool = True,
+                 niceness: Optional[int] = DEFAULT_NICENESS,
+                 max_waiting_rows_per_key: int = DEFAULT_MAX_WAITING_ROWS_PER_KEY,
+                 retry_after_s: float = DEFAULT_RETRY_AFTER_S, watchdog_s: float = DEFAULT_WATCHDOG_S,
+                 summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S, metrics: bool = True,
+                 force_width: Optional[int] = None, draft_draw: Optional[str] = None,
+                 compiled: Optional[bool] = None, kv_budget_gb: Optional[float] = None,
+                 repetition_stop: Optional[dict] = None):
+        """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: DEFAULT_GREEDY_DEPTHS;
+        `repetition_stop`: the limits every row stops within, None: off)."""
         from ._proc import freeze_startup_objects, renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
         # BLAS threads (CPU backend): 1 by default. OpenBLAS's extra threads spin while they wait,
-        # taking the core the model owner's Python (and the ingress and proxy) needs: through
-        # `serve run` on the 2-core dev box, 1 thread served 1.26x the tok/s of 2 at 1 client and
-        # 1.16x at 8 (3 interleaved rounds each; every round favoured 1). Raise it on nodes with
-        # cores to spare, and measure. Set through OpenBLAS's own call: this process loaded it
-        # already (importing this package imports mtplx) under Ray's OMP_NUM_THREADS, so the
-        # environment would not change it. None: no OpenBLAS to set (macOS, or MTPLX_BLAS=off).
+        # taking the core the model owner's Python (and the ingress and proxy) needs (README: what
+        # it measured); raise it on nodes with cores to spare, and measure. Set through OpenBLAS's own call:
+        # this process loaded it already (importing this package imports mtplx) under Ray's
+        # OMP_NUM_THREADS, so the environment would not change it. None: no OpenBLAS to set
+        # (macOS, or MTPLX_BLAS=off).
         import mtplx
+        from mtplx.engine.repetition import RepetitionLimits
         from mtplx.runtime import set_blas_threads
         from mtplx.scheduler import service as mtp_batch
+        from mtplx.scheduler.config import resolve_kv_budget
 
         self._mtplx = mtplx
         self.blas_threads = set_blas_threads(int(blas_threads) if blas_threads else 1)
@@ -225,7 +245,11 @@ class MTPReplica:
         self._buffers_lock = threading.Lock()
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
             self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
-            numerics=numerics, on_lane_step=self._lane_step_ended, greedy_depths=greedy_depths)
+            numerics=numerics, on_lane_step=self._lane_step_ended,
+            greedy_depths=DEFAULT_GREEDY_DEPTHS if greedy_depths is None else greedy_depths,
+            force_width=force_width, draft_draw=draft_draw, compiled=compiled,
+            kv_budget_bytes=resolve_kv_budget(kv_budget_gb),
+            repetition_limits=RepetitionLimits(**repetition_stop) if repetition_stop is not None else None)
         self.load_s = time.perf_counter() - t0
         self.replica_id = _replica_id()
         self.node_id = _node_id()
@@ -257,12 +281,12 @@ class MTPReplica:
         from mtplx.sampling import SamplerConfig
 
         greedy = SamplerConfig(temperature=0.0)
+        key = mtp_batch_compatibility_key(self.model.model_id)   # each width's cohort ends before the next
         prompt = list(self.model.tokenizer.encode("def f(x):\n", add_special_tokens=False)) or [1]
         try:
             for width in [1] + self.service.installed_widths:
                 jobs = [self._mtp_batch.MTPBatchJob(request_id=f"warmup-{width}-{i}", prompt_ids=prompt,
-                                                    max_tokens=4, sampler=greedy, seed=i,
-                                                    compatibility_key=("warmup", width))
+                                                    max_tokens=4, sampler=greedy, seed=i, compatibility_key=key)
                         for i in range(width)]
                 for f in self.service.submit_cohort(jobs):
                     f.result(timeout=120)
@@ -301,97 +325,94 @@ class MTPReplica:
                 out[name] = path.read_bytes()
         return out
 
-    async def run_cohort(self, rows: List[dict]) -> AsyncIterator[dict]:
+    async def run_cohort(self, rows: List[RowSpec]) -> AsyncIterator[dict]:
         """Stream one cohort. Messages: first {"replica": id}; then {"t": {row: [tokens]},
-        "f": {row: result | {"error": ...}}} until every row has its final entry."""
-        loop = asyncio.get_running_loop()
-        buf = _CohortBuffer(loop, lambda: self.service.in_lane_step)
+        "lp": {row: [log-probability entries]}, "f": {row: result | {"error": ...}}} until every
+        row has its final entry."""
+        buf = _CohortBuffer(asyncio.get_running_loop(), lambda: self.service.in_lane_step)
+        started, received_at = time.perf_counter(), time.time()
+        jobs = [self._job(i, row, buf) for i, row in enumerate(rows)]
         with self._buffers_lock:
             self._buffers.add(buf)
-        started = time.perf_counter()
-        received_at = time.time()
-        jobs, modes = [], []
-        for i, row in enumerate(rows):
-            mode = row.get("generation_mode", "auto")
-            modes.append(mode)
-            job = self._mtp_batch.MTPBatchJob(
-                request_id=row["request_id"], prompt_ids=row["prompt_ids"], max_tokens=row["max_tokens"],
-                sampler=row["sampler"], draft_sampler=row.get("draft_sampler"), seed=row["seed"],
-                stop_token_ids=(frozenset() if row.get("ignore_eos") else self.model.eos_token_ids)
-                | frozenset(row.get("stop_token_ids") or ()),
-                token_callback=(lambda toks, lps=None, i=i: buf.push_tokens(i, toks, lps)),
-                logprobs=row.get("logprobs"),
-                compatibility_key=row["compatibility_key"],
-                speculative=mode != "ar", adaptive=mode == "auto",
-                cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
-                omit_speculative_bonus=bool(row.get("omit_speculative_bonus", False)),
-                session_id=row.get("session_id"), prefill_group=row.get("prefill_group"),
-                request_observability={"replica_id": self.replica_id})
-            jobs.append(job)
         for i, job in enumerate(jobs):
             for key in _cancel_keys(job):
                 self._jobs.setdefault(key, []).append(job)
             job.future.add_done_callback(lambda f, i=i: buf.push_final(i, f))
         self._cohorts_started += 1
-        self._observe("cohorts", 1, {"generation_mode": modes[0] if modes else "auto"})
+        self._observe("cohorts", 1, {"generation_mode": rows[0].generation_mode if rows else "auto"})
         self._observe("width", len(jobs))
-        yield {"replica": self.replica_id}
-        admitted = self._admit_within_limits(jobs)
-        self.service.submit_cohort(admitted)
-        open_rows = set(range(len(jobs)))
-        first_token_seen = set()
         try:
-            last_sent = 0.0
-            while open_rows:
-                await buf.event.wait()
-                if self.stream_interval_s and not buf.urgent():
-                    # Group updates: at most one message per interval, except that a row's first
-                    # tokens and a row's end go out at once (time to first token, prompt finals).
-                    delay = last_sent + self.stream_interval_s - time.perf_counter()
-                    if delay > 0:
-                        try:
-                            await asyncio.wait_for(buf.urgent_event.wait(), delay)
-                        except asyncio.TimeoutError:
-                            pass
-                tokens, logprobs, finals = buf.take()
-                last_sent = time.perf_counter()
-                msg: Dict[str, Any] = {}
-                if tokens:
-                    msg["t"] = tokens
-                    now = time.perf_counter()
-                    for i in tokens:
-                        if i not in first_token_seen:
-                            first_token_seen.add(i)
-                            self._observe("ttft", now - started)
-                if logprobs:
-                    msg["lp"] = logprobs
-                if finals:
-                    msg["f"] = {i: self._final(jobs[i], modes[i], fut) for i, fut in finals.items()}
-                    for i, fin in msg["f"].items():
-                        if "stats" in fin:
-                            fin["stats"]["replica_received_at"] = received_at
-                            fin["stats"]["replica_first_token_at"] = buf.first_token_at.get(i)
-                    open_rows.difference_update(finals)
-                if msg:
-                    self._stream_messages += 1
-                    yield msg
+            yield {"replica": self.replica_id}
+            self.service.submit_cohort(self._admit_within_limits(jobs))
+            async for msg in self._stream(buf, rows, jobs, started, received_at):
+                yield msg
         finally:
-            with self._buffers_lock:
-                self._buffers.discard(buf)
-            # The cohort call ended (normally, or cancelled because the ingress went away): no row
-            # may keep decoding for nobody.
-            for job in jobs:
-                if not job.future.done():
-                    job.cancel()
-                for key in _cancel_keys(job):
-                    lst = self._jobs.get(key)
-                    if lst is not None:
-                        try:
-                            lst.remove(job)
-                        except ValueError:
-                            pass
-                        if not lst:
-                            self._jobs.pop(key, None)
+            self._release(buf, jobs)
+
+    def _job(self, i: int, row: RowSpec, buf: "_CohortBuffer"):
+        """The scheduler's job for row `i` of a cohort: its tokens go to the cohort's buffer; the
+        model's EOS joins the row's own stop tokens unless it ignores EOS."""
+        eos = frozenset() if row.ignore_eos else self.model.eos_token_ids
+        return self._mtp_batch.MTPBatchJob(
+            request_id=row.request_id, prompt_ids=row.prompt_ids, max_tokens=row.max_tokens,
+            sampler=row.sampler, draft_sampler=row.draft_sampler, seed=row.seed,
+            stop_token_ids=eos | frozenset(row.stop_token_ids),
+            token_callback=lambda toks, lps=None: buf.push_tokens(i, toks, lps), logprobs=row.logprobs,
+            compatibility_key=row.compatibility_key, speculative=row.speculative, adaptive=row.adaptive,
+            cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
+            omit_speculative_bonus=row.omit_speculative_bonus, prefill_group=row.prefill_group,
+            request_observability={"replica_id": self.replica_id})
+
+    async def _stream(self, buf: "_CohortBuffer", rows: List[RowSpec], jobs: list, started: float,
+                      received_at: float) -> AsyncIterator[dict]:
+        """The cohort's messages, one per wake-up of the buffer, until every row has ended."""
+        open_rows = set(range(len(jobs)))
+        first_token_seen: set = set()
+        last_sent = 0.0
+        while open_rows:
+            await buf.event.wait()
+            if self.stream_interval_s and not buf.urgent():
+                # Group updates: at most one message per interval, except that a row's first
+                # tokens and a row's end go out at once (time to first token, prompt finals).
+                delay = last_sent + self.stream_interval_s - time.perf_counter()
+                if delay > 0:
+                    try:
+                        await asyncio.wait_for(buf.urgent_event.wait(), delay)
+                    except asyncio.TimeoutError:
+                        pass
+            tokens, logprobs, finals = buf.take()
+            last_sent = time.perf_counter()
+            for i in set(tokens) - first_token_seen:
+                first_token_seen.add(i)
+                self._observe("ttft", last_sent - started)
+            msg: Dict[str, Any] = {"t": tokens} if tokens else {}
+            if logprobs:
+                msg["lp"] = logprobs
+            if finals:
+                msg["f"] = {i: self._final(jobs[i], rows[i].generation_mode, fut) for i, fut in finals.items()}
+                for i, fin in msg["f"].items():
+                    if "stats" in fin:
+                        fin["stats"].update(replica_received_at=received_at,
+                                            replica_first_token_at=buf.first_token_at.get(i))
+                open_rows.difference_update(finals)
+            if msg:
+                self._stream_messages += 1
+                yield msg
+
+    def _release(self, buf: "_CohortBuffer", jobs: list) -> None:
+        """The cohort call ended (normally, or cancelled because the ingress went away): no row
+        may keep decoding for nobody."""
+        with self._buffers_lock:
+            self._buffers.discard(buf)
+        for job in jobs:
+            if not job.future.done():
+                job.cancel()
+            for key in _cancel_keys(job):
+                lst = self._jobs.get(key)
+                if lst is not None and job in lst:
+                    lst.remove(job)
+                if lst == []:
+                    self._jobs.pop(key, None)
 
     def _lane_step_ended(self) -> None:
         with self._buffers_lock:
@@ -420,6 +441,7 @@ class MTPReplica:
         return admitted
 
     def _final(self, job, mode: str, fut) -> dict:
+        """A row's final entry: its result, a cancelled row's partial result, or its error."""
         exc = fut.exception()
         if exc is None:
             out = _public_result(fut.result())
@@ -472,13 +494,12 @@ class MTPReplica:
                   exc_info=(type(exc), exc, exc.__traceback__))
         return {"kind": "internal"}
 
-    async def cancel(self, request_id: str, **_pin) -> int:
-        """Cancel every row with this request id on this replica; returns how many were live."""
-        n = 0
-        for job in list(self._jobs.get(request_id, ())):
-            if job.cancel():
-                n += 1
-        return n
+    async def cancel(self, request_id: str, reason: str = "cancelled", **_pin) -> int:
+        """End every row with this request id on this replica; returns how many were live.
+        "cancelled": the rows fail as cancelled; "stop_string" (the ingress matched a stop string):
+        they end as a normal stop, finish_reason "stop", with their results."""
+        checked_cancel_reason(reason)
+        return sum(1 for job in list(self._jobs.get(request_id, ())) if job.cancel(reason))
 
     async def snapshot(self, **_pin) -> dict:
         snap = self.service.snapshot()

@@ -178,7 +178,7 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob, mtp_batch_compatibility_key
 
     greedy = SamplerConfig(temperature=0.0)
-    key = mtp_batch_compatibility_key(model.model_id, False, greedy, None)
+    key = mtp_batch_compatibility_key(model.model_id)
     # the B3 lane chains 2 drafts a cycle: proposals, draft tokens and positions differ
     service = MTPBatchGenerationService.for_model(model, widths=(3,), batch_wait_s=0.0, greedy_depths={3: 2})
     try:
@@ -455,3 +455,12 @@ def test_live_page_in_headless_chromium(serve_app, tmp_path):
     keep = __import__("pathlib").Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
     keep.mkdir(parents=True, exist_ok=True)
     shutil.copy(shot, keep / "live_page.png")
+
+
+def test_finish_reason_labels_stay_bounded_and_a_stop_string_is_a_stop():
+    from deployments.metrics import FINISH_REASONS, finish_reason_label
+
+    assert finish_reason_label("stop_string") == "stop"
+    assert finish_reason_label("cancelled") == "cancelled"
+    assert finish_reason_label("a user string") == "other" and finish_reason_label(None) == "other"
+    assert all(finish_reason_label(r) == r for r in FINISH_REASONS)

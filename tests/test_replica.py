@@ -5,10 +5,12 @@ thread held busy."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
+from mtplx.api.rows import RowSpec
 from mtplx.sampling import SamplerConfig
 
 
@@ -21,10 +23,10 @@ def replica():
     rep.service.shutdown(timeout_s=10)
 
 
-def _row(rep, i: int, max_tokens: int = 6, prompt_ids=None) -> dict:
-    ids = prompt_ids or list(rep.model.tokenizer.encode(f"def f{i}(x):\n", add_special_tokens=False))
-    return {"request_id": f"row-{i}", "prompt_ids": ids, "max_tokens": max_tokens,
-            "sampler": SamplerConfig(temperature=0.0), "seed": i, "compatibility_key": ("test", "greedy")}
+def _row(rep, i: int, max_tokens: int = 6, prompt_ids=None, **fields) -> RowSpec:
+    ids = prompt_ids or rep.model.tokenizer.encode(f"def f{i}(x):\n", add_special_tokens=False)
+    return RowSpec(request_id=f"row-{i}", model=rep.model.model_id, prompt_ids=tuple(ids), max_tokens=max_tokens,
+                   sampler=SamplerConfig(temperature=0.0), seed=i, **fields)
 
 
 def _finals(rep, rows) -> dict:
@@ -160,7 +162,7 @@ def test_a_cycles_tokens_wait_for_the_lane_steps_end():
 def test_streamed_rows_arrive_whole_and_before_their_ends(replica):
     from deployments.replica import URGENT_TOKENS
 
-    rows = [dict(_row(replica, 40 + i, max_tokens=24), logprobs=1) for i in range(3)]
+    rows = [dataclasses.replace(_row(replica, 40 + i, max_tokens=24), logprobs=1) for i in range(3)]
 
     async def go():
         msgs = []
@@ -179,3 +181,36 @@ def test_streamed_rows_arrive_whole_and_before_their_ends(replica):
         assert carrying[0] < ended     # streamed, not held until the row's end
         # one message per lane step at most once its first tokens are out
         assert len(carrying) <= URGENT_TOKENS + finals[i]["stats"]["verify_calls"] + 1
+
+
+@pytest.mark.parametrize("reason", ["stop_string", "cancelled"])
+def test_a_stop_string_ends_a_row_as_a_stop_and_a_cancel_as_a_cancel(replica, reason):
+    """The ingress's cancel with reason "stop_string" ends the row as a normal stop (finish_reason
+    "stop", not cancelled, not counted as a cancellation); reason "cancelled" ends it cancelled."""
+    row = _row(replica, 60 + len(reason), max_tokens=400)
+
+    async def go():
+        finals, cancelled = {}, None
+        async for msg in replica.run_cohort([row]):
+            if cancelled is None and msg.get("t"):
+                cancelled = await replica.cancel(row.request_id, reason=reason)
+            finals.update(msg.get("f") or {})
+        return finals[0], cancelled
+
+    before = asyncio.run(replica.snapshot())
+    final, live = asyncio.run(go())
+    after = asyncio.run(replica.snapshot())
+    assert live == 1 and final["completion_tokens"] < 400
+    if reason == "stop_string":
+        assert final["finish_reason"] == "stop" and final["stats"]["cancelled"] is False
+        assert final["stats"]["engine_finish_reason"] == "stop_string"
+        assert after["requests_cancelled"] == before["requests_cancelled"]
+        assert after["requests_completed"] == before["requests_completed"] + 1
+    else:
+        assert final["finish_reason"] == "cancelled" and final["stats"]["cancelled"] is True
+        assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+
+
+def test_a_cancel_reason_must_be_known(replica):
+    with pytest.raises(ValueError, match="reason='bored'"):
+        asyncio.run(replica.cancel("row-none", reason="bored"))

@@ -1,0 +1,51 @@
+"""The app's config: one default per knob, shared by AppArgs, the replica and the scheduler;
+engine switches are config fields, checked when the app is built (the error names the field)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.app import AppArgs, build_app
+from deployments.replica import MTPReplica
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, DEFAULT_WIDTHS
+from mtplx.scheduler.service import MTPBatchGenerationService
+
+
+def _replica_kwargs(args: dict) -> dict:
+    """The keyword arguments build_app binds to the model replica."""
+    ingress = build_app(args)._bound_deployment
+    return dict(ingress.init_args[0]._bound_deployment.init_kwargs)
+
+
+def test_the_apps_defaults_are_the_replicas_and_the_services():
+    bound = _replica_kwargs({})
+    defaults = {name: p.default for name, p in inspect.signature(MTPReplica.__init__).parameters.items()
+                if name != "self"}
+    assert set(bound) == set(defaults)           # every replica setting comes from the config
+    defaults["greedy_depths"] = DEFAULT_GREEDY_DEPTHS          # (None there: this constant)
+    assert bound == {**defaults, "widths": tuple(defaults["widths"])}
+    assert bound["widths"] == DEFAULT_WIDTHS and bound["batch_wait_s"] == DEFAULT_BATCH_WAIT_S
+    for_model = inspect.signature(MTPBatchGenerationService.for_model).parameters
+    assert for_model["widths"].default == DEFAULT_WIDTHS and for_model["batch_wait_s"].default == DEFAULT_BATCH_WAIT_S
+
+
+def test_engine_switches_reach_the_replica():
+    bound = _replica_kwargs({"force_width": 8, "draft_draw": "host", "compiled": False, "kv_budget_gb": 1.5,
+                             "repetition_stop": {"min_tokens": 50}})
+    assert (bound["force_width"], bound["draft_draw"], bound["compiled"], bound["kv_budget_gb"]) == (8, "host", False, 1.5)
+    assert bound["repetition_stop"] == {"min_tokens": 50, "min_repeated": 192, "min_repeats": 4, "max_block": 96}
+    assert _replica_kwargs({})["repetition_stop"] is None       # off unless configured
+
+
+@pytest.mark.parametrize("args, field", [
+    ({"force_width": 0}, "force_width"), ({"draft_draw": "gpu"}, "draft_draw"),
+    ({"kv_budget_gb": 0}, "kv_budget_gb"), ({"repetition_stop": {"min_repeats": 1}}, "repetition_stop.min_repeats"),
+    ({"repetition_stop": {"max_blocks": 9}}, "repetition_stop.max_blocks"), ({"numerics": "fast"}, "numerics"),
+])
+def test_a_bad_setting_is_refused_by_name(args, field):
+    with pytest.raises(ValidationError) as err:
+        AppArgs(**args)
+    assert [".".join(map(str, e["loc"])) for e in err.value.errors()] == [field]
