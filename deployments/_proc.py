@@ -33,9 +33,8 @@ def direct_http_enabled() -> bool:
 
 def direct_http_env(port: Optional[int], ports: int = 1) -> dict:
     """The environment for Ray that makes the ingress replica serve HTTP itself on `port` (None:
-    only through Serve's proxy). Every request then skips the proxy process and a Ray hop each way:
-    under a 128-client overload burst on two cores, refusals took 12-14 ms (p50) and 89-166 ms
-    (p99) direct against 43-57 and 585-595 ms through the proxy (same server, alternating). Ingress
+    only through Serve's proxy). Every request then skips the proxy process and a Ray hop each way
+    (README, direct HTTP: what it measured under overload). Ingress
     replicas (of every application) take ports from `port` up, one each: `ports` of them fit on a
     node; the first one deployed gets `port`. Tuned for ports with no load balancer in front: the
     drain before an ingress replica stops (30 s by default, for balancers to notice) is 1 s, and a
@@ -50,9 +49,8 @@ def direct_http_env(port: Optional[int], ports: int = 1) -> dict:
 def freeze_startup_objects() -> None:
     """Collect, then move every object alive now into the collector's permanent generation.
     A serving process builds its long-lived objects at start (Ray and Serve internals, the
-    tokenizer, the model's Python side); full collections then scan only what serving allocates.
-    Under a 128-client overload the ingress's full collections (two in 25 s, its event loop stalled
-    for each) took 12 and 22 ms unfrozen, 6 and 8 ms frozen."""
+    tokenizer, the model's Python side); full collections, which stall the event loop, then scan
+    only what serving allocates."""
     gc.collect()
     gc.freeze()
 
@@ -105,30 +103,33 @@ def renice_serve_proxy(niceness: Optional[int]) -> dict:
 
     Ray starts its workers at niceness 15, Serve's proxy included, while the model replica runs at
     0 (`renice_process`). With the CPU busy, a proxy at 15 gets about a thirtieth of the replica's
-    share, and every request, refusal and streamed chunk waits on it: under a 128-client overload
-    on two cores, refusals took 101 ms at the proxy (p50) at niceness 15 against 46 ms at 0.
+    share, and every request, refusal and streamed chunk waits on it (README: what it measured).
     /health calls this: the proxies found are looked at again directly, and /proc is scanned
     again only when one of them has gone (a restarted proxy starts at 15 again)."""
-    found: dict = {}
     if niceness is None or not hasattr(os, "setpriority") or not os.path.isdir("/proc"):
-        return found
+        return {}
     known = _PROXY_PIDS and all(_is_proxy(pid) for pid in _PROXY_PIDS)
-    pids = list(_PROXY_PIDS) if known else [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    pids = list(_PROXY_PIDS) if known else [int(e) for e in os.listdir("/proc") if e.isdigit() and _is_proxy(int(e))]
+    found = {}
     for pid in pids:
-        try:
-            if not known and not _is_proxy(pid):
-                continue
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            weaker = [t for t in tids if os.getpriority(os.PRIO_PROCESS, t) > niceness]
-            failed = _set_threads_niceness(weaker, niceness)
-            if failed is not None and pid not in _PROXY_WARNED:     # once per proxy
-                _PROXY_WARNED.add(pid)
-                log.warning("mtplx: could not set the Serve proxy's niceness to %s (%s)", niceness, failed)
-            found[pid] = max(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
-        except OSError:      # the process or a thread ended while we looked
-            continue
+        weakest = _renice_proxy(pid, niceness)
+        if weakest is not None:
+            found[pid] = weakest
     _PROXY_PIDS[:] = sorted(found)
     return found
+
+
+def _renice_proxy(pid: int, niceness: int) -> Optional[int]:
+    """Set a proxy's weaker threads to `niceness`; its weakest niceness now (None: it is gone)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        failed = _set_threads_niceness([t for t in tids if os.getpriority(os.PRIO_PROCESS, t) > niceness], niceness)
+        if failed is not None and pid not in _PROXY_WARNED:     # once per proxy
+            _PROXY_WARNED.add(pid)
+            log.warning("mtplx: could not set the Serve proxy's niceness to %s (%s)", niceness, failed)
+        return max(os.getpriority(os.PRIO_PROCESS, t) for t in tids)
+    except OSError:      # the process or a thread ended while we looked
+        return None
 
 
 def _is_proxy(pid: int) -> bool:

@@ -29,13 +29,7 @@ def runner_result(job, placement: Placement, out) -> tuple:
     if job.cancel_requested() and not job.stopped_by_caller:
         return None, ()
     tokens, finish_reason, runner_stats, extra = unpack_runner_result(out)
-    if not job.tokens and tokens:       # a runner that did not stream through emit_token
-        job.tokens = [int(t) for t in tokens]
-    if job.decode_started_s is None:
-        pe = runner_stats.get("prompt_eval_time_s")
-        job.decode_started_s = placement.started_s + (pe if isinstance(pe, (int, float)) and pe >= 0 else 0)
-    job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
-                      "tokens_done": len(job.prompt_ids), "cached_tokens": 0})
+    _take_decode(job, placement, tokens, runner_stats.get("prompt_eval_time_s"))
     counts = tuple(int(runner_stats.get(k, 0) or 0) for k in ("verify_calls", "accepted_drafts", "rejected_drafts"))
     extra_stats = {k: v for k, v in runner_stats.items() if k in ("acceptance_rate", "mean_tokens_per_verify")}
     finish_reason: Optional[str] = finish_reason or "length"
@@ -47,3 +41,15 @@ def runner_result(job, placement: Placement, out) -> tuple:
     for k, v in extra.items():
         result.setdefault(k, v)
     return result, counts
+
+
+def _take_decode(job, placement: Placement, tokens: list, prompt_eval_s) -> None:
+    """The job's tokens and decode start from its runner's output, where it did not stream them
+    through `emit_token` or stamp them itself; its prefill is reported done."""
+    if not job.tokens and tokens:
+        job.tokens = [int(t) for t in tokens]
+    if job.decode_started_s is None:
+        valid = isinstance(prompt_eval_s, (int, float)) and prompt_eval_s >= 0
+        job.decode_started_s = placement.started_s + (prompt_eval_s if valid else 0)
+    job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
+                      "tokens_done": len(job.prompt_ids), "cached_tokens": 0})
