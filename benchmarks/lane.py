@@ -30,8 +30,10 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from mtplx.engine.lane import (A3BMTPBatchRequest, default_draft_draw, generate_a3b_mtp_batch,
-                           install_a3b_mtp_batch_lane)
+from mtplx.engine.cohort import generate_a3b_mtp_batch
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.installed import default_draft_draw
+from mtplx.engine.row import A3BMTPBatchRequest
 from benchmarks.report import grouped_bars, machine_line, pyplot, save_figure
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig

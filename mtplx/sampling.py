@@ -139,10 +139,10 @@ class Distribution:
 
     def draw(self, u: float) -> int:
         """Inverse CDF over ascending ids at uniform u (the same token a dense draw picks)."""
-        return _inverse_cdf(self.probs, u, self.ids)
+        return inverse_cdf(self.probs, u, self.ids)
 
 
-def _inverse_cdf(weights: np.ndarray, u: float, ids: Optional[np.ndarray] = None) -> int:
+def inverse_cdf(weights: np.ndarray, u: float, ids: Optional[np.ndarray] = None) -> int:
     cum = np.cumsum(weights)
     i = int(min(np.searchsorted(cum, u * cum[-1], side="right"), weights.size - 1))
     return i if ids is None else int(ids[i])
@@ -228,35 +228,7 @@ def sample(dist, rng: np.random.Generator) -> int:
     token, so RNG consumption is fixed and reproducible."""
     if isinstance(dist, Distribution):
         return dist.draw(rng.random())
-    return _inverse_cdf(np.asarray(dist, dtype=np.float64), rng.random())
-
-
-def verify_one_token(p, q, draft: int, rng: np.random.Generator) -> tuple[bool, int]:
-    """Accept `draft` (drawn from q) with prob min(1, p/q); else resample from max(p - q, 0).
-    p and q are `Distribution`s or dense probability vectors.
-
-    Consumes exactly one uniform on acceptance and two on rejection.
-    """
-    p = p if isinstance(p, Distribution) else Distribution.from_dense(p)
-    q = q if isinstance(q, Distribution) else Distribution.from_dense(q)
-    pd, qd = p.prob(draft), q.prob(draft)
-    if qd > 0.0 and rng.random() * qd < pd:  # u < p/q without dividing by zero
-        return True, int(draft)
-    ids = p.ids if p.ids is not None else np.arange(p.vocab)
-    residual = np.maximum(p.probs - q.probs_at(ids), 0.0)
-    if residual.sum() <= 0.0:  # p == q exactly on the support: any rejection is measure-zero; fall back to p
-        return False, p.draw(rng.random())
-    return False, _inverse_cdf(residual, rng.random(), ids)
-
-
-def speculative_output_marginal(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Oracle: the exact output distribution of draft-from-q then verify_one_token against p."""
-    accept = np.minimum(p, q)
-    residual = np.maximum(p - q, 0.0)
-    reject_mass = 1.0 - accept.sum()
-    if residual.sum() > 0:
-        return accept + reject_mass * residual / residual.sum()
-    return accept + reject_mass * p
+    return inverse_cdf(np.asarray(dist, dtype=np.float64), rng.random())
 
 
 def draws_on_device(cfg: SamplerConfig) -> bool:

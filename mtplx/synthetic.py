@@ -123,6 +123,23 @@ def write_tokenizer(dst: Path, vocab: int) -> None:
     (dst / "tokenizer_config.json").write_text(json.dumps(tcfg))
 
 
+def _shape_weights(target, mtp, arch_mod, head: str, tied: bool, hidden: int) -> None:
+    """Random weights made decisive (scaled logits) and the head made to agree with the target,
+    never agree, or stay random (`head`)."""
+    for mod in (target, mtp):
+        if head in ("agree", "never"):
+            small = [(k, v * 0.1) for k, v in tree_flatten(mod.parameters()) if k.split(".")[-2] in BRANCH_OUT]
+            mod.update(tree_unflatten(small))
+    lm = target.language_model if hasattr(target, "language_model") else target
+    out = arch_mod.text_model(target).embed_tokens if tied else lm.lm_head
+    out.weight = out.weight * LOGIT_SCALE
+    if head == "agree":
+        mtp.fc.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
+    elif head == "never":
+        mtp.fc.weight = mx.zeros((hidden, 2 * hidden))
+        out.weight[0] = 0.0          # token 0's logit is 0, below the maximum of the others
+
+
 def write_checkpoint(dst, arch: str = "qwen3", vocab: int = QWEN3_VOCAB, *, dtype: str = "bfloat16",
                      tied: bool = False, quantized: bool = False, head: str = "agree", hidden: int = 64,
                      layers: int = 4, seed: int = 0) -> Path:
@@ -136,18 +153,7 @@ def write_checkpoint(dst, arch: str = "qwen3", vocab: int = QWEN3_VOCAB, *, dtyp
     cfg = config(arch, vocab, tied, hidden, layers)
     mx.random.seed(seed)
     target, mtp, arch_mod = _modules(cfg)
-    for mod in (target, mtp):
-        if head in ("agree", "never"):
-            small = [(k, v * 0.1) for k, v in tree_flatten(mod.parameters()) if k.split(".")[-2] in BRANCH_OUT]
-            mod.update(tree_unflatten(small))
-    lm = target.language_model if hasattr(target, "language_model") else target
-    out = arch_mod.text_model(target).embed_tokens if tied else lm.lm_head
-    out.weight = out.weight * LOGIT_SCALE
-    if head == "agree":
-        mtp.fc.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
-    elif head == "never":
-        mtp.fc.weight = mx.zeros((hidden, 2 * hidden))
-        out.weight[0] = 0.0          # token 0's logit is 0, below the maximum of the others
+    _shape_weights(target, mtp, arch_mod, head, tied, hidden)
     dt = getattr(mx, dtype)
     for mod in (target, mtp):
         mod.update(tree_unflatten([(k, v.astype(dt)) for k, v in tree_flatten(mod.parameters())]))

@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 
 import mtplx
-from mtplx.engine.lane import (HISTORY_FLUSH_AT, ROW_PROBE_FIRST, A3BMTPBatchRequest, RunningLane, StepPolicy,
-                                 draft_acceptance_prior, install_a3b_mtp_batch_lane, solo_lane)
+from mtplx.engine.commit import HISTORY_FLUSH_AT
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.installed import solo_lane
+from mtplx.engine.lane import RunningLane, draft_acceptance_prior
+from mtplx.engine.policy import StepPolicy
+from mtplx.engine.row import ROW_PROBE_FIRST, A3BMTPBatchRequest
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
@@ -223,15 +227,16 @@ def test_early_rejections_keep_a_greedy_auto_row_and_its_lane_drafting(model):
 def test_step_costs_move_in_pairs_measured_under_one_load(model):
     """A kind's cost moves only beside a fresh cost of the other kind: a load that slows the
     machine while MTP cycles run does not make them look dearer than the (stale) AR step."""
+    from mtplx.engine.policy import StepCostMeter
+
     lane = install_a3b_mtp_batch_lane(model, 3, selfcheck=False)
     lane.step_costs.update({"mtp": 1.3, "ar": 1.0})
-    running = RunningLane(lane)
-    running.lane = lane
+    meter, last = StepCostMeter(), {"kind": None, "steps": 0}
 
     def step(kind, seconds):
-        previous, running.last_step = running.last_step, kind
-        running.cycles += 1
-        running._measured(previous, seconds)
+        previous, last["kind"] = last["kind"], kind
+        last["steps"] += 1
+        meter.observe(lane, kind, previous, seconds, last["steps"])
 
     for _ in range(50):
         step("mtp", 2.6)                          # twice as slow from here on

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mtplx.engine.lane import A3BMTPBatchRequest, RunningLane, install_a3b_mtp_batch_lane
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.lane import RunningLane
+from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.decode import generate_ar
 from mtplx.models import cpu_ops as A
 from mtplx.sampling import SamplerConfig

@@ -99,7 +99,8 @@ def test_sampled_mtp_keeps_target_joint_distribution(model):
     from test_lane import seeded_outcomes
     from test_sampling import ALPHA, chi2_sf_even, chi2_stat
 
-    from mtplx.engine.lane import RunningLane, install_a3b_mtp_batch_lane
+    from mtplx.engine.install import install_a3b_mtp_batch_lane
+    from mtplx.engine.lane import RunningLane
     from mtplx.sampling import distribution
 
     ids = model.tokenizer.encode("def ")

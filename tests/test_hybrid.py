@@ -25,8 +25,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import _get_classes
 
 import mtplx
-from mtplx.engine.lane import (A3BMTPBatchRequest, LaneSelfCheckError, generate_a3b_mtp_batch,
-                                 install_a3b_mtp_batch_lane)
+from mtplx.engine.cohort import generate_a3b_mtp_batch
+from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
+from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.decode import generate_mtpk
 from mtplx.models import recurrent_cache as rc
 from mtplx.models.loader import SHIPPED_MODEL, CheckpointShapeError, _architectures
@@ -428,7 +429,8 @@ def test_a_lane_changes_depth_with_its_rows_sampling_with_recurrent_state(models
     at the same width (the rows' recurrent state and owed head history carried over), and its
     leaving moves it back: greedy rows equal plain greedy decoding, the sampled row equals itself
     decoded alone."""
-    from mtplx.engine.lane import RunningLane, solo_lane
+    from mtplx.engine.installed import solo_lane
+    from mtplx.engine.lane import RunningLane
     from mtplx.sampling import SamplerConfig
 
     m = models["qwen3_5"]

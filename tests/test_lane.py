@@ -6,9 +6,12 @@ import threading
 import numpy as np
 import pytest
 
+import mtplx.engine.installed as installed_mod
 import mtplx.engine.lane as lane_mod
-from mtplx.engine.lane import (A3BMTPBatchCapacityError, A3BMTPBatchRequest, LaneSelfCheckError,
-                                 generate_a3b_mtp_batch, install_a3b_mtp_batch_lane)
+import mtplx.engine.row as row_mod
+from mtplx.engine.cohort import generate_a3b_mtp_batch
+from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
+from mtplx.engine.row import A3BMTPBatchCapacityError, A3BMTPBatchRequest
 from mtplx.engine.decode import generate_ar
 from mtplx.sampling import SamplerConfig
 
@@ -163,12 +166,16 @@ def test_validation_and_capacity_errors(model, lanes):
 
 
 def test_selfcheck_refuses_a_miswired_lane(model, monkeypatch):
-    real = lane_mod.commit_rows
+    import mtplx.engine.commit as commit_mod
+    import mtplx.engine.install as install_mod
+
+    real = commit_mod.commit_rows
 
     def keeps_everything(caches, written, keep):  # forgets to drop rejected draft slots
         return real(caches, written, np.where(np.asarray(keep) > 0, written, 0))
 
-    monkeypatch.setattr(lane_mod, "commit_rows", keeps_everything)
+    for mod in (commit_mod, install_mod, lane_mod):      # wherever the engine commits rows
+        monkeypatch.setattr(mod, "commit_rows", keeps_everything)
     with pytest.raises(LaneSelfCheckError,
                        match="refused to install: failed self-check commit_math, greedy_parity") as err:
         install_a3b_mtp_batch_lane(model, 4)
@@ -186,7 +193,7 @@ def test_selfcheck_forces_commits_whatever_the_head(model, monkeypatch):
     monkeypatch.undo()
     real = lane_mod.RunningLane._injected
     monkeypatch.setattr(lane_mod.RunningLane, "_injected",
-                        lambda self, d, p, drafting: (real(self, d, p, drafting) + 1) % model.vocab_size)  # none can match
+                        lambda self, d, step: (real(self, d, step) + 1) % model.vocab_size)  # none can match
     with pytest.raises(LaneSelfCheckError, match="commit_keeps") as err:
         install_a3b_mtp_batch_lane(model, 4)
     assert err.value.receipt["failed_checks"] == ["commit_keeps"]
@@ -196,9 +203,9 @@ def test_selfcheck_parity_tolerance_follows_the_dtype(model, monkeypatch):
     """A batched row that differs from solo greedy fails the fp32 self-check (exact); under a
     bf16/fp16 tolerance the same difference passes only as a divergence at a near-tie, listed in
     the receipt (here the tolerance is made wide enough to hold it)."""
-    import mtplx.engine.decode as gen
+    import mtplx.engine.install as install_mod
 
-    real = gen.generate_ar
+    real = install_mod.generate_ar
 
     def one_token_off(m, prompt, n, sampler, **kw):       # the solo reference the check compares to
         r = real(m, prompt, n, sampler, **kw)
@@ -206,10 +213,10 @@ def test_selfcheck_parity_tolerance_follows_the_dtype(model, monkeypatch):
             r.tokens[2] = (r.tokens[2] + 1) % m.vocab_size
         return r
 
-    monkeypatch.setattr(gen, "generate_ar", one_token_off)
+    monkeypatch.setattr(install_mod, "generate_ar", one_token_off)
     with pytest.raises(LaneSelfCheckError, match="greedy_parity"):
         install_a3b_mtp_batch_lane(model, 3)
-    monkeypatch.setattr(lane_mod, "parity_tolerance", lambda m: ("bfloat16", 1e9))
+    monkeypatch.setattr(install_mod, "parity_tolerance", lambda m: ("bfloat16", 1e9))
     receipt = install_a3b_mtp_batch_lane(model, 3).selfcheck
     assert receipt["ok"] and receipt["dtype"] == "bfloat16"
     assert receipt["tolerated_divergences"] and "at token 2" in receipt["tolerated_divergences"][0]
@@ -225,13 +232,13 @@ def test_compiled_and_eager_lanes_agree(model):
     the rows' attention span crosses from one compiled span to the next."""
     prompts = _prompts(model, 4)
     lanes = [install_a3b_mtp_batch_lane(model, 4, compiled=c) for c in (True, False)]
-    assert lanes[0].span_bucket == lane_mod.SPAN_BUCKET and lanes[1].span_bucket is None
+    assert lanes[0].span_bucket == installed_mod.SPAN_BUCKET and lanes[1].span_bucket is None
     for cfg in (GREEDY, SamplerConfig(temperature=0.7)):
         reqs = [_req(i, p, 40 + 30 * i, cfg, seed=i) for i, p in enumerate(prompts)]
         a, b = (generate_a3b_mtp_batch(lane, reqs) for lane in lanes)
         assert [s.tokens for s in a.streams] == [s.tokens for s in b.streams]
     spans = {key[1] for key in lanes[0]._graphs if isinstance(key, tuple) and key[0] == "verify"}
-    assert len(spans) >= 2 and all(s % lane_mod.SPAN_BUCKET == 0 for s in spans)
+    assert len(spans) >= 2 and all(s % installed_mod.SPAN_BUCKET == 0 for s in spans)
 
 
 def test_a_compiled_graph_that_disagrees_with_its_eager_forward_is_dropped(model, monkeypatch, caplog):
@@ -302,7 +309,7 @@ def test_admission_into_a_slot_freed_by_a_cancel(model, lanes):
     prompts = _prompts(model, 4)
     flag = threading.Event()
     running = lane_mod.RunningLane(lanes[3])
-    streams = [running.add(_req(i, p, 60, cancelled=(flag.is_set if i == 1 else lane_mod._never)))
+    streams = [running.add(_req(i, p, 60, cancelled=(flag.is_set if i == 1 else row_mod._never)))
                for i, p in enumerate(prompts[:3])]
     _steps(running, 5)
     flag.set()
@@ -337,7 +344,7 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
     long one narrows into the compiled one-row lane, its KV reserved for its whole life then: no
     graph is traced again while it decodes past the eager lane's buffer, and every row is exact.
     Then two rows join it and it widens back (state carried over from the compiled lane)."""
-    solo = lane_mod.solo_lane(model)
+    solo = installed_mod.solo_lane(model)
     eager = install_a3b_mtp_batch_lane(model, 3, compiled=False)
     assert solo.compiled and not eager.compiled
     prompts = _prompts(model, 5)
@@ -362,9 +369,9 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
         assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
 
 
-@pytest.mark.parametrize("draw", lane_mod.DRAFT_DRAWS)
+@pytest.mark.parametrize("draw", installed_mod.DRAFT_DRAWS)
 def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes, draw, monkeypatch):
-    from mtplx.engine.lane import solo_lane
+    from mtplx.engine.installed import solo_lane
     from mtplx.engine.decode import generate_mtpk
 
     monkeypatch.setenv("MTPLX_DRAFT_DRAW", draw)     # the solo path's lane too
@@ -556,7 +563,7 @@ def test_ladder_of_mixed_depths_widens_and_narrows_exactly(model, lanes):
     chaining 1, then narrow back. At each change of depth a row that owes head-history entries
     (its last cycle accepted drafts) settles them first: the head's history stays each row's own
     (checked after every change), and every row's tokens equal plain greedy decoding."""
-    from mtplx.engine.lane import solo_lane
+    from mtplx.engine.installed import solo_lane
 
     ladder = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), lanes[8]]
     prompts = _prompts(model, 6)
@@ -613,7 +620,7 @@ MIXED = [  # (sampler, extra request fields): every setting a client may send, s
 def _mixed_ladders(model, lanes):
     """The service's two ladders: depth 1 at every width, and deeper chains for lanes whose
     drafting rows are all greedy."""
-    from mtplx.engine.lane import solo_lane
+    from mtplx.engine.installed import solo_lane
 
     deep = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=3),
             install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)]
@@ -626,7 +633,7 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
     they are queued (a sampled row's draws never see a deeper chain) and back once they leave.
     Every greedy row equals plain greedy decoding; every row, token for token (its logprob
     entries to 1e-4), equals the same request decoded alone in the one-row lane."""
-    from mtplx.engine.lane import solo_lane
+    from mtplx.engine.installed import solo_lane
 
     ladder, deep = _mixed_ladders(model, lanes)
     prompts = _prompts(model, 8)
@@ -695,9 +702,9 @@ def test_a_sampled_row_that_stopped_drafting_leaves_its_greedy_neighbours_their_
     """A sampled `auto` row that has stopped drafting makes the same draws at any depth, so its
     greedy neighbour keeps chaining 3 drafts beside it; each probe it makes moves the lane to depth
     1 for that cycle. Its tokens equal its own decoded alone; the greedy row's, plain greedy's."""
-    from mtplx.engine.lane import solo_lane
+    from mtplx.engine.installed import solo_lane
 
-    monkeypatch.setattr(lane_mod, "ROW_STOP_BELOW", 0.95)      # one rejection stops a row
+    monkeypatch.setattr(row_mod, "ROW_STOP_BELOW", 0.95)      # one rejection stops a row
     ladder, deep = _mixed_ladders(model, lanes)
     prompts = _prompts(model, 2)
     hot = _req("s", prompts[1], 90, sampler=SamplerConfig(temperature=1.0, top_p=1.0, top_k=0), seed=11,

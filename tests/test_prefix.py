@@ -1,6 +1,8 @@
 """Prefix reuse through the session bank: cached tokens reported, greedy output unchanged."""
 
-from mtplx.engine.lane import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.engine.cohort import generate_a3b_mtp_batch
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.decode import generate_mtpk
 from mtplx.engine.prefix_cache import PrefixState
 from mtplx.sampling import SamplerConfig

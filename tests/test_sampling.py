@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtplx.sampling import (SamplerConfig, distribution, sample, speculative_output_marginal,
-                            token_counts, verify_one_token)
+from mtplx.engine.acceptor import speculative_output_marginal, verify_one_token
+from mtplx.sampling import SamplerConfig, distribution, sample, token_counts
 
 # Chi-square tests below run at a false-alarm rate of 1e-4 each (critical value from the exact
 # survival function for even degrees of freedom), with fixed seeds, so they are deterministic;

@@ -4,7 +4,7 @@ restore and commit hooks; and the request checks every path makes first."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import mlx.core as mx
 

@@ -141,7 +141,7 @@ class RaggedKVCache:
             self.lengths = self.lengths + delta
             self.offset = offset if offset is not None else mx.array(self.lengths, dtype=mx.int32)
 
-    # ---- the compiled-cycle protocol (`mtplx.engine.lane._CycleForwards`): a cache enters an
+    # ---- the compiled-cycle protocol (`mtplx.engine.forwards.CycleForwards`): a cache enters an
     # `mx.compile`d forward as plain arrays, runs there as a traced view, and takes back its outputs
     def graph_inputs(self) -> list:
         return [self.keys, self.values]

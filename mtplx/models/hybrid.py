@@ -50,11 +50,8 @@ def checkpoint_shapes(path: Path) -> dict:
     return shapes
 
 
-def sanitize_mtp(weights: dict, *, raw: bool, num_experts: int) -> dict:
-    """HF -> mlx layout for the head's weights (names without the `mtp.` prefix)."""
-
-    out = dict(weights)
-    # Fused experts (Qwen3.5 MoE): gate_up [E, 2I, H] -> gate, up; down stays [E, H, I].
+def _split_fused_experts(out: dict) -> dict:
+    """Fused experts (Qwen3.5 MoE): gate_up [E, 2I, H] -> gate, up; down stays [E, H, I]."""
     for key in [k for k in out if k.endswith(".mlp.experts.gate_up_proj")]:
         prefix = key[: -len(".experts.gate_up_proj")]
         gate_up = out.pop(key)
@@ -67,7 +64,11 @@ def sanitize_mtp(weights: dict, *, raw: bool, num_experts: int) -> dict:
         if down is None:
             raise CheckpointShapeError(f"mtp.{prefix}.experts.gate_up_proj has no matching mtp.{prefix}.experts.down_proj")
         out[f"{prefix}.switch_mlp.down_proj.weight"] = down
-    # One tensor per expert (Qwen3-Next): stack along a new expert axis.
+    return out
+
+
+def _stack_experts(out: dict, num_experts: int) -> dict:
+    """One tensor per expert (Qwen3-Next): stacked along a new expert axis."""
     groups: dict = {}
     for key in [k for k in out if _EXPERT.match(k)]:
         prefix, e, proj, suffix = _EXPERT.match(key).groups()
@@ -78,6 +79,13 @@ def sanitize_mtp(weights: dict, *, raw: bool, num_experts: int) -> dict:
                 f"mtp.{prefix}.experts.*.{proj}.{suffix}: found experts {sorted(per_expert)[:8]}... "
                 f"({len(per_expert)}), the config has num_experts={num_experts}")
         out[f"{prefix}.switch_mlp.{proj}.{suffix}"] = mx.stack([per_expert[e] for e in range(num_experts)])
+    return out
+
+
+def sanitize_mtp(weights: dict, *, raw: bool, num_experts: int) -> dict:
+    """HF -> mlx layout for the head's weights (names without the `mtp.` prefix)."""
+    out = _split_fused_experts(dict(weights))
+    out = _stack_experts(out, num_experts)
     if raw:
         for k, v in out.items():
             if (k in _HEAD_NORMS or k.endswith(_NORM_SUFFIXES)) and v.ndim == 1:

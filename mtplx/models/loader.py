@@ -179,13 +179,8 @@ def _cpu_float32_experts(module: nn.Module) -> None:
             m.__class__ = Float32SwitchLinear
 
 
-def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
-    """Load a checkpoint directory; None loads the shipped default model."""
-    from ..runtime import clear_streams_at_exit, warn_if_slow_blas
-
-    warn_if_slow_blas()
-    clear_streams_at_exit()
-    path = Path(path) if path is not None else SHIPPED_MODEL
+def _checked_checkpoint(path: Path) -> tuple:
+    """(config, architecture module) of a checkpoint directory, or the load error that says why not."""
     if not path.exists():
         raise ModelNotFoundError(f"model path {path} does not exist")
     if not path.is_dir():
@@ -197,6 +192,28 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
             f"model_type {config['model_type']!r} is not supported; supported: {sorted(_architectures())}")
     if not glob.glob(str(path / "model*.safetensors")):
         raise ModelNotFoundError(f"{path} has no model*.safetensors weights")
+    return config, arch
+
+
+def _load_head(path: Path, arch, target, config: dict) -> tuple:
+    """(the MTP head, None), or (None, why the checkpoint has none)."""
+    weights = _mtp_weights(path, getattr(arch, "MTP_PREFIXES", ("mtp.",)))
+    if not weights:
+        return None, f"checkpoint {path.name} has no mtp.* weights"
+    mtp = _build_mtp(arch, target.args, config, weights, path)
+    mtp.eval()
+    _cpu_float32_experts(mtp)
+    return mtp, None
+
+
+def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
+    """Load a checkpoint directory; None loads the shipped default model."""
+    from ..runtime import clear_streams_at_exit, warn_if_slow_blas
+
+    warn_if_slow_blas()
+    clear_streams_at_exit()
+    path = Path(path) if path is not None else SHIPPED_MODEL
+    config, arch = _checked_checkpoint(path)
 
     def classes(config):
         model_cls, args_cls = _get_classes(config)
@@ -218,16 +235,7 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
         arch.prepare_target(target)
     _cpu_float32_experts(target)
 
-    mtp, reason = None, None
-    weights = _mtp_weights(path, getattr(arch, "MTP_PREFIXES", ("mtp.",))) if load_mtp else {}
-    if not load_mtp:
-        reason = "MTP disabled by load_mtp=False"
-    elif not weights:
-        reason = f"checkpoint {path.name} has no mtp.* weights"
-    else:
-        mtp = _build_mtp(arch, target.args, config, weights, path)
-        mtp.eval()
-        _cpu_float32_experts(mtp)
+    mtp, reason = _load_head(path, arch, target, config) if load_mtp else (None, "MTP disabled by load_mtp=False")
 
     column_major_weights(target)
     if mtp is not None:

@@ -168,9 +168,8 @@ def _select_rows_impl(kept: mx.array, slot: mx.array, k1: int, conv_input: mx.ar
     return conv, state
 
 
-def _rollback(caches: Sequence[RecurrentCache], kept) -> None:
-    """Install in each cache, per row b, the state after kept[b] positions of its latest capture
-    forward (0 = the state before it), and consume the captures."""
+def _checked_keeps(caches: Sequence[RecurrentCache], kept) -> np.ndarray:
+    """`kept` as one count per row, checked against what the caches captured."""
     if any(c._states is None for c in caches):
         raise RuntimeError("GDN state cannot be rolled back: the latest forward captured no "
                            f"per-position states (more than {CAPTURE_MAX_T} positions, or none)")
@@ -181,6 +180,14 @@ def _rollback(caches: Sequence[RecurrentCache], kept) -> None:
         kept = np.full(B, int(kept[0]))
     if kept.size != B or kept.min() < 0 or kept.max() > T or any(c.captured_positions != T for c in caches):
         raise ValueError(f"cannot keep {kept.tolist()} of {T} captured positions for {B} rows")
+    return kept
+
+
+def _rollback(caches: Sequence[RecurrentCache], kept) -> None:
+    """Install in each cache, per row b, the state after kept[b] positions of its latest capture
+    forward (0 = the state before it), and consume the captures."""
+    kept = _checked_keeps(caches, kept)
+    T = caches[0].captured_positions
     k1 = caches[0]._conv_input.shape[1] - T
     if (kept == kept[0]).all():
         j = int(kept[0])

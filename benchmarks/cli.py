@@ -1,0 +1,65 @@
+"""`mtplx bench ...`: the command line's entry into the benchmarks (imported only when it runs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def run(a) -> None:
+    """`mtplx bench WHAT`: run one benchmark, write its report section, print its record."""
+    import mtplx
+    from benchmarks import lane as bench
+    from benchmarks.report import machine_info, new_record, write_report
+
+    if a.what == "load":
+        from benchmarks.load import run_cli
+
+        run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
+                logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
+                open_requests=a.open_requests, direct_http=a.direct_http)
+        return
+    if a.what == "soak":
+        from benchmarks.soak import run_cli as run_soak
+
+        record = run_soak(quick=a.quick, model=a.model, json_out=a.json, direct_http=a.direct_http)
+        if not all(record["checks"].values()):
+            sys.exit(1)
+        return
+    machine, started = machine_info(), time.time()
+    if a.what == "http":
+        from benchmarks import http as bench_http
+
+        result = bench_http.bench_http(model_path=a.model, n_rows=a.prompts, max_tokens=a.tokens or 256,
+                                       rounds=a.rounds)
+        render, plot = bench_http.render_report, bench_http.plot_report
+        options = {"rows": a.prompts, "tokens": a.tokens or 256, "rounds": a.rounds}
+    else:
+        model = mtplx.load_model(a.model)
+        if a.what == "solo":
+            options = {"prompts": a.prompts, "tokens": a.tokens or 128, "rounds": a.rounds}
+            result = bench.bench_solo(model, tokens=options["tokens"], n_prompts=a.prompts, rounds=a.rounds,
+                                      blas_off_child=not a.no_child)
+            render, plot = bench.render_solo, bench.plot_solo
+        elif a.what == "lane":
+            options = {"tokens": a.tokens or 256, "rounds": a.rounds}
+            result = bench.bench_lane(model, tokens=options["tokens"], rounds=a.rounds)
+            render, plot = bench.render_lane, bench.plot_lane
+        else:
+            from mtplx.scheduler.service import bench_service_overhead
+
+            budgets = {"min_tokens": a.tokens // 2, "max_tokens": a.tokens} if a.tokens else {}
+            options = {"prompts": a.prompts, "rounds": a.rounds, **budgets}
+            result = bench_service_overhead(model, n_prompts=a.prompts, rounds=a.rounds, **budgets)
+            render, plot = bench.render_service, bench.plot_service
+    record = new_record(a.what, result, a.command_line, a.model or "shipped", options, machine,
+                        time.time() - started)
+    if not a.no_report:
+        # a run on another checkpoint gets a section of its own: bench:lane-qwen3_5_moe-bf16-v248320
+        section = f"{a.what}-{Path(a.model).name}" if a.model else None
+        artifacts = write_report(record, render, plot, name=section)
+        print(f"JSON: {artifacts['json']}\nchart: {artifacts['png']}\nsection: {artifacts['markdown']}",
+              file=sys.stderr, flush=True)
+    print(json.dumps(record, default=str) if a.json else json.dumps(record, indent=2, default=str))

@@ -1,0 +1,38 @@
+"""The sealed-cohort driver: every row prefilled before the first cycle, no row joins later."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from mtplx.engine.installed import InstalledA3BMTPBatchLane, validate_cohort
+from mtplx.engine.lane import RunningLane
+from mtplx.engine.row import A3BMTPBatchResult
+
+def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_draw: Optional[str] = None,
+                           _keep_log: bool = False, _inject_drafts=None) -> A3BMTPBatchResult:
+    """Decode 2..width requests as one sealed cohort of this lane (every row prefilled before the
+    first cycle; no row joins later). Rows are returned in request order. `draft_draw`: where
+    sampled rows draw their drafts ("device" | "host"; None: `default_draft_draw()`)."""
+    requests = list(requests)
+    validate_cohort(lane, requests)
+    running = RunningLane(lane, keep_log=_keep_log, draft_draw=draft_draw)
+    running.inject_drafts = _inject_drafts
+    streams = [running.add(r) for r in requests]
+    t_prefill = time.perf_counter()
+    running.admit_all()
+    t_decode = time.perf_counter()
+    max_cycles = max(r.max_tokens for r in requests) + 2
+    while running.has_work:
+        if running.cycles >= max_cycles:
+            raise RuntimeError(f"cohort exceeded its safety cap of {max_cycles} cycles")
+        running.step()
+    t_end = time.perf_counter()
+    result = A3BMTPBatchResult(
+        streams=streams, cycles=running.cycles, accepted_drafts=running.accepted,
+        rejected_drafts=running.rejected, route_id=lane.route_id, width_histogram={lane.width: running.cycles},
+        real_width=len(requests), fixed_width=lane.width, prefill_s=t_decode - t_prefill,
+        decode_s=t_end - t_decode, host_s=running.host_s)
+    if _keep_log:
+        result.keep_log = running.keep_log
+    return result

@@ -1,0 +1,114 @@
+"""The proposer: each drafting row's chain of drafts from the model's own MTP head. The head
+runs over [W, 1 + D] (each row's owed history entries, then its draft entry (h_last, primary));
+at depth 2-3 it runs again on its own output and last draft per chained draft. Where a draft
+comes from: the head's argmax for a greedy draft sampler (q a point mass, no draw); otherwise a
+draw from the row's own draft distribution q with its own RNG, on the device (no wait between
+the head and the verify) or on the host (after a wait, from the whole q; always for a draft
+sampler with penalties, whose token counts live on the host)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx.models.cache import commit_rows
+from mtplx.sampling import (SamplerConfig, device_draft_distribution, device_draft_draw, draft_uniform,
+                            draws_on_device, sample, to_host)
+
+
+@dataclass
+class Proposal:
+    """A cycle's drafts [W, depth] (lazy) and what the acceptor needs of how they were drawn."""
+    drafts: mx.array
+    depth: int
+    q: list = field(default_factory=list)        # [depth][W]: a drawn draft's distribution (None: a point mass)
+    device_draws: list = field(default_factory=list)   # per chained draft: (rows drawn on the device, the draw)
+
+    def q_of(self, b: int, j: int):
+        return self.q[j][b] if self.q else None
+
+
+class Proposer:
+    """Drafts for a lane's rows. `draft_draw`: "device" or "host" (where drawn drafts are drawn)."""
+
+    def __init__(self, vocab: int, draft_draw: str):
+        self.vocab, self.draft_draw = vocab, draft_draw
+        self.device_drafts = 0            # drafts drawn on the device
+        self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
+
+    def propose(self, forwards, history, h_last, x0, rows, drafting: np.ndarray, owed: np.ndarray,
+                keep_history: np.ndarray, greedy: bool, depth: int) -> Proposal:
+        """The drafts of every row [W, depth] (rows that do not draft: whatever the head gave;
+        never judged). The head forward also writes each row's owed history entries."""
+        W, D = len(rows), history.hidden.shape[1]
+        proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
+        q_logits, g = forwards.draft(history.hidden, h_last, mx.array(history.tokens, dtype=mx.uint32), x0,
+                                     mx.array(owed.astype(np.int32)))        # [W, V], [W, 1, H]
+        commit_rows(forwards.mtp_caches, D + 1, np.where(keep_history, 1 + owed, 0))
+        drafts = [self._draws(q_logits, rows, drafting, greedy, proposal, 0)]
+        for j in range(1, depth):
+            q_logits, g = forwards.chain(g, drafts[-1])
+            commit_rows(forwards.mtp_caches, 1, np.zeros(W, dtype=np.int64))
+            drafts.append(self._draws(q_logits, rows, drafting, greedy, proposal, j))
+        proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
+        if greedy:
+            mx.async_eval(proposal.drafts)        # the drafts compute while the verify's graph is built
+        return proposal
+
+    def _draws(self, q_logits: mx.array, rows, drafting: np.ndarray, greedy: bool, proposal: Proposal,
+               j: int) -> mx.array:
+        """The j-th draft of every row [W] (lazy)."""
+        if greedy:
+            return mx.argmax(q_logits, axis=-1).astype(mx.uint32)
+        coupled = np.array([drafting[b] and r.greedy_draft for b, r in enumerate(rows)])
+        drawn = drafting & ~coupled
+        on_device = drawn & (self.draft_draw == "device") & np.array(
+            [r is not None and draws_on_device(r.draft_sampler) for r in rows])
+        d = mx.array(self._host_draws(q_logits, rows, drawn & ~on_device, proposal.q[j]), dtype=mx.uint32)
+        t_host = time.perf_counter()
+        device_draw = None
+        if on_device.any():
+            m = np.array([draft_uniform(r.rng) if on_device[b] else 0 for b, r in enumerate(rows)])
+            cfgs = [r.draft_sampler if on_device[b] else SamplerConfig() for b, r in enumerate(rows)]
+            drafts, ids, t = device_draft_draw(q_logits, cfgs, m)
+            d = mx.where(mx.array(on_device), drafts, d)
+            device_draw = (ids, t, m)
+            self.device_drafts += int(on_device.sum())
+        proposal.device_draws.append((on_device, device_draw))
+        if coupled.any():
+            d = mx.where(mx.array(coupled), mx.argmax(q_logits, axis=-1).astype(mx.uint32), d)
+        self.host_s += time.perf_counter() - t_host
+        return d
+
+    def _host_draws(self, q_logits: mx.array, rows, on_host: np.ndarray, q: list) -> np.ndarray:
+        """Drafts drawn on the host from each row's whole q (after a wait for the head)."""
+        d_host = np.zeros(len(rows), dtype=np.int64)
+        if not on_host.any():
+            return d_host
+        q_host = to_host(q_logits)          # the wait for the head
+        t_host = time.perf_counter()
+        for b in np.flatnonzero(on_host):
+            q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
+            d_host[b] = sample(q[b], rows[b].rng)
+        self.host_s += time.perf_counter() - t_host
+        return d_host
+
+    def settle(self, proposal: Proposal, d_host: np.ndarray, check: bool = True) -> None:
+        """After the cycle's one wait: each device-drawn draft's exact q, from its candidates and
+        thresholds, and (`check`) that the device took the candidate its uniform names."""
+        t_host = time.perf_counter()
+        for j, (on_device, device_draw) in enumerate(proposal.device_draws):
+            if device_draw is None:
+                continue
+            ids, t, m = device_draw
+            ids, t = np.asarray(ids), np.asarray(t)
+            for b in np.flatnonzero(on_device):
+                proposal.q[j][b], drawn = device_draft_distribution(ids[b], t[b], self.vocab, int(m[b]))
+                if check and drawn != int(d_host[b, j]):
+                    raise RuntimeError(f"row {b}'s device draft {int(d_host[b, j])} is not the candidate its "
+                                       f"uniform names ({drawn}): the device draw and its q disagree")
+        self.host_s += time.perf_counter() - t_host

@@ -1,0 +1,315 @@
+"""A lane row: the request (`A3BMTPBatchRequest`), its stream result, and its own state while it
+decodes (`LaneRow`: sampler, RNG, stop set, budget, penalties, drafting policy, output), with the
+log-probability entries it reports. No forwards here: the lane runs those for all rows at once."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from mtplx.engine.prefill import CapacityError
+from mtplx.engine.repetition import RepetitionLimits, repeated_tail
+from mtplx.sampling import SamplerConfig, row_distribution, to_host
+
+
+class A3BMTPBatchCapacityError(CapacityError):
+    """A row's prompt + max_tokens exceeds the model's context window."""
+
+
+def _noop(*_args, **_kwargs):
+    return None
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class A3BMTPBatchRequest:
+    request_id: str
+    prompt_ids: tuple
+    sampler: SamplerConfig = SamplerConfig(temperature=0.0)
+    draft_sampler: Optional[SamplerConfig] = None      # None mirrors the target sampler
+    seed: int = 0
+    max_tokens: int = 64
+    stop_token_ids: frozenset = frozenset()
+    omit_speculative_bonus: bool = False
+    on_token: Callable[[int], None] = _noop
+    on_admit: Callable[[], None] = _noop               # the row leaves the queue: its prefill starts
+    on_decode_start: Callable[[], None] = _noop        # the row has a slot: its first cycle is next
+    on_terminal: Callable[[str, int], None] = _noop
+    cancelled: Callable[[], bool] = _never
+    repetition_stop: bool = False
+    session_restore: Optional[Callable[[], object]] = None
+    session_commit: Optional[Callable[..., None]] = None
+    on_result: Optional[Callable[["A3BMTPBatchStreamResult"], None]] = None  # the row's final stream, at its terminal
+    speculative: bool = True                            # False: one target token per cycle (plain AR)
+    # Log-probabilities: None off; k >= 0 reports, per emitted token, the target's log-softmax at it
+    # and its k heaviest alternatives, as on_token(token, (logprob, ((id, logprob), ...))).
+    logprobs: Optional[int] = None
+    adaptive: bool = False                              # generation_mode "auto": may step aside from drafting
+    # Rows of one request (n > 1) with the same prompt: the first of them to finish its prefill
+    # gives its prefill to the others queued in the lane (one prefill for all of them).
+    prefill_group: Optional[object] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class A3BMTPBatchStreamResult:
+    request_id: str
+    tokens: list = field(default_factory=list)
+    finish_reason: Optional[str] = None             # "stop" | "length" | "cancelled"
+    cycles: int = 0                                 # cycles this row was live in
+    accepted_drafts: int = 0
+    rejected_drafts: int = 0
+    terminal_perf_s: Optional[float] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    # what the lane looked like while this row ran (a running lane widens and narrows)
+    admitted_at_cycle: Optional[int] = None         # the lane's cycle count when the row took its slot
+    fixed_width: int = 0                            # widest lane width the row decoded in
+    route_id: Optional[str] = None                  # that lane's route id
+    real_width: int = 0                             # most live rows in one of its cycles
+    occupancy_sum: int = 0                          # live rows, summed over its cycles
+    mean_occupancy: float = 0.0                     # occupancy_sum / cycles
+    repetition_stop: Optional[object] = None        # a RepetitionStop when the row stopped on a repeat
+    logprobs: list = field(default_factory=list)    # per token, when requested: (logprob, alternatives)
+    spec_cycles: int = 0                            # cycles in which this row drafted
+    drafts_skipped: int = 0                         # cycles of a speculative row without a draft
+    shared_prefill: bool = False                    # took a sibling row's prefill (same prefill_group)
+    mtp_depth: int = 0                              # most drafts it chained in one cycle's lane (0: never drafted)
+
+
+@dataclass
+class RowEvent:
+    """What one lane step did to one row (`RunningLane.step` returns these): the tokens it emitted
+    and their log-probability entries (when the row asked for them), and on the row's last event
+    why it ended and its stream result (tokens as returned, counters). A row that stopped on a
+    repetition has its repeats trimmed from `result.tokens`; tokens reported before the trim stay
+    reported."""
+    request_id: str
+    tokens: list
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    result: Optional[A3BMTPBatchStreamResult] = None
+
+
+@dataclass
+class A3BMTPBatchResult:
+    streams: list
+    cycles: int
+    accepted_drafts: int
+    rejected_drafts: int
+    route_id: str
+    width_histogram: dict
+    real_width: int
+    fixed_width: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    host_s: float = 0.0          # of decode_s: host work (sampling, accept tests, bookkeeping)
+
+
+
+# A row's own drafting policy (`adaptive`, generation_mode "auto"). It reads only the row's own
+# accept/reject outcomes and counts only its own cycles, so a sampled row's draws (which change
+# when it drafts) stay reproducible and independent of its neighbours.
+ROW_ACCEPT_PRIOR = 0.5        # acceptance estimate on resuming (it starts at the model's `draft_acceptance_prior`)
+# weight of each new outcome. Rejections come in bursts (a new identifier, a line's end): at 0.3 a
+# burst of four stopped rows whose acceptance stayed ~0.7 (and a stopped row waits 16+ cycles for
+# its probe); at 0.1 it takes 14 straight rejections from the prior 1.0.
+ROW_ACCEPT_EMA = 0.1
+ROW_STOP_BELOW = 0.25
+ROW_PROBE_FIRST, ROW_PROBE_MAX = 16, 256   # own cycles before a stopped row drafts once to probe
+
+
+class LaneRow:
+    """One lane row's own state: request, budget, stops, penalties, RNG, output, and what the
+    lane looked like while it ran (for its stats)."""
+
+    def __init__(self, req: A3BMTPBatchRequest, vocab: int, prior: float = ROW_ACCEPT_PRIOR,
+                 repetition_limits: RepetitionLimits = RepetitionLimits()):
+        self.req = req
+        self.repetition_limits = repetition_limits
+        self.live = True
+        self.sampler = req.sampler
+        self.draft_sampler = req.draft_sampler or req.sampler
+        self.rng = np.random.default_rng(req.seed)
+        self.counts = {} if self.sampler.has_penalties else None     # completion token -> count
+        self.result = A3BMTPBatchStreamResult(request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
+        self.pending: Optional[int] = None
+        self.owed = 0         # head-history entries owed for drafts its last MTP cycle accepted
+        # its own drafting policy (adaptive rows): from its own accept/reject history only
+        self.accept_est = prior
+        self.drafting = prior >= ROW_STOP_BELOW
+        self.probe_every = ROW_PROBE_FIRST
+        self.probe_in = 0 if self.drafting else ROW_PROBE_FIRST
+        self.reported = 0     # tokens already in a RowEvent
+        self.ended_reported = False
+
+    def wants_draft(self) -> bool:
+        """Whether this row drafts in the next MTP cycle: a speculative row always unless it is
+        adaptive and has stopped, in which case only when its own probe is due."""
+        if not self.req.speculative:
+            return False
+        return not self.req.adaptive or self.drafting or self.probe_in <= 0
+
+    def drafted(self, ok: bool) -> None:
+        """After its draft's accept test. A drafting adaptive row stops when its acceptance
+        estimate falls below ROW_STOP_BELOW; a stopped one resumes when its probe is accepted, and
+        otherwise waits twice as long for the next probe."""
+        self.result.spec_cycles += 1
+        if not self.req.adaptive:
+            return
+        if self.drafting:
+            self.accept_est += ROW_ACCEPT_EMA * (float(ok) - self.accept_est)
+            if self.accept_est < ROW_STOP_BELOW:
+                self.drafting, self.probe_in = False, self.probe_every
+        elif ok:
+            self.drafting, self.accept_est, self.probe_every = True, ROW_ACCEPT_PRIOR, ROW_PROBE_FIRST
+        else:
+            self.probe_every = min(2 * self.probe_every, ROW_PROBE_MAX)
+            self.probe_in = self.probe_every
+
+    def skipped(self) -> None:
+        """A live cycle in which this row did not draft."""
+        if self.req.speculative:
+            self.result.drafts_skipped += 1
+            self.probe_in -= 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
+
+    @property
+    def greedy_draft(self) -> bool:
+        """Drafts the head's argmax (on the device, no RNG draw)."""
+        return self.draft_sampler.is_greedy and not self.draft_sampler.has_penalties
+
+    def dist(self, logits_row, cfg=None):
+        return row_distribution(logits_row, cfg or self.sampler, self.counts)
+
+    def finish(self, reason: str) -> None:
+        r = self.result
+        if r.finish_reason is not None:
+            return
+        r.finish_reason = reason
+        r.terminal_perf_s = time.perf_counter()
+        if r.cycles:
+            r.mean_occupancy = r.occupancy_sum / r.cycles
+        self.live = False
+        try:
+            self.req.on_terminal(reason, r.cycles)
+            if self.req.on_result is not None:
+                self.req.on_result(r)
+        except Exception:  # a client's callback never breaks the lane
+            pass
+
+    def drain_event(self) -> Optional[RowEvent]:
+        """The row's tokens since its last event, and its end once it has ended (None: nothing new)."""
+        r = self.result
+        ended = r.finish_reason is not None and not self.ended_reported
+        if len(r.tokens) <= self.reported and not ended:
+            return None
+        start, self.reported = self.reported, max(self.reported, len(r.tokens))
+        event = RowEvent(r.request_id, r.tokens[start:self.reported],
+                         r.logprobs[start:self.reported] if self.req.logprobs is not None else [])
+        if ended:
+            self.ended_reported = True
+            event.finish_reason, event.result = r.finish_reason, r
+        return event
+
+    def emit(self, token: int, logprob: Optional[tuple] = None) -> bool:
+        """Record a token (and its log-probability entry, when the row asked); returns True when the
+        row has finished."""
+        r = self.result
+        r.tokens.append(token)
+        if self.counts is not None:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        try:
+            if self.req.logprobs is None:
+                self.req.on_token(token)
+            else:
+                r.logprobs.append(logprob)
+                self.req.on_token(token, logprob)
+        except Exception:
+            self.finish("cancelled")
+            return True
+        if token in self.req.stop_token_ids:
+            self.finish("stop")
+        elif len(r.tokens) >= self.req.max_tokens:
+            self.finish("length")
+        return not self.live
+
+    def check_repetition(self) -> None:
+        """Stop with the repeats after the block's first copy trimmed (mtplx.engine.repetition)."""
+        hit = repeated_tail(self.result.tokens, self.repetition_limits)
+        if hit is not None:
+            self.result.repetition_stop = hit
+            del self.result.tokens[len(self.result.tokens) - hit.trimmed_tokens:]
+            del self.result.logprobs[len(self.result.tokens):]
+            self.finish("stop")
+
+    def cancelled(self) -> bool:
+        try:
+            return bool(self.req.cancelled())
+        except Exception:  # a broken callback cancels its own row only
+            return True
+
+
+
+# `heaviest` ranks the tokens at or above the k-th largest of the row's block maxima: at least k
+# tokens (those maxima) reach it, so they hold the k heaviest, and they are few.
+HEAVIEST_BLOCK = 64
+
+
+def heaviest(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the `k` heaviest entries of one row, heaviest first, ties by lower id (a partition of
+    the whole row costs several times this at a 4k vocabulary)."""
+    if k <= 0:
+        return np.zeros(0, dtype=np.int64)
+    pad = -x.size % HEAVIEST_BLOCK
+    blocks = np.concatenate([x, np.full(pad, -np.inf, x.dtype)]) if pad else x
+    block_max = blocks.reshape(-1, HEAVIEST_BLOCK).max(axis=1)
+    if k >= block_max.size:        # fewer blocks than k: rank the whole row
+        return np.argsort(-x, kind="stable")[:k]
+    cand = np.flatnonzero(x >= np.partition(block_max, -k)[-k])
+    return cand[np.argsort(-x[cand], kind="stable")][:k]
+
+
+def logprob_entry(logits_row: np.ndarray, token: int, k: int) -> tuple:
+    """(log-probability of `token`, its `k` heaviest alternatives as ((id, log-probability), ...))
+    under one float32 logits row [V]. The normalizer sums the row's exponentials, taken in float32
+    relative to the heaviest (none overflows), in float64."""
+    x = logits_row
+    top = x.max()
+    lse = float(top) + math.log(float(np.exp(x - top).sum(dtype=np.float64)))
+    return float(x[token]) - lse, tuple((int(i), float(x[i]) - lse) for i in heaviest(x, k))
+
+
+def host_logprob(logits_row, token: int, k: Optional[int]) -> Optional[tuple]:
+    """A row's entry for `token` under one logits row (an MLX or host array); None when off."""
+    return None if k is None else logprob_entry(to_host(logits_row), token, k)
+
+
+def validate_request(model, r: A3BMTPBatchRequest) -> None:
+    if not r.prompt_ids:
+        raise ValueError(f"request {r.request_id}: prompt_ids is empty")
+    if r.max_tokens < 1:
+        raise ValueError(f"request {r.request_id}: max_tokens={r.max_tokens} must be >= 1")
+    bad = [t for t in r.prompt_ids if not 0 <= t < model.vocab_size]
+    if bad:
+        raise ValueError(f"request {r.request_id}: token id {bad[0]} is outside the vocabulary")
+    if r.speculative and getattr(model, "mtp", True) is None:
+        raise ValueError(f"request {r.request_id}: the model has no MTP head "
+                         f"({model.mtp_disabled_reason}); send it with speculative=False (plain AR)")
+    if len(r.prompt_ids) + r.max_tokens > model.max_context:
+        raise A3BMTPBatchCapacityError(
+            f"request {r.request_id}: prompt ({len(r.prompt_ids)}) + max_tokens ({r.max_tokens}) "
+            f"exceeds the context window of {model.max_context} tokens")
