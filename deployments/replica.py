@@ -310,7 +310,7 @@ class MTPReplica:
             "max_context": m.max_context, "vocab_size": m.vocab_size,
             "eos_token_ids": sorted(m.eos_token_ids), "mtp": m.mtp is not None,
             "mtp_disabled_reason": m.mtp_disabled_reason,
-            "installed_widths": self.service.installed_widths, "greedy_depths": self.service.greedy_depths,
+            "installed_widths": self.service.installed_widths, "greedy_depths": self.service.ladder.greedy_depths,
             "load_s": self.load_s,
             "blas_threads": self.blas_threads,
         }

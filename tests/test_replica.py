@@ -214,3 +214,11 @@ def test_a_stop_string_ends_a_row_as_a_stop_and_a_cancel_as_a_cancel(replica, re
 def test_a_cancel_reason_must_be_known(replica):
     with pytest.raises(ValueError, match="reason='bored'"):
         asyncio.run(replica.cancel("row-none", reason="bored"))
+
+
+def test_info_reports_the_settings_in_effect(replica):
+    from mtplx.scheduler.config import DEFAULT_GREEDY_DEPTHS
+
+    info = asyncio.run(replica.info())
+    assert info["installed_widths"] == [3] and info["greedy_depths"] == DEFAULT_GREEDY_DEPTHS
+    assert info["model_id"] == replica.model.model_id
