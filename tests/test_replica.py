@@ -153,7 +153,7 @@ def test_a_cycles_tokens_wait_for_the_lane_steps_end():
         buf.lane_step_ended()                                     # nothing held: no wake
         assert not await woken()
         in_step[0] = False
-        buf.push_tokens(0, [9])                                   # outside a lane step (solo paths)
+        buf.push_tokens(0, [9])                                   # outside a lane step (a solo runner)
         assert await woken()
 
     asyncio.run(go())
