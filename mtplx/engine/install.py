@@ -63,8 +63,8 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
     history written, the other kind's lazy commit), so neither is counted. What the StepPolicy
     compares is the ratio, so it is taken round by round (an MTP block over the AR block beside
     it: a load that comes and goes between rounds cancels) and its median kept, at least 1 (an
-    MTP cycle does an AR step's work and more); under a load average of 10 on 2 cores, medians of
-    each kind alone measured MTP cycles at 0.9x and at 1.7x an AR step. `lane.step_costs` gets
+    MTP cycle does an AR step's work and more); medians of each kind alone swung with the
+    machine's load. `lane.step_costs` gets
     the median AR step and the MTP cycle at that ratio; running lanes then keep both current."""
     running = RunningLane(lane, prefill_budget=None)
     prompt = tuple(3 + i % (lane.model.vocab_size - 3) for i in range(16))

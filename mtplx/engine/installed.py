@@ -60,19 +60,15 @@ def new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Option
         compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None)
 
 
-# Compiled attention spans of wide lanes are rounded up to this many positions: one graph per span.
-# Measured on the shipped model (2-core CPU, B8, rows of 60-260 prompt tokens decoding to ~750,
-# graphs traced beforehand, blocks of cycles alternating on the same rows): eager 26.5 ms a cycle,
-# compiled with 64-position spans 23.2 (1.14x; 32: 1.10x, within the noise of 64). A new span's
-# graphs trace once per lane width and buffer size, in 10-50 ms.
+# Compiled attention spans of wide lanes are rounded up to this many positions: one graph per span
+# (BENCHMARKS.md, "Measurements behind the engine's constants").
 SPAN_BUCKET = 64
 
 
 def _default_compile() -> bool:
-    """Cycle graphs are compiled (`mx.compile`) unless MTPLX_MTP_BATCH_COMPILE=0: on the shipped
-    model the one-row lane ran 1.2-1.4x faster compiled, a B8 lane's cycles 1.14x (SPAN_BUCKET).
-    Each graph's first run at a span and shape is checked against its eager forward
-    (`_CycleForwards._checked`)."""
+    """Cycle graphs are compiled (`mx.compile`) unless MTPLX_MTP_BATCH_COMPILE=0 (faster on the
+    shipped model: BENCHMARKS.md, "Measurements behind the engine's constants"). Each graph's
+    first run at a span and shape is checked against its eager forward (`CycleForwards._checked`)."""
     env = os.environ.get("MTPLX_MTP_BATCH_COMPILE")
     if env is not None and env.strip():
         return env.strip().lower() not in ("0", "off", "false", "no")
@@ -82,7 +78,7 @@ def _default_compile() -> bool:
 def default_draft_draw() -> str:
     """Where sampled rows draw their drafts unless MTPLX_DRAFT_DRAW says: on the device on a GPU
     (Metal), where the wait between the head and the verify idles it; on the host on MLX's CPU
-    backend, where the device draw cost more than the wait (BENCHMARKS.md, bench:lane: 0.94x)."""
+    backend, where the device draw cost more than the wait (BENCHMARKS.md, bench lane)."""
     env = os.environ.get("MTPLX_DRAFT_DRAW", "").strip().lower()
     if env:
         if env not in DRAFT_DRAWS:
@@ -93,10 +89,9 @@ def default_draft_draw() -> str:
 
 def _span_bucket(model, width: int) -> Optional[int]:
     """Wide lanes of attention-only models attend over a span rounded up to SPAN_BUCKET (a compiled
-    graph has fixed shapes: over the whole buffer, sized for the rows' whole lives, B8 compiled
-    served 364 tok/s against eager's 429). The one-row lane (its buffer is its own prompt +
-    max_tokens; 1.2-1.4x faster compiled over the whole buffer) and models with recurrent (GDN)
-    layers keep one graph over the whole buffer."""
+    graph has fixed shapes, and one over the whole buffer, sized for the rows' whole lives, was
+    slower than eager). The one-row lane (its buffer is its own prompt + max_tokens) and models
+    with recurrent (GDN) layers keep one graph over the whole buffer."""
     from mtplx.models.recurrent_cache import RecurrentCache
 
     if width == 1 or any(isinstance(c, RecurrentCache) for c in model.make_cache()):

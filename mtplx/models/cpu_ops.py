@@ -15,11 +15,8 @@ A lane's rows have their own spans, yet one batched attention reads every row up
 one long prompt makes seven short rows pay for its length. When a lane's spans are uneven
 enough, `split_attention` attends every row over the keys all rows share, and only the long rows
 over the rest, then merges the two softmax parts per row (the running max and sum, as flash
-attention does).
-
-Measured on the 2-core x86 dev box (shipped model, B8 lane, cycles of each kind alternating in one
-lane): eight rows at span ~500, 34 -> 29 ms a cycle; one such row among short ones, 32 -> 25 ms with
-the split; a 345-token prefill, 247 -> 199 ms; short spans unchanged (the fused kernel runs).
+attention does). BENCHMARKS.md ("Measurements behind the engine's constants") has what each of
+these CPU paths saves.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
 from .cache import RaggedKVCache
 
-SCORE_ELEMENTS = 32768    # measured crossover on a 2-core x86 CPU: ~B8 x 4 heads x 2 queries x 512 keys
+SCORE_ELEMENTS = 32768    # the crossover to the split path (~B8 x 4 heads x 2 queries x 512 keys)
 SPLIT_SAVING = 2048       # key positions x rows a split must save to pay for its ~20 extra ops
 _MASKED = -1e30           # finite, so that a part with every key masked merges with weight ~0
 
@@ -83,11 +80,7 @@ def column_major_weights(module: nn.Module) -> int:
     """Store each float32 `nn.Linear` weight and embedding table (a tied head multiplies by it)
     column-major: the same [out, in] array, its buffer laid out as [in, out]. `x @ w.T` then reaches the BLAS as a plain row-major product instead of a
     transposed one, which OpenBLAS packs on every call. Same values, same parameters, no second
-    copy; only on the CPU. Returns how many weights it rewrote.
-    Measured on the shipped model (2-core x86, OpenBLAS, one process, blocks of steps alternating
-    between two copies of the model): an [8, 1] product with a 192 x 576 weight 73 -> 26 us; a B8
-    lane's AR step 1.01-1.14x faster (median of 5 comparisons 1.07x), its MTP cycle 1.00-1.09x
-    (1.02x); a one-row lane 1.06-1.08x. Products of 1-2 rows or of a prefill chunk: unchanged."""
+    copy; only on the CPU. Returns how many weights it rewrote."""
     if mx.default_device() != mx.cpu:
         return 0
     n = 0
@@ -102,10 +95,7 @@ def column_major_weights(module: nn.Module) -> int:
 def shares_rope_tables(rope) -> bool:
     """Whether `rope_tables` / `apply_rope` stand in for this rope module: mlx's plain `nn.RoPE`
     (non-traditional), on the CPU, where MLX's `fast.rope` is not a kernel but a graph of ~25
-    operations that computes its cos and sin again in every call (two calls a layer). Shared
-    tables took a B8 lane's AR step graph from 1216 to 1054 operations; measured on the shipped
-    model (2-core x86, blocks alternating between two copies of the model in one process): AR
-    steps 1.13-1.18x faster, MTP cycles 1.08-1.09x; a one-row lane unchanged (0.99-1.01x)."""
+    operations that computes its cos and sin again in every call (two calls a layer)."""
     return type(rope) is nn.RoPE and not rope.traditional and mx.default_device() == mx.cpu
 
 
