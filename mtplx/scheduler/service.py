@@ -56,8 +56,8 @@ from typing import Any, Callable, Iterable, Optional
 
 from mtplx.api.rows import mtp_batch_compatibility_key  # noqa: F401  (the seed imports it from here)
 from mtplx.scheduler.budget import KVBudget, row_need, row_state_bytes  # noqa: F401
-from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, FORCE_WIDTH_ENV,  # noqa: F401 (re-exported)
-                                    IDLE_HEAP_RELEASE_S, NUMERICS, resolve_kv_budget)
+from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, FORCE_WIDTH_ENV, IDLE_HEAP_RELEASE_S,
+                                    NUMERICS, resolve_kv_budget)
 from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFinalizeError,  # noqa: F401
                                  MTPBatchServiceClosed, failsafe)
 from mtplx.scheduler.job_queue import JobQueue
@@ -656,5 +656,5 @@ def bench_service_overhead(model, n_prompts: int = 8, min_tokens: int = 128, max
 __all__ = [
     "MTPBatchJob", "MTPBatchGenerationService", "MTPBatchCancelled", "MTPBatchServiceClosed",
     "MTPBatchOwnerFinalizeError", "mtp_batch_compatibility_key", "row_state_bytes",
-    "bench_service_overhead", "FORCE_WIDTH_ENV",
+    "bench_service_overhead", "FORCE_WIDTH_ENV", "IDLE_HEAP_RELEASE_S",
 ]
