@@ -48,7 +48,7 @@ def run(a) -> None:
             result = bench.bench_lane(model, tokens=options["tokens"], rounds=a.rounds)
             render, plot = bench.render_lane, bench.plot_lane
         else:
-            from mtplx.scheduler.service import bench_service_overhead
+            from benchmarks.service import bench_service_overhead
 
             budgets = {"min_tokens": a.tokens // 2, "max_tokens": a.tokens} if a.tokens else {}
             options = {"prompts": a.prompts, "rounds": a.rounds, **budgets}

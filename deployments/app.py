@@ -21,6 +21,7 @@ from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, 
 
 from ._proc import direct_http_enabled
 from .ingress import OpenAIIngress
+from .ingress.server import INGRESS_DEFAULTS as INGRESS
 from .replica import (DEFAULT_MAX_WAITING_ROWS_PER_KEY, DEFAULT_NICENESS, DEFAULT_RETRY_AFTER_S,
                       DEFAULT_STREAM_INTERVAL_MS, DEFAULT_SUMMARY_INTERVAL_S, DEFAULT_WATCHDOG_S, MTPReplica)
 
@@ -77,27 +78,27 @@ class AppArgs(BaseModel):
     repetition_stop: Optional[RepetitionStopArgs] = Field(
         None, description="Stop every row on a literal repetition within these limits ({} for the "
                           "defaults); None: off")
-    max_batch_size: int = Field(8, ge=1, le=64, description="@serve.batch max_batch_size (rows per window)")
-    batch_wait_timeout_s: float = Field(0.01, ge=0.0, le=5.0, description="@serve.batch window")
+    max_batch_size: int = Field(INGRESS["max_batch_size"], ge=1, le=64, description="@serve.batch max_batch_size (rows per window)")
+    batch_wait_timeout_s: float = Field(INGRESS["batch_wait_timeout_s"], ge=0.0, le=5.0, description="@serve.batch window")
     max_concurrent_batches: int = Field(
-        64, ge=1, le=1024, description="@serve.batch windows in flight; each stays open until its "
+        INGRESS["max_concurrent_batches"], ge=1, le=1024, description="@serve.batch windows in flight; each stays open until its "
                                        "longest row ends, so this bounds the rows in flight per ingress")
     service_batch_wait_s: float = Field(DEFAULT_BATCH_WAIT_S, ge=0.0, description="Service gather wait (single submits)")
     stream_interval_ms: float = Field(DEFAULT_STREAM_INTERVAL_MS, ge=0.0, le=1000.0,
                                       description="Replica: extra wait to group token updates per message")
-    default_max_tokens: int = Field(512, ge=1)
+    default_max_tokens: int = Field(INGRESS["default_max_tokens"], ge=1)
     max_tokens_limit: Optional[int] = Field(
         None, ge=1, description="Most completion tokens one request may ask for (400 above it); "
                                 "None: only the context window limits it")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Request bodies above this get 413")
+    max_body_bytes: int = Field(INGRESS["max_body_bytes"], ge=1024, description="Request bodies above this get 413")
     # Access
     api_keys_env: Optional[str] = Field(
-        "MTPLX_API_KEYS", description="Environment variable (of the ingress process) holding API keys, "
+        INGRESS["api_keys_env"], description="Environment variable (of the ingress process) holding API keys, "
                                       "comma separated; unset or empty: no key from it")
     api_keys_file: Optional[str] = Field(None, description="File with one API key per line")
     # Backpressure
     max_waiting_rows: int = Field(
-        256, ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
+        INGRESS["max_waiting_rows"], ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
     max_waiting_rows_per_key: int = Field(
         DEFAULT_MAX_WAITING_ROWS_PER_KEY, ge=0, description="Replica: rows of one lane (one model) waiting beyond its widest lane; beyond: 429/503")
     max_queued_requests: int = Field(
@@ -108,14 +109,14 @@ class AppArgs(BaseModel):
         64, ge=1, description="Serve's max_queued_requests of the model replicas (cohort calls waiting for a "
                               "replica, e.g. while one restarts): beyond it those rows get 503 with Retry-After")
     retry_after_s: float = Field(DEFAULT_RETRY_AFTER_S, gt=0.0, description="Retry-After of 429/503 overload answers")
-    overload_status: Literal[429, 503] = Field(429, description="Status of an overload answer")
+    overload_status: Literal[429, 503] = Field(INGRESS["overload_status"], description="Status of an overload answer")
     watchdog_s: float = Field(DEFAULT_WATCHDOG_S, gt=0.0, description="Replica check_health fails (and Serve replaces the "
                                                          "replica) when one model step runs longer")
     summary_interval_s: float = Field(DEFAULT_SUMMARY_INTERVAL_S, ge=0.0, description="Replica: seconds between cohort summaries in its "
                                                               "log while it has work (0: none)")
     metrics: bool = Field(True, description="Export the mtplx Ray metrics and log cohort summaries (false: "
                                             "neither, e.g. to measure what they cost)")
-    default_generation_mode: Literal["auto", "mtp", "ar"] = "auto"
+    default_generation_mode: Literal["auto", "mtp", "ar"] = INGRESS["default_generation_mode"]
     num_replicas: int = Field(1, ge=1)
     replica_num_cpus: float = Field(1.0, ge=0.0)
     replica_resources: Optional[Dict[str, float]] = Field(

@@ -10,7 +10,7 @@ import pytest
 from benchmarks import http as bench_http
 from benchmarks import lane as bench
 from benchmarks.report import machine_info, new_record, replace_section, write_report
-from mtplx.scheduler.service import bench_service_overhead
+from benchmarks.service import bench_service_overhead
 
 OTHER_SECTIONS = ("# Benchmarks\n\nintro\n\n<!-- bench:load -->\nload table\n<!-- /bench:load -->\n\n"
                   "<!-- bench:load-latest -->\nlatest quick run\n<!-- /bench:load-latest -->\n\ntail\n")

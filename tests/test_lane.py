@@ -724,3 +724,33 @@ def test_a_sampled_row_that_stopped_drafting_leaves_its_greedy_neighbours_their_
     assert 1 in depths and 3 in depths and running.depth_switches >= 2
     assert sampled.tokens == ref.tokens
     assert greedy.tokens == greedy_ar(model, prompts[0], 120)
+
+
+def test_the_lane_returns_data_insert_step_remove(model, lanes):
+    """The engine's data API: `insert` rows, each `step()` returns what it did to each row
+    (`RowEvent`s), `remove` cancels rows. A row's events, joined, are its tokens and entries in
+    order; its last event carries its end and result; a removed row ends "cancelled" at the next
+    step; rows' progress (prefill start, slot) comes as times on their first events."""
+    p = _prompts(model, 4)
+    alone = {i: greedy_ar(model, p[i], 24 + 8 * i) for i in range(3)}
+    running = lane_mod.RunningLane(lanes[3])
+    ids = running.insert([_req(i, p[i], 24 + 8 * i, logprobs=2 if i == 1 else None) for i in range(4)])
+    assert ids == ["0", "1", "2", "3"]
+    tokens, entries, ends, started = {}, {}, {}, {}
+    running.remove(["3"])
+    while running.has_work:
+        for e in running.step():
+            assert e.request_id not in ends                     # nothing after a row's end
+            tokens.setdefault(e.request_id, []).extend(e.tokens)
+            entries.setdefault(e.request_id, []).extend(e.logprobs)
+            if e.prefill_started_s is not None:
+                started[e.request_id] = e.prefill_started_s
+            if e.finish_reason is not None:
+                ends[e.request_id] = (e.finish_reason, e.result)
+    assert ends["3"][0] == "cancelled" and tokens.get("3", []) == [] and "3" not in started
+    for i in range(3):
+        reason, result = ends[str(i)]
+        assert tokens[str(i)] == result.tokens == alone[i] and reason == "length"
+        assert str(i) in started
+    assert len(entries["1"]) == len(tokens["1"]) and entries["0"] == [] == entries["2"]
+    assert entries["1"] == ends["1"][1].logprobs and all(len(e[1]) == 2 for e in entries["1"])

@@ -10,7 +10,9 @@ import mlx.core as mx
 import pytest
 
 import mtplx
-from mtplx.engine.lane import A3BMTPBatchRequest, generate_a3b_mtp_batch, install_a3b_mtp_batch_lane
+from mtplx.engine.cohort import generate_a3b_mtp_batch
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import GREEDY, SamplerConfig
 from mtplx.synthetic import QWEN3_VOCAB, QWEN35_VOCAB, write_checkpoint
@@ -92,27 +94,26 @@ def test_lane_installs_and_rows_equal_solo(models, name):
     assert c.streams[0].tokens == a.streams[0].tokens
 
 
-def test_repetition_stop_through_the_service(models, monkeypatch):
-    """A row that arms the repetition stop ends when its output repeats (the tied test model
-    repeats one token): its result drops the repeats after the first copy and says so; a row
-    that does not arm it runs to its budget."""
-    import mtplx.engine.lane as lane_mod
+def test_repetition_stop_through_the_service(models):
+    """With the repetition stop on (the config's `repetition_stop`: every row armed), a row ends
+    when its output repeats (the tied test model repeats one token): its result drops the repeats
+    after the first copy and says so; with it off the same row runs to its budget."""
     from mtplx.engine.repetition import RepetitionLimits
     from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
 
-    monkeypatch.setattr(lane_mod, "REPETITION_LIMITS", RepetitionLimits(20, 12, 4, 8))
     m = models["qwen3_bf16_tied"]
     ids = _prompts(m, 1)[0]
     ar = greedy_ar(m, ids, 40)
     assert len(set(ar[-12:])) == 1                        # the model does repeat
-    service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.01)
-    try:
-        jobs = [MTPBatchJob(request_id=f"r{i}", prompt_ids=ids, max_tokens=40, sampler=GREEDY,
-                            generation_limits={"uncapped_repetition_stop_enabled": i == 0})
-                for i in range(2)]
-        armed, plain = [service.submit(j).result(120) for j in jobs]
-    finally:
-        service.shutdown(timeout_s=30)
+    results = []
+    for limits in (RepetitionLimits(20, 12, 4, 8), None):     # every row armed (the config's repetition_stop), none
+        service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.01, repetition_limits=limits)
+        try:
+            results.append(service.submit(MTPBatchJob(request_id="r", prompt_ids=ids, max_tokens=40,
+                                                      sampler=GREEDY)).result(120))
+        finally:
+            service.shutdown(timeout_s=30)
+    armed, plain = results
     st = armed["stats"]
     assert st["repetition_stop_triggered"] and st["repetition_stop_block_tokens"] == 1
     assert armed["finish_reason"] == "stop" and 20 <= st["repetition_stop_raw_tokens"] <= 22

@@ -42,13 +42,22 @@ log = logging.getLogger("ray.serve")
 
 _SSE_HEADERS = {"cache-control": "no-cache"}
 
+# The ingress's settings when its config leaves them out; `deployments.app.AppArgs` takes its
+# defaults from here, so each has one.
+INGRESS_DEFAULTS = {
+    "niceness": 0, "tokenizer_source": "auto", "default_max_tokens": 512, "default_generation_mode": "auto",
+    "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
+    "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
+    "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True,
+}
+
 
 class OpenAIIngress:
     """Serve deployment class (decorated in `deployments.app`)."""
 
     def __init__(self, replica, config: Optional[dict] = None):
-        cfg = dict(config or {})
-        self.niceness = cfg.get("niceness", 0)
+        cfg = {**INGRESS_DEFAULTS, **(config or {})}
+        self.niceness = cfg["niceness"]
         self._niceness_in_effect = renice_process(self.niceness)
         renice_serve_proxy(self.niceness)
         self._replica = replica
@@ -58,7 +67,7 @@ class OpenAIIngress:
         self.tokenizer = None
         self.token_bytes: Optional[TokenBytes] = None      # each token's text and bytes, for logprobs
         self._model_lock = asyncio.Lock()
-        source = cfg.get("tokenizer_source", "auto")
+        source = cfg["tokenizer_source"]
         if source == "local" or (source == "auto" and (model_dir / "config.json").is_file()):
             self._load_model_files(model_dir)
         # else: this node does not have the checkpoint (a head node without MLX, say): the
@@ -66,22 +75,22 @@ class OpenAIIngress:
         self.served_model = cfg.get("served_model_name") or model_dir.name
         self.model_aliases = {self.served_model, model_dir.name, str(model_dir), str(cfg.get("model_path") or "")}
         self.model_aliases.discard("")
-        self.default_max_tokens = int(cfg.get("default_max_tokens", 512))
-        self.default_mode = cfg.get("default_generation_mode", "auto")
-        self.stop_wait_s = float(cfg.get("stop_wait_s", 2.0))
-        self.max_body_bytes = int(cfg.get("max_body_bytes", 8 * 1024 * 1024))
+        self.default_max_tokens = int(cfg["default_max_tokens"])
+        self.default_mode = cfg["default_generation_mode"]
+        self.stop_wait_s = float(cfg["stop_wait_s"])
+        self.max_body_bytes = int(cfg["max_body_bytes"])
         self.max_tokens_limit = cfg.get("max_tokens_limit")
-        self._api_keys = load_api_keys(cfg.get("api_keys_env", "MTPLX_API_KEYS"), cfg.get("api_keys_file"))
-        self.bound = WaitingBound(cfg.get("max_waiting_rows", 256), cfg.get("retry_after_s", 1.0),
-                                  cfg.get("overload_status", 429))
+        self._api_keys = load_api_keys(cfg["api_keys_env"], cfg.get("api_keys_file"))
+        self.bound = WaitingBound(cfg["max_waiting_rows"], cfg["retry_after_s"],
+                                  cfg["overload_status"])
         self.created = oa.now()
-        self.max_batch_size = int(cfg.get("max_batch_size", 8))
-        self.batch_wait_timeout_s = float(cfg.get("batch_wait_timeout_s", 0.02))
-        self.max_concurrent_batches = int(cfg.get("max_concurrent_batches", 4))
+        self.max_batch_size = int(cfg["max_batch_size"])
+        self.batch_wait_timeout_s = float(cfg["batch_wait_timeout_s"])
+        self.max_concurrent_batches = int(cfg["max_concurrent_batches"])
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
                        "cohort_size_histogram": {}, "row_cancels": 0, "stop_string_stops": 0, "errors": 0,
                        "rejected_overload": 0, "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0}
-        self._metrics = make_metrics(INGRESS_SERIES, log) if cfg.get("metrics", True) else None
+        self._metrics = make_metrics(INGRESS_SERIES, log) if cfg["metrics"] else None
         self.dispatch = ReplicaDispatcher(
             replica, self.bound, self._stats, self._metric, retry_after_s=self.bound.retry_after_s,
             max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from mtplx.engine.prefill import start_prefill
 from mtplx.engine.row import LaneRow
+
 
 class Admission:
     """A row on its way into the lane: its own prefill, one chunk at a time. The prefill starts
@@ -19,6 +22,7 @@ class Admission:
         """Run the next chunk; returns its token count."""
         if self.steps is None:
             req = self.row.req
+            self.row.prefill_started_s = time.perf_counter()
             try:
                 req.on_admit()
             except Exception:
@@ -38,6 +42,7 @@ class Admission:
     def shared_with(self, row: LaneRow) -> "Admission":
         """A finished admission for `row`, a sibling with the same prompt: this prefill's state,
         as its own would be (the lane copies a row's caches into its slot, so both may read them)."""
+        row.prefill_started_s = time.perf_counter()
         try:
             row.req.on_admit()
         except Exception:

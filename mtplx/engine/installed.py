@@ -99,22 +99,25 @@ def _span_bucket(model, width: int) -> Optional[int]:
     return SPAN_BUCKET
 
 
-def solo_lane(model, depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
+def solo_lane(model, depth: int = DEPTH, compiled: Optional[bool] = None) -> InstalledA3BMTPBatchLane:
     """The one-row lane chaining `depth` drafts: `generate_mtpk` decodes through it, and a running
-    lane with one row runs at this width (compiled cycle graphs, same code as the cohorts). Cached
-    on the model; its numerics are covered by the cohort self-checks and the solo exactness tests."""
+    lane with one row runs at this width (compiled cycle graphs unless `compiled` is False, same
+    code as the cohorts). Cached on the model; its numerics are covered by the cohort self-checks
+    and the solo exactness tests."""
+    compiled = _default_compile() if compiled is None else bool(compiled)
     lanes = model.__dict__.setdefault("_solo_lanes", {})
-    if depth not in lanes:
-        lanes[depth] = new_lane(model, 1, "throughput", {"skipped": "solo lane"}, None, depth)
-    return lanes[depth]
+    if (depth, compiled) not in lanes:
+        lanes[(depth, compiled)] = new_lane(model, 1, "throughput", {"skipped": "solo lane"}, compiled, depth)
+    return lanes[(depth, compiled)]
 
 
-def ar_lanes(model, widths) -> list:
+def ar_lanes(model, widths, compiled: Optional[bool] = None) -> list:
     """Lanes for plain AR rows only (a model without an MTP head): the one-row lane and these
     widths, with no self-check (no drafts, no commits but 1)."""
     reason = getattr(model, "mtp_disabled_reason", None) or "no MTP head"
-    return [solo_lane(model)] + [new_lane(model, int(w), "throughput", {"skipped": f"AR rows only: {reason}"}, None)
-                                 for w in sorted(set(widths)) if int(w) > 1]
+    return [solo_lane(model, compiled=compiled)] + [
+        new_lane(model, int(w), "throughput", {"skipped": f"AR rows only: {reason}"}, compiled)
+        for w in sorted(set(widths)) if int(w) > 1]
 
 
 def validate_cohort(lane, requests) -> None:

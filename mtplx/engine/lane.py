@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Iterable, Optional
 
@@ -55,7 +55,6 @@ class _Step:
     keep: Optional[np.ndarray] = None
     drafted: int = 0                   # rows that drafted, drafts they kept (the StepPolicy's acceptance)
     accepted: int = 0
-    _host_logits: dict = field(default_factory=dict)
 
     def entry(self, row: LaneRow, b: int, j: int, token: int) -> Optional[tuple]:
         """Row b's log-probability entry for `token` at verify position j (None: not asked for)."""
@@ -441,6 +440,7 @@ class RunningLane:
         r.admitted_at_cycle, r.fixed_width, r.route_id = self.cycles, self.width, self.lane.route_id
         r.real_width = self.live_rows
         self.admitted += 1
+        row.decode_started_s = time.perf_counter()
         try:
             row.req.on_decode_start()
         except Exception:

@@ -92,13 +92,15 @@ class RowEvent:
     """What one lane step did to one row (`RunningLane.step` returns these): the tokens it emitted
     and their log-probability entries (when the row asked for them), and on the row's last event
     why it ended and its stream result (tokens as returned, counters). A row that stopped on a
-    repetition has its repeats trimmed from `result.tokens`; tokens reported before the trim stay
-    reported."""
+    repetition has its repeats trimmed from `result.tokens`; its events carried every token it
+    emitted, the repeats included (as a stream shows them before the stop is known)."""
     request_id: str
     tokens: list
     logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None
     result: Optional[A3BMTPBatchStreamResult] = None
+    prefill_started_s: Optional[float] = None     # on the first event after its prefill started (perf_counter)
+    decode_started_s: Optional[float] = None      # on the first event after it took its slot
 
 
 @dataclass
@@ -150,8 +152,11 @@ class LaneRow:
         self.drafting = prior >= ROW_STOP_BELOW
         self.probe_every = ROW_PROBE_FIRST
         self.probe_in = 0 if self.drafting else ROW_PROBE_FIRST
-        self.reported = 0     # tokens already in a RowEvent
+        self.unreported: list = []          # tokens emitted since its last RowEvent ...
+        self.unreported_entries: list = []  # ... and their log-probability entries
         self.ended_reported = False
+        self.prefill_started_s: Optional[float] = None    # when its prefill started / it took its slot,
+        self.decode_started_s: Optional[float] = None     # until an event reports them
 
     def wants_draft(self) -> bool:
         """Whether this row drafts in the next MTP cycle: a speculative row always unless it is
@@ -215,11 +220,13 @@ class LaneRow:
         """The row's tokens since its last event, and its end once it has ended (None: nothing new)."""
         r = self.result
         ended = r.finish_reason is not None and not self.ended_reported
-        if len(r.tokens) <= self.reported and not ended:
+        started = self.prefill_started_s is not None or self.decode_started_s is not None
+        if not self.unreported and not ended and not started:
             return None
-        start, self.reported = self.reported, max(self.reported, len(r.tokens))
-        event = RowEvent(r.request_id, r.tokens[start:self.reported],
-                         r.logprobs[start:self.reported] if self.req.logprobs is not None else [])
+        event = RowEvent(r.request_id, self.unreported, self.unreported_entries,
+                         prefill_started_s=self.prefill_started_s, decode_started_s=self.decode_started_s)
+        self.unreported, self.unreported_entries = [], []
+        self.prefill_started_s = self.decode_started_s = None
         if ended:
             self.ended_reported = True
             event.finish_reason, event.result = r.finish_reason, r
@@ -230,6 +237,7 @@ class LaneRow:
         row has finished."""
         r = self.result
         r.tokens.append(token)
+        self.unreported.append(token)
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
         try:
@@ -237,6 +245,7 @@ class LaneRow:
                 self.req.on_token(token)
             else:
                 r.logprobs.append(logprob)
+                self.unreported_entries.append(logprob)
                 self.req.on_token(token, logprob)
         except Exception:
             self.finish("cancelled")

@@ -68,7 +68,7 @@ class LaneLadder:
 
         for w, d in sorted(self.greedy_depths.items()):
             if d != MTP_DEPTH and w not in self.greedy_lanes and (w == 1 or w in lanes):
-                lane = (solo_lane(self.model, d) if w == 1 else install_a3b_mtp_batch_lane(
+                lane = (solo_lane(self.model, d, self.compiled) if w == 1 else install_a3b_mtp_batch_lane(
                     self.model, w, numerics=self.numerics, selfcheck=False, depth=d, compiled=self.compiled))
                 if not lane.step_costs:
                     measure_step_costs(lane)
@@ -123,12 +123,12 @@ class LaneLadder:
         from mtplx.engine.installed import solo_lane
 
         if self.numerics == "b1-exact":
-            return [solo_lane(self.model)]
+            return [solo_lane(self.model, compiled=self.compiled)]
         lanes = [self.lanes[w] for w in sorted(self.lanes) if w <= self.max_cohort_rows]
         if self.forced_width is not None:
             lanes = [ln for ln in lanes if ln.width >= self.forced_width]
         elif not lanes or lanes[0].width > 1:     # (every width refused: rows decode solo)
-            lanes.insert(0, solo_lane(self.model))
+            lanes.insert(0, solo_lane(self.model, compiled=self.compiled))
         if greedy:
             lanes = [self.greedy_lanes.get(ln.width, ln) for ln in lanes]
         return lanes

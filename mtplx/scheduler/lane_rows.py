@@ -3,42 +3,44 @@ the job's result built from the row's final stream (`lane_result`)."""
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 from mtplx.scheduler.job import failsafe
 from mtplx.scheduler.results import build_result, lane_placement, lane_row_stats
 
 
-def lane_request(job, *, numerics: str, repetition_stop: bool, on_result: Callable):
-    """The engine's request for a job: its fields, its callbacks (prefill progress, tokens,
-    cancellation) and `on_result(stream)` at its terminal."""
+def lane_request(job, row_id: str, *, numerics: str, repetition_stop: bool):
+    """The engine's request for a job (its row is `row_id` in its lane). No callbacks: the lane's
+    `RowEvent`s bring the row's progress, tokens and end back (`deliver_event`)."""
     from mtplx.engine.row import A3BMTPBatchRequest
 
-    def on_admit():
-        job.admitted_s = time.perf_counter()
-        job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
-
-    def on_decode_start():
-        job.mark_decode_started()
-        job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
-                          "tokens_done": len(job.prompt_ids)})
-
-    def on_terminal(reason, cycles):
-        if reason == "cancelled" and not job.stopped_by_caller:   # a cancelled row's future fails at once
-            job._fail(job._cancel_exception())
-
     return A3BMTPBatchRequest(
-        request_id=job.request_id, prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
+        request_id=row_id, prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
         draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
         stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
-        on_token=job.emit_token, logprobs=job.logprobs, on_admit=on_admit, on_decode_start=on_decode_start,
-        on_terminal=on_terminal, on_result=on_result, cancelled=job.cancel_requested,
-        speculative=job.speculative,
+        logprobs=job.logprobs, speculative=job.speculative,
         # b1-exact rows decode as the solo path does: drafting every cycle
         adaptive=job.adaptive and numerics != "b1-exact", prefill_group=job.prefill_group,
         repetition_stop=repetition_stop or bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
         session_restore=failsafe(job.session_restore), session_commit=failsafe(job.session_commit))
+
+
+def deliver_event(job, event) -> None:
+    """A lane step's news of one row, into its job: prefill progress, tokens (with their
+    log-probability entries), and at its end a cancelled row's failure (the result follows
+    through `lane_result`)."""
+    if event.prefill_started_s is not None:
+        job.admitted_s = event.prefill_started_s
+        job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
+    if event.decode_started_s is not None:
+        if job.decode_started_s is None:
+            job.decode_started_s = event.decode_started_s
+        job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
+                          "tokens_done": len(job.prompt_ids)})
+    for i, token in enumerate(event.tokens):
+        job.emit_token(token, event.logprobs[i] if event.logprobs else None)
+    if event.finish_reason == "cancelled" and not job.stopped_by_caller:   # its future fails at once
+        job._fail(job._cancel_exception())
 
 
 def lane_result(job, stream, *, numerics: str, mtp_disabled_reason: Optional[str]) -> Optional[dict]:

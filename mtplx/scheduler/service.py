@@ -62,7 +62,7 @@ from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFi
                                  MTPBatchServiceClosed, failsafe)
 from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
-from mtplx.scheduler.lane_rows import lane_request, lane_result
+from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result
 from mtplx.scheduler.owner import ModelOwnerThread, fail_calls
 from mtplx.scheduler.results import (Placement, add_lane_counters, add_runner_counters, build_result,
                                      counters_snapshot, lane_snapshot, lanes_by_route,
@@ -75,11 +75,19 @@ logger = logging.getLogger(__name__)
 class _KeyLane:
     """One compatibility key's running lane in the service, and its unfinished jobs."""
 
-    __slots__ = ("key", "running", "jobs", "serial")
+    __slots__ = ("key", "running", "jobs", "serial", "job_of")
 
     def __init__(self, key, running, serial: int = 0):
         self.key, self.running, self.jobs = key, running, []
         self.serial = serial   # which lane this is (lanes_started when it began): tells lanes with one label apart
+        self.job_of: dict = {}     # row id in the lane -> its job (ids are unique in a lane)
+
+    def row_id(self, job) -> str:
+        """The job's row id in this lane: its request id, made unique among the lane's rows."""
+        row_id, n = str(job.request_id), 1
+        while row_id in self.job_of:
+            row_id, n = f"{job.request_id}~{n}", n + 1
+        return row_id
 
 
 class MTPBatchGenerationService(ModelOwnerThread):
@@ -165,7 +173,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         if service.mtp_disabled_reason is not None and numerics != "b1-exact":   # no head: plain AR lanes
             from mtplx.engine.installed import ar_lanes
 
-            service.call_on_owner(lambda: service.ladder.set_lanes(ar_lanes(model, widths))).result()
+            service.call_on_owner(lambda: service.ladder.set_lanes(ar_lanes(model, widths, service.ladder.compiled))).result()
         elif numerics != "b1-exact":
             try:
                 service.install_lanes(widths).result()
@@ -379,12 +387,15 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     def _join_lane(self, job: MTPBatchJob) -> None:
         lane = self._running.get(job.compatibility_key) or self._start_lane(job.compatibility_key)
+        row_id = lane.row_id(job)
         try:
-            lane.running.add(self._lane_request(job))
+            lane.running.add(lane_request(job, row_id, numerics=self.numerics,
+                                          repetition_stop=self.repetition_limits is not None))
         except Exception as exc:      # a request the lane refuses fails alone
             job._fail(exc)
             return
         lane.jobs.append(job)
+        lane.job_of[row_id] = job
         with self._cond:
             self._active.add(job)
         job.emit_prefill({"phase": "queued", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
@@ -454,7 +465,9 @@ class MTPBatchGenerationService(ModelOwnerThread):
         try:
             self.in_lane_step = True
             try:
-                running.step()
+                running.remove([rid for rid, job in lane.job_of.items() if job.cancel_requested()])
+                for event in running.step():
+                    self._deliver(lane, event)
             finally:
                 self.in_lane_step = False
                 if self._on_lane_step is not None:
@@ -553,9 +566,15 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     # -- lane rows ---------------------------------------------------------------------------
 
-    def _lane_request(self, job: MTPBatchJob):
-        return lane_request(job, numerics=self.numerics, repetition_stop=self.repetition_limits is not None,
-                            on_result=lambda stream: self._complete_lane_job(job, stream))
+    def _deliver(self, lane: _KeyLane, event) -> None:
+        """One row's `RowEvent` from a lane step: into its job, and at its end the job's result."""
+        job = lane.job_of.get(event.request_id)
+        if job is None:
+            return
+        deliver_event(job, event)
+        if event.finish_reason is not None:
+            del lane.job_of[event.request_id]
+            self._complete_lane_job(job, event.result)
 
     def _complete_lane_job(self, job: MTPBatchJob, stream) -> None:
         """Resolve one lane row at its own terminal, from its final stream."""
@@ -635,26 +654,8 @@ class MTPBatchGenerationService(ModelOwnerThread):
             }
 
 
-def bench_service_overhead(model, n_prompts: int = 8, min_tokens: int = 128, max_tokens: int = 256,
-                           rounds: int = 3, width: int = 8, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
-                           service: Optional[MTPBatchGenerationService] = None) -> dict:
-    """Aggregate tok/s of one greedy cohort through the service vs the lane called directly
-    (`mtplx.scheduler.bench.measure_overhead`), on a service of its own at `width` unless given."""
-    from mtplx.scheduler.bench import measure_overhead
-
-    own = service is None
-    if own:
-        service = MTPBatchGenerationService.for_model(model, widths=(width,), batch_wait_s=batch_wait_s)
-    try:
-        return measure_overhead(service, model, n_prompts=n_prompts, min_tokens=min_tokens,
-                                max_tokens=max_tokens, rounds=rounds)
-    finally:
-        if own:
-            service.shutdown()
-
-
 __all__ = [
     "MTPBatchJob", "MTPBatchGenerationService", "MTPBatchCancelled", "MTPBatchServiceClosed",
     "MTPBatchOwnerFinalizeError", "mtp_batch_compatibility_key", "row_state_bytes",
-    "bench_service_overhead", "FORCE_WIDTH_ENV", "IDLE_HEAP_RELEASE_S",
+    "FORCE_WIDTH_ENV", "IDLE_HEAP_RELEASE_S",
 ]

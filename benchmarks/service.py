@@ -1,16 +1,18 @@
 """What the service costs on top of the lane it drives: one greedy cohort through the service
 (concurrent submits) against the same cohort given to the lane directly, on the same owner thread.
-`mtplx.scheduler.service.bench_service_overhead` builds the service and calls this."""
+`bench_service_overhead` builds the service and calls `measure_overhead`."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 from mtplx.api.rows import mtp_batch_compatibility_key
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.config import MAX_COHORT_ROWS
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, MAX_COHORT_ROWS
 from mtplx.scheduler.job import MTPBatchJob
+from mtplx.scheduler.service import MTPBatchGenerationService
 
 _BENCH_PROMPTS = (
     "def fibonacci(n):\n",
@@ -85,3 +87,19 @@ def measure_overhead(service, model, n_prompts: int = 8, min_tokens: int = 128, 
         "identical_tokens": bool(same_tokens),
         "service_snapshot": service.snapshot(),
     }
+
+
+def bench_service_overhead(model, n_prompts: int = 8, min_tokens: int = 128, max_tokens: int = 256,
+                           rounds: int = 3, width: int = 8, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+                           service: Optional[MTPBatchGenerationService] = None) -> dict:
+    """Aggregate tok/s of one greedy cohort through the service vs the lane called directly
+    (`measure_overhead`), on a service of its own at `width` unless given."""
+    own = service is None
+    if own:
+        service = MTPBatchGenerationService.for_model(model, widths=(width,), batch_wait_s=batch_wait_s)
+    try:
+        return measure_overhead(service, model, n_prompts=n_prompts, min_tokens=min_tokens,
+                                max_tokens=max_tokens, rounds=rounds)
+    finally:
+        if own:
+            service.shutdown()
