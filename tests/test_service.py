@@ -423,7 +423,7 @@ def test_lane_error_fails_only_its_lane(make_service, prompts):
             if not broken and self.cycles == 2:
                 broken.append(self.live_rows)
                 raise RuntimeError("device lost")
-            super().step()
+            return super().step()
 
     service = make_service(running_lane_cls=FlakyLane)
     first = [job(prompts[i], max_tokens=20, sampler=GREEDY, seed=i) for i in range(3)]

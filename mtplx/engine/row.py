@@ -99,6 +99,7 @@ class RowEvent:
     logprobs: list = field(default_factory=list)
     finish_reason: Optional[str] = None
     result: Optional[A3BMTPBatchStreamResult] = None
+    times: list = field(default_factory=list)     # when each token was emitted (perf_counter)
     prefill_started_s: Optional[float] = None     # on the first event after its prefill started (perf_counter)
     decode_started_s: Optional[float] = None      # on the first event after it took its slot
 
@@ -153,7 +154,8 @@ class LaneRow:
         self.probe_every = ROW_PROBE_FIRST
         self.probe_in = 0 if self.drafting else ROW_PROBE_FIRST
         self.unreported: list = []          # tokens emitted since its last RowEvent ...
-        self.unreported_entries: list = []  # ... and their log-probability entries
+        self.unreported_entries: list = []  # ... their log-probability entries
+        self.unreported_times: list = []    # ... and when each was emitted
         self.ended_reported = False
         self.prefill_started_s: Optional[float] = None    # when its prefill started / it took its slot,
         self.decode_started_s: Optional[float] = None     # until an event reports them
@@ -223,9 +225,9 @@ class LaneRow:
         started = self.prefill_started_s is not None or self.decode_started_s is not None
         if not self.unreported and not ended and not started:
             return None
-        event = RowEvent(r.request_id, self.unreported, self.unreported_entries,
+        event = RowEvent(r.request_id, self.unreported, self.unreported_entries, times=self.unreported_times,
                          prefill_started_s=self.prefill_started_s, decode_started_s=self.decode_started_s)
-        self.unreported, self.unreported_entries = [], []
+        self.unreported, self.unreported_entries, self.unreported_times = [], [], []
         self.prefill_started_s = self.decode_started_s = None
         if ended:
             self.ended_reported = True
@@ -238,6 +240,7 @@ class LaneRow:
         r = self.result
         r.tokens.append(token)
         self.unreported.append(token)
+        self.unreported_times.append(time.perf_counter())
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
         try:

@@ -124,7 +124,7 @@ class MTPBatchJob:
 
     # -- streaming ---------------------------------------------------------------------------
 
-    def emit_token(self, token: int, logprob: Optional[tuple] = None) -> None:
+    def emit_token(self, token: int, logprob: Optional[tuple] = None, at: Optional[float] = None) -> None:
         """Record a committed token (stop tokens included); forward non-stop tokens as ``[token]``
         (with ``[logprob]``, its log-probability entry, when the job asked for them).
 
@@ -135,7 +135,7 @@ class MTPBatchJob:
             return
         token = int(token)
         self.tokens.append(token)
-        self.token_times.append(time.perf_counter())
+        self.token_times.append(time.perf_counter() if at is None else at)   # `at`: when the lane emitted it
         if self.token_callback is None or token in self.stop_token_ids:
             return
         try:

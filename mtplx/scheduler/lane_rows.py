@@ -38,7 +38,7 @@ def deliver_event(job, event) -> None:
         job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
                           "tokens_done": len(job.prompt_ids)})
     for i, token in enumerate(event.tokens):
-        job.emit_token(token, event.logprobs[i] if event.logprobs else None)
+        job.emit_token(token, event.logprobs[i] if event.logprobs else None, at=event.times[i])
     if event.finish_reason == "cancelled" and not job.stopped_by_caller:   # its future fails at once
         job._fail(job._cancel_exception())
 
