@@ -288,7 +288,7 @@ class RowStream:
             stats["stop_string_matched"] = True
         stats["cancelled"] = end == END_CANCELLED
         # the client sees OpenAI's reason everywhere; the engine's stays beside it
-        stats["engine_finish_reason"] = fin.get("finish_reason")
+        stats["engine_finish_reason"] = stats.get("engine_finish_reason") or fin.get("finish_reason")
         stats["finish_reason"] = finish_reason
         return stats
 

@@ -50,8 +50,8 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
         object.__setattr__(lane, "selfcheck", receipt)
         # what "auto" rows and lanes start from, measured now rather than in a request's time
         measure_step_costs(lane)
-        if not solo_lane(model).step_costs:
-            measure_step_costs(solo_lane(model))
+        if not solo_lane(model, compiled=compiled).step_costs:
+            measure_step_costs(solo_lane(model, compiled=compiled))
         draft_acceptance_prior(model)
     return lane
 
@@ -111,7 +111,9 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
     named in a failure: `greedy_parity` (every row equals solo greedy AR; for bf16/fp16 a
     divergence is tolerated only at a near-tie of the solo logits, see PARITY_ULPS),
     `row_isolation` (rows 1.. do not move when row 0 changes), `commit_keeps` (commits of 0, 1 and
-    2 all happened), `commit_math` (ragged commit of keeps 0/1/2 at cache level)."""
+    2 all happened), `commit_math` (ragged commit of keeps 0/1/2 at cache level). The solo
+    references are `generate_ar`'s, the one-row lane's AR rows: a check of this width against
+    width 1 (the tests check both against mlx-lm's own `generate_step`)."""
     model, W = lane.model, lane.width
     t0 = time.perf_counter()
     vocab = model.vocab_size

@@ -98,12 +98,14 @@ class RunningLane:
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
         self.narrow_after = int(narrow_after)
-        self.repetition_limits = repetition_limits or RepetitionLimits()
+        # the limits of rows that arm the repetition stop (None: MTPLX_REPETITION_STOP_*, else MTPLX's)
+        self.repetition_limits = repetition_limits or RepetitionLimits.from_env()
         self.lane: Optional[InstalledA3BMTPBatchLane] = None
         self.rows: list = []                           # slot -> LaneRow or None (free)
         self.waiting: deque = deque()                  # rows not yet prefilling
         self.admitting: deque = deque()                # Admission, FIFO
         self._removed: set = set()                     # request ids to drop at the next boundary
+        self._reporting: list = []                     # rows whose news the next drain_events returns
         self.caches = self.mtp_caches = None
         self.logits_last = self.h_last = None
         self.logits_host: Optional[np.ndarray] = None   # logits_last on the host, kept by sampled cycles
@@ -208,6 +210,7 @@ class RunningLane:
         self._removed.update(request_ids)
 
     def cancel_all(self, reason: str = "cancelled") -> None:
+        self._reporting += self._all_rows()
         for row in self._all_rows():
             row.finish(reason)
         self.waiting.clear()
@@ -219,7 +222,7 @@ class RunningLane:
     def step(self) -> list[RowEvent]:
         """Admit what fits, then run one cycle for the live rows. Returns each row's `RowEvent`
         (new tokens, its end) for the rows this step changed."""
-        rows = self._all_rows()
+        self._reporting += self._all_rows()
         self._drop_cancelled()
         self._resize()
         t0 = time.perf_counter()
@@ -232,7 +235,16 @@ class RunningLane:
             dt = time.perf_counter() - t1
             self.cycle_s += dt
             self._step_costs.observe(self.lane, self.last_step, previous, dt, self.cycles)
-        return [e for e in (row.drain_event() for row in rows) if e is not None]
+        return self.drain_events()
+
+    def drain_events(self) -> list[RowEvent]:
+        """Each row's news not yet returned, for the rows the lane held when its last step (or
+        `admit_all`, `cancel_all`) began and those it holds now: after a step that raised, the
+        rows that ended before the fault still report their ends."""
+        rows = {id(r): r for r in self._reporting}
+        rows.update((id(r), r) for r in self._all_rows())
+        self._reporting = []
+        return [e for e in (row.drain_event() for row in rows.values()) if e is not None]
 
     def _choose_step(self) -> str:
         """An MTP cycle or a plain AR step for the next cycle. A row that wants to draft and whose
@@ -267,6 +279,7 @@ class RunningLane:
     def admit_all(self) -> None:
         """Prefill and merge every waiting row that fits, before any cycle (a sealed cohort)."""
         budget, self.prefill_budget = self.prefill_budget, None
+        self._reporting += self._all_rows()
         try:
             self._drop_cancelled()
             self._resize()

@@ -1,5 +1,5 @@
 """When a lane runs an MTP cycle and when a plain AR step (`StepPolicy`), from the costs of each
-kind measured at its width (`update_step_costs`)."""
+kind measured at its width, kept current by `StepCostMeter`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Optional
 from mtplx.engine.installed import DEPTH
 
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
-HISTORY_FLUSH_AT = 16        # AR steps of owed MTP history a lane holds before writing it into the head's KV
 STEP_COST_EMA = 0.25         # weight of a pair of steps' measured times in their kinds' costs
 COST_PAIR_WITHIN = 3         # steps apart a counted step of each kind may be to make a pair
 

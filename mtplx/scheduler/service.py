@@ -17,8 +17,9 @@ Three stages (as in MTPLX's lane, with lanes that keep running while rows come a
    by cycle. Numerics ``b1-exact`` runs every lane at width 1 only, so its rows decode one at a
    time with the solo path's numerics. A job with its own ``solo_runner`` that would decode alone
    waits in the same queue and budget, and runs through its runner at its turn.
-3. **Results.** The lane calls ``job.mark_decode_started`` when the row takes its slot (after its
-   own prefill) and stamps its ``terminal_perf_s``; ``mtplx.scheduler.results`` turns those into
+3. **Results.** Each lane step returns its rows' ``RowEvent``s (tokens with their emission times,
+   when the row's prefill started and when it took its slot, its end with its stream result);
+   ``mtplx.scheduler.lane_rows`` puts them into the row's job, ``mtplx.scheduler.results`` turns them into
    ``decode_elapsed_s``, ``decode_tok_s`` and the rest of the stats contract and merges where the
    row ran (widest width, occupancy, route) into ``job.request_observability``.
 
@@ -461,30 +462,36 @@ class MTPBatchGenerationService(ModelOwnerThread):
         self._run_runner(job)
 
     def _step_lane(self, lane: _KeyLane) -> None:
-        running = lane.running
+        running, failure = lane.running, None
+        self.in_lane_step = True
         try:
-            self.in_lane_step = True
-            try:
-                running.remove([rid for rid, job in lane.job_of.items() if job.cancel_requested()])
-                for event in running.step():
-                    self._deliver(lane, event)
-            finally:
-                self.in_lane_step = False
-                if self._on_lane_step is not None:
-                    self._on_lane_step()
+            running.remove([rid for rid, job in lane.job_of.items() if job.cancel_requested()])
+            events = running.step()
         except Exception as exc:   # fails this lane's rows only; other keys keep running
-            with self._cond:
-                self._stats["driver_errors"] += 1
-            self._record_error(exc)
-            for job in lane.jobs:
-                job._fail(exc)
-            running.cancel_all()
-            self._drain(lane)
+            failure, events = exc, running.drain_events()    # rows that ended before it keep their results
+        try:
+            for event in events:
+                self._deliver(lane, event)
+        finally:
+            self.in_lane_step = False
+            if self._on_lane_step is not None:
+                self._on_lane_step()
+        if failure is not None:
+            self._fail_lane(lane, failure)
             return
         if any(job.future.done() for job in lane.jobs):   # a lane under steady load never drains
             lane.jobs = [job for job in lane.jobs if not job.future.done()]
         if not running.has_work:
             self._drain(lane)
+
+    def _fail_lane(self, lane: _KeyLane, exc: BaseException) -> None:
+        with self._cond:
+            self._stats["driver_errors"] += 1
+        self._record_error(exc)
+        for job in lane.jobs:
+            job._fail(exc)
+        lane.running.cancel_all()
+        self._drain(lane)
 
     def _drain(self, lane: _KeyLane) -> None:
         """The key's lane has no rows left: drop it (its buffers go with it) and finalize."""
@@ -571,10 +578,14 @@ class MTPBatchGenerationService(ModelOwnerThread):
         job = lane.job_of.get(event.request_id)
         if job is None:
             return
-        deliver_event(job, event)
-        if event.finish_reason is not None:
-            del lane.job_of[event.request_id]
-            self._complete_lane_job(job, event.result)
+        try:
+            deliver_event(job, event)
+            if event.finish_reason is not None:
+                del lane.job_of[event.request_id]
+                self._complete_lane_job(job, event.result)
+        except Exception as exc:   # one row's result that cannot be built fails that row alone
+            self._record_error(exc)
+            job._fail(exc)
 
     def _complete_lane_job(self, job: MTPBatchJob, stream) -> None:
         """Resolve one lane row at its own terminal, from its final stream."""
