@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from itertools import chain
 from typing import Callable, Iterable, Optional
 
@@ -30,36 +29,13 @@ from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.repetition import RepetitionLimits
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
-                              host_logprob, logprob_entry, validate_request)
+                              host_logprob, validate_request)
+from mtplx.engine.step import Step
 from mtplx.models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from mtplx.sampling import sample, to_host
 
 PRIOR_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively."""\n'
 PRIOR_TOKENS = 48
-
-
-@dataclass
-class _Step:
-    """One step's per-row inputs and outputs, for the decisions that follow its verify."""
-    active: np.ndarray                 # rows live in this step
-    has_pending: np.ndarray            # rows whose primary was emitted last step
-    greedy: bool                       # every live row greedy: targets are argmax ids, read on the device
-    x0: mx.array                       # each row's primary token [W]
-    x0_host: Optional[np.ndarray] = None
-    drafting: Optional[np.ndarray] = None
-    depth: int = 0                     # drafts each drafting row chained
-    targets: Optional[Targets] = None
-    lp_host: Optional[np.ndarray] = None     # verify logits on the host, for log-probability entries
-    d_host: Optional[np.ndarray] = None      # drafts [W, depth]
-    proposal: object = None
-    keep: Optional[np.ndarray] = None
-    drafted: int = 0                   # rows that drafted, drafts they kept (the StepPolicy's acceptance)
-    accepted: int = 0
-
-    def entry(self, row: LaneRow, b: int, j: int, token: int) -> Optional[tuple]:
-        """Row b's log-probability entry for `token` at verify position j (None: not asked for)."""
-        k = row.req.logprobs
-        return None if k is None else logprob_entry(self.lp_host[b, j], token, k)
 
 
 class RunningLane:
@@ -491,7 +467,7 @@ class RunningLane:
                 if W >= r.fixed_width:
                     r.fixed_width, r.route_id = W, self.lane.route_id
 
-    def _primaries(self) -> _Step:
+    def _primaries(self) -> Step:
         """Start a step: count it, and pick each row's primary token (its pending token, else
         drawn from its last logits)."""
         self._count_step()
@@ -503,16 +479,16 @@ class RunningLane:
         if all(r.greedy for r in rows if r is not None):
             x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
                           mx.argmax(self.logits_last, axis=-1).astype(mx.uint32))
-            return _Step(active, has_pending, True, x0)
+            return Step(active, has_pending, True, x0)
         logits_host = self.logits_host if self.logits_host is not None else to_host(self.logits_last)
         t_host = time.perf_counter()
         x0_host = pending.copy()
         for b in np.flatnonzero(active & ~has_pending):
             x0_host[b] = sample(rows[b].dist(logits_host[b]), rows[b].rng)
         self._host_s += time.perf_counter() - t_host
-        return _Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
+        return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
 
-    def _verify(self, step: _Step, tokens: mx.array, graph: Optional[str] = None):
+    def _verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None):
         """The target forward over `tokens` [W, T]; the step learns its targets, its primaries and
         drafts on the host, and its log-probability logits. Returns (hidden, logits, host logits)."""
         H, L = self._forwards().verify(tokens, graph=graph)
@@ -536,7 +512,7 @@ class RunningLane:
         when the row finished on it."""
         return row.emit(token, host_logprob(self.logits_last[b], token, row.req.logprobs))
 
-    def _keep_target(self, step: _Step, b: int, row: LaneRow) -> None:
+    def _keep_target(self, step: Step, b: int, row: LaneRow) -> None:
         """A row that did not draft keeps the target's own next token (AR's draws)."""
         row.skipped()
         tok = step.targets.token(row, b, 0)
@@ -544,7 +520,7 @@ class RunningLane:
         if not row.emit(tok, step.entry(row, b, 0, tok)):
             row.pending = tok
 
-    def _end_decisions(self, step: _Step) -> None:
+    def _end_decisions(self, step: Step) -> None:
         """After every row's decision: the repetition stop, and finished rows leave their slots
         (their state frozen: keep 0)."""
         for b, row in enumerate(self.rows):
@@ -615,7 +591,7 @@ class RunningLane:
         self.h_last, self.logits_last = commit_positions(self.caches, H, L, step.keep, T)
         self.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
 
-    def _injected(self, drafts: np.ndarray, step: _Step) -> np.ndarray:
+    def _injected(self, drafts: np.ndarray, step: Step) -> np.ndarray:
         """Drafts replaced by `inject_drafts` (row index = request id in a sealed cohort); the
         draft guesses the output position after this cycle's primary."""
         for b, row in enumerate(self.rows):
@@ -626,7 +602,7 @@ class RunningLane:
                     drafts[b] = tok
         return drafts
 
-    def _decide(self, step: _Step, b: int, row: LaneRow) -> None:
+    def _decide(self, step: Step, b: int, row: LaneRow) -> None:
         """Row b's part of the cycle, with its own RNG in the solo path's order: its primary (if
         not yet emitted), then its drafts judged left to right, the residual at the first
         rejection, or the bonus when every draft is kept."""
@@ -650,7 +626,7 @@ class RunningLane:
             self._bonus(step, b, row)
         row.owed = kept                  # entries (H[j], draft j) for its accepted drafts
 
-    def _judge(self, step: _Step, b: int, row: LaneRow, j: int, draft: int) -> tuple:
+    def _judge(self, step: Step, b: int, row: LaneRow, j: int, draft: int) -> tuple:
         """The acceptor's verdict on row b's j-th draft, counted for the lane, the row and its
         drafting policy."""
         kept, token = step.targets.judge(row, b, j, draft, step.proposal.q_of(b, j))
@@ -671,7 +647,7 @@ class RunningLane:
             r.rejected_drafts += 1
         return kept, token
 
-    def _bonus(self, step: _Step, b: int, row: LaneRow) -> None:
+    def _bonus(self, step: Step, b: int, row: LaneRow) -> None:
         """Every draft kept: the verify's last position gives one more token (unless the row omits it)."""
         if row.req.omit_speculative_bonus or len(row.result.tokens) >= row.req.max_tokens:
             return

@@ -1,0 +1,37 @@
+"""One lane step's per-row record: what its decisions read (primaries, targets, drafts, the
+proposal) and what they leave (each row's kept positions, the drafts kept)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx.engine.acceptor import Targets
+from mtplx.engine.row import LaneRow, logprob_entry
+
+
+@dataclass
+class Step:
+    """One step's per-row inputs and outputs, for the decisions that follow its verify."""
+    active: np.ndarray                 # rows live in this step
+    has_pending: np.ndarray            # rows whose primary was emitted last step
+    greedy: bool                       # every live row greedy: targets are argmax ids, read on the device
+    x0: mx.array                       # each row's primary token [W]
+    x0_host: Optional[np.ndarray] = None
+    drafting: Optional[np.ndarray] = None
+    depth: int = 0                     # drafts each drafting row chained
+    targets: Optional[Targets] = None
+    lp_host: Optional[np.ndarray] = None     # verify logits on the host, for log-probability entries
+    d_host: Optional[np.ndarray] = None      # drafts [W, depth]
+    proposal: object = None
+    keep: Optional[np.ndarray] = None
+    drafted: int = 0                   # rows that drafted, drafts they kept (the StepPolicy's acceptance)
+    accepted: int = 0
+
+    def entry(self, row: LaneRow, b: int, j: int, token: int) -> Optional[tuple]:
+        """Row b's log-probability entry for `token` at verify position j (None: not asked for)."""
+        k = row.req.logprobs
+        return None if k is None else logprob_entry(self.lp_host[b, j], token, k)
