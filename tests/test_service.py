@@ -419,11 +419,11 @@ def test_lane_error_fails_only_its_lane(make_service, prompts):
     broken = []
 
     class FlakyLane(RunningLane):
-        def step(self):
+        def decode(self):
             if not broken and self.cycles == 2:
                 broken.append(self.live_rows)
                 raise RuntimeError("device lost")
-            return super().step()
+            return super().decode()
 
     service = make_service(running_lane_cls=FlakyLane)
     first = [job(prompts[i], max_tokens=20, sampler=GREEDY, seed=i) for i in range(3)]

@@ -196,16 +196,27 @@ class RunningLane:
     # -- one cycle boundary and one step ------------------------------------------------------------
 
     def step(self) -> list[RowEvent]:
-        """Admit what fits, then run one cycle for the live rows. Returns each row's `RowEvent`
-        (new tokens, its end) for the rows this step changed."""
+        """One cycle boundary and one cycle: `admit`, then `decode`. Returns each row's
+        `RowEvent` (new tokens, its end) for the rows this step changed."""
+        return self.admit() + self.decode()
+
+    def admit(self) -> list[RowEvent]:
+        """The cycle boundary: removed rows leave, the width follows the demand, prefills advance
+        within the budget and finished ones take free slots (each row's first token comes from
+        its prefill). Its events can reach clients before the cycle runs (time to first token)."""
         self._reporting += self._all_rows()
         self._drop_cancelled()
         self._resize()
         t0 = time.perf_counter()
         self._admit()
-        t1 = time.perf_counter()
-        self.prefill_s += t1 - t0
+        self.prefill_s += time.perf_counter() - t0
+        return self.drain_events()
+
+    def decode(self) -> list[RowEvent]:
+        """One MTP cycle or plain AR step for the live rows."""
+        self._reporting += self._all_rows()
         if self.live_rows:
+            t1 = time.perf_counter()
             kind, previous = self._choose_step(), self.last_step
             self._run_step(kind)
             dt = time.perf_counter() - t1

@@ -462,16 +462,21 @@ class MTPBatchGenerationService(ModelOwnerThread):
         self._run_runner(job)
 
     def _step_lane(self, lane: _KeyLane) -> None:
+        """One step of a key's lane: its boundary (admissions, whose first tokens reach their
+        jobs before the cycle runs), then its cycle, each phase's events into the jobs."""
         running, failure = lane.running, None
         self.in_lane_step = True
         try:
             running.remove([rid for rid, job in lane.job_of.items() if job.cancel_requested()])
-            events = running.step()
-        except Exception as exc:   # fails this lane's rows only; other keys keep running
-            failure, events = exc, running.drain_events()    # rows that ended before it keep their results
-        try:
-            for event in events:
-                self._deliver(lane, event)
+            for phase in (running.admit, running.decode):
+                try:
+                    events = phase()
+                except Exception as exc:   # fails this lane's rows only; other keys keep running
+                    failure, events = exc, running.drain_events()    # rows that ended before it keep their results
+                for event in events:
+                    self._deliver(lane, event)
+                if failure is not None:
+                    break
         finally:
             self.in_lane_step = False
             if self._on_lane_step is not None:
