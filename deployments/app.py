@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtplx.engine.repetition import RepetitionLimits
-from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, DEFAULT_WIDTHS
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
 from ._proc import direct_http_enabled
 from .ingress import OpenAIIngress
@@ -57,18 +57,20 @@ class AppArgs(BaseModel):
     served_model_name: Optional[str] = Field(None, description="Name in /v1/models; default: the dir name")
     widths: List[int] = Field(default_factory=lambda: list(DEFAULT_WIDTHS),
                               description="Lane widths to install; a key's running lane moves between them")
-    greedy_depths: Dict[int, int] = Field(
-        default_factory=lambda: dict(DEFAULT_GREEDY_DEPTHS),
-        description="Drafts a cycle chains, by lane width (1: the one-row lane), while every drafting row "
-                    "of the lane is greedy; unlisted widths chain 1. A lane with a drafting sampled row chains 1")
+    greedy_depths: Optional[Dict[int, int]] = Field(
+        None, description="Drafts greedy rows chain a cycle, by lane width (1: the one-row lane); unlisted "
+                          "widths chain 1. None: each width's depth chosen by its measured cycle cost")
+    sampled_depth: int = Field(
+        DEFAULT_SAMPLED_DEPTH, ge=1, le=3,
+        description="Drafts a sampled row chains a cycle, at every width (a seeded row's output depends on "
+                    "it, never on the row's neighbours)")
     numerics: Literal["throughput", "b1-exact"] = Field(
         "throughput", description="b1-exact: every row decodes alone in the one-row lane (the solo path's numerics)")
     force_width: Optional[int] = Field(
         None, ge=1, le=32, description="Pin the narrowest lane width (an installed width); None: "
                                        "MTPLX_MTP_BATCH_FORCE_WIDTH in the replica's environment, else none")
     draft_draw: Optional[Literal["device", "host"]] = Field(
-        None, description="Where sampled rows draw their drafts; None: MTPLX_DRAFT_DRAW, else device on a "
-                          "GPU and host on MLX's CPU backend")
+        None, description="Where sampled rows draw their drafts; None: MTPLX_DRAFT_DRAW, else device")
     compiled: Optional[bool] = Field(
         None, description="Compiled cycle graphs (mx.compile) for the installed lanes; None: "
                           "MTPLX_MTP_BATCH_COMPILE, else compiled")
@@ -148,6 +150,8 @@ class AppArgs(BaseModel):
     @field_validator("greedy_depths")
     @classmethod
     def _greedy_depths(cls, v):
+        if v is None:
+            return v
         bad = {w: d for w, d in v.items() if not 1 <= w <= 32 or d not in (1, 2, 3)}
         if bad:
             raise ValueError(f"greedy_depths {bad}: widths are 1-32, depths 1, 2 or 3")
@@ -179,7 +183,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.router:ReplicaPinningRouter"),
     )(MTPReplica).bind(
-        model_path=a.model_path, widths=tuple(a.widths), greedy_depths=dict(a.greedy_depths),
+        model_path=a.model_path, widths=tuple(a.widths), greedy_depths=a.greedy_depths,
+        sampled_depth=a.sampled_depth,
         batch_wait_s=a.service_batch_wait_s,
         stream_interval_ms=a.stream_interval_ms, blas_threads=a.blas_threads, numerics=a.numerics,
         warmup=a.warmup, niceness=a.niceness if a.replica_niceness is None else a.replica_niceness,

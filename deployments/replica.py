@@ -23,7 +23,8 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 from ray import serve
 
 from mtplx.api.rows import RowSpec, mtp_batch_compatibility_key
-from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, DEFAULT_WIDTHS, checked_cancel_reason
+from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST,
+                                     checked_cancel_reason)
 
 from .metrics import REPLICA_SERIES, CohortMonitor, finish_reason_label, make_metrics, record
 
@@ -210,6 +211,7 @@ class MTPReplica:
     """Serve deployment class (decorated in `deployments.app`); see the module docstring."""
 
     def __init__(self, model_path: Optional[str] = None, widths=DEFAULT_WIDTHS, greedy_depths=None,
+                 sampled_depth: int = DEFAULT_SAMPLED_DEPTH,
                  batch_wait_s: float = DEFAULT_BATCH_WAIT_S, stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS,
                  blas_threads: Optional[int] = None, numerics: str = "throughput", warmup: bool = True,
                  niceness: Optional[int] = DEFAULT_NICENESS,
@@ -219,7 +221,7 @@ class MTPReplica:
                  force_width: Optional[int] = None, draft_draw: Optional[str] = None,
                  compiled: Optional[bool] = None, kv_budget_gb: Optional[float] = None,
                  repetition_stop: Optional[dict] = None):
-        """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: DEFAULT_GREEDY_DEPTHS;
+        """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: chosen by measured cost;
         `repetition_stop`: the limits every row stops within, None: off)."""
         from ._proc import freeze_startup_objects, renice_process
 
@@ -246,7 +248,8 @@ class MTPReplica:
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
             self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
             numerics=numerics, on_lane_step=self._lane_step_ended,
-            greedy_depths=DEFAULT_GREEDY_DEPTHS if greedy_depths is None else greedy_depths,
+            greedy_depths=GREEDY_DEPTHS_BY_COST if greedy_depths is None else greedy_depths,
+            sampled_depth=sampled_depth,
             force_width=force_width, draft_draw=draft_draw, compiled=compiled,
             kv_budget_bytes=resolve_kv_budget(kv_budget_gb),
             repetition_limits=RepetitionLimits(**repetition_stop) if repetition_stop is not None else None)
@@ -311,6 +314,7 @@ class MTPReplica:
             "eos_token_ids": sorted(m.eos_token_ids), "mtp": m.mtp is not None,
             "mtp_disabled_reason": m.mtp_disabled_reason,
             "installed_widths": self.service.installed_widths, "greedy_depths": self.service.ladder.greedy_depths,
+            "sampled_depth": self.service.ladder.sampled_depth,
             "load_s": self.load_s,
             "blas_threads": self.blas_threads,
         }

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from deployments.app import AppArgs, build_app
 from deployments.replica import MTPReplica
-from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_GREEDY_DEPTHS, DEFAULT_WIDTHS
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS
 from mtplx.scheduler.service import MTPBatchGenerationService
 
 
@@ -25,7 +25,6 @@ def test_the_apps_defaults_are_the_replicas_and_the_services():
     defaults = {name: p.default for name, p in inspect.signature(MTPReplica.__init__).parameters.items()
                 if name != "self"}
     assert set(bound) == set(defaults)           # every replica setting comes from the config
-    defaults["greedy_depths"] = DEFAULT_GREEDY_DEPTHS          # (None there: this constant)
     assert bound == {**defaults, "widths": tuple(defaults["widths"])}
     assert bound["widths"] == DEFAULT_WIDTHS and bound["batch_wait_s"] == DEFAULT_BATCH_WAIT_S
     for_model = inspect.signature(MTPBatchGenerationService.for_model).parameters

@@ -425,38 +425,39 @@ def test_running_lane_admits_widens_and_narrows_with_recurrent_state(models, lan
 
 
 def test_a_lane_changes_depth_with_its_rows_sampling_with_recurrent_state(models, lanes):
-    """Greedy GDN rows chain 3 drafts in a B3 lane; a sampled row joining moves the lane to depth 1
-    at the same width (the rows' recurrent state and owed head history carried over), and its
-    leaving moves it back: greedy rows equal plain greedy decoding, the sampled row equals itself
-    decoded alone."""
+    """Greedy GDN rows chain 2 drafts in a B3 lane; a sampled row that chains 3 joining moves the
+    lane to depth 3 at the same width (the rows' recurrent state and owed head history carried
+    over), and its leaving moves it back: greedy rows equal plain greedy decoding, the sampled row
+    equals itself decoded alone."""
     from mtplx.engine.installed import solo_lane
     from mtplx.engine.lane import RunningLane
     from mtplx.sampling import SamplerConfig
 
     m = models["qwen3_5"]
-    deep = install_a3b_mtp_batch_lane(m, 3, selfcheck=False, depth=3)
+    greedy = install_a3b_mtp_batch_lane(m, 3, selfcheck=False, depth=2)
+    sampled_lane = install_a3b_mtp_batch_lane(m, 3, selfcheck=False, depth=3)
     prompts = _prompts(3, seed=43)
     hot = A3BMTPBatchRequest(request_id="s", prompt_ids=prompts[2], max_tokens=16, seed=5,
                              sampler=SamplerConfig(temperature=0.8, top_p=0.9, top_k=0))
-    alone = RunningLane(solo_lane(m))
+    alone = RunningLane(solo_lane(m, 3))
     ref = alone.add(hot)
     while alone.has_work:
         alone.step()
-    running = RunningLane(lanes[("qwen3_5", 3)], greedy_ladder=deep)
+    running = RunningLane(lanes[("qwen3_5", 3)], greedy_ladder=greedy, sampled_ladder=sampled_lane)
     streams = [running.add(_req(i, prompts[i], 60)) for i in range(2)]
     for _ in range(4):
         running.step()
-    assert running.lane.depth == 3
+    assert running.lane.depth == 2
     sampled = running.add(hot)
     running.step()
-    assert running.lane.depth == 1 and running.width == 3
+    assert running.lane.depth == 3 and running.width == 3
     while sampled.finish_reason is None:
         running.step()
     running.step()
-    assert running.lane.depth == 3 and running.depth_switches == 2
+    assert running.lane.depth == 2 and running.depth_switches == 2
     while running.has_work:
         running.step()
-    assert sampled.tokens == ref.tokens
+    assert sampled.tokens == ref.tokens and sampled.mtp_depth == 3
     for i in range(2):
         assert streams[i].tokens == greedy_ar(m, prompts[i], 60), f"row {i}"
 

@@ -618,46 +618,46 @@ MIXED = [  # (sampler, extra request fields): every setting a client may send, s
 
 
 def _mixed_ladders(model, lanes):
-    """The service's two ladders: depth 1 at every width, and deeper chains for lanes whose
-    drafting rows are all greedy."""
+    """The service's ladders: depth 1 at every width; greedy rows' depths (3 at widths 1 and 3,
+    2 at 8); sampled rows' one depth, 2 at every width."""
     from mtplx.engine.installed import solo_lane
 
-    deep = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=3),
-            install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)]
-    return [solo_lane(model), lanes[3], lanes[8]], deep
+    deep8 = install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)
+    greedy = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=3), deep8]
+    sampled = [solo_lane(model, 2), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), deep8]
+    return [solo_lane(model), lanes[3], lanes[8]], greedy, sampled
 
 
 def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
     """Greedy rows decode at depth 3; sampled rows of other temperatures, filters, penalties,
-    logprobs, omitted bonus and plain AR join mid-flight: the lane moves to depth 1 at the boundary
-    they are queued (a sampled row's draws never see a deeper chain) and back once they leave.
-    Every greedy row equals plain greedy decoding; every row, token for token (its logprob
-    entries to 1e-4), equals the same request decoded alone in the one-row lane."""
+    logprobs, omitted bonus and plain AR join mid-flight. Each sampled row chains its own 2 drafts
+    a cycle, in a verify of depth 3 beside greedy rows at width 3 and of depth 2 at width 8 (one
+    verify serves rows of different depths). Every greedy row equals plain greedy decoding; every
+    row, token for token (its logprob entries to 1e-4), equals the same request decoded alone in
+    the one-row lane."""
     from mtplx.engine.installed import solo_lane
 
-    ladder, deep = _mixed_ladders(model, lanes)
+    ladder, greedy, sampled = _mixed_ladders(model, lanes)
     prompts = _prompts(model, 8)
     budgets = [120, 40, 36, 44, 30, 38, 42, 110]
     reqs = [_req(i, prompts[i], budgets[i], sampler=s, seed=100 + i, **kw) for i, (s, kw) in enumerate(MIXED)]
     refs = []
     for r in reqs:
-        alone = lane_mod.RunningLane(solo_lane(model))
+        alone = lane_mod.RunningLane(solo_lane(model, 2))
         refs.append(alone.add(r))
         _drain(alone)
-    running = lane_mod.RunningLane(ladder, greedy_ladder=deep, narrow_after=3)
-    depths = []
+    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, narrow_after=3)
+    mixed_depths = set()        # (lane depth, a sampled row's chain) in cycles where one drafted
     streams = {0: running.add(reqs[0]), 7: running.add(reqs[7])}
     _steps(running, 5)
     assert running.width == 3 and running.lane.depth == 3
     for i in range(1, 7):
         streams[i] = running.add(reqs[i])
-        _steps(running, 2)
-        depths.append(running.lane.depth)
-    assert running.width == 8 and set(depths) == {1}
-    while any(r is not None and not r.greedy for r in running.rows) or running.waiting or running.admitting:
-        running.step()
-    running.step()
-    assert running.lane.depth in (2, 3) and running.depth_switches >= 1 and streams[0].finish_reason is None
+        for _ in range(2):
+            running.step()
+            mixed_depths |= {(running.lane.depth, r.chain_depth) for r in running.rows
+                             if r is not None and not r.greedy and r.req.speculative}
+    assert running.width == 8 and {(3, 2), (2, 2)} <= mixed_depths
     _drain(running)
     for i, s in sorted(streams.items()):
         ref = refs[i]
@@ -672,58 +672,94 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
     for i in greedy_rows:
         assert streams[i].tokens == greedy_ar(model, prompts[i], budgets[i]), f"row {i}"
     assert streams[0].mtp_depth == 3 and streams[5].accepted_drafts == streams[5].rejected_drafts == 0
+    assert all(streams[i].mtp_depth == 2 for i in (1, 2, 3, 6))
 
 
-def test_a_row_of_mixed_settings_lanes_keeps_the_target_joint_distribution(model, lanes):
-    """The chi-square of the lane's sampled rows, in a B8 lane whose other rows differ in
-    settings (greedy, hotter, top-k, penalties, plain AR) and join at other times: the (t1, t2)
-    pairs of 600 seeded rows still follow the target's exact joint."""
+def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_distribution(model, lanes):
+    """The chi-square of chained sampled rows (2 drafts a cycle) in a B8 lane whose other rows
+    differ in settings (greedy at depth 2-3, hotter, top-k, penalties, plain AR) and join at other
+    times: the (t1, t2, t3) triples of 600 seeded rows follow the target's exact joint (t2 and t3
+    go through the chain's accept tests and residual). Power: had every draft been accepted, the
+    (t1, t2) pairs alone would put the statistic far past the critical value."""
+    import mlx.core as mx
     from test_sampling import ALPHA, chi2_test
 
-    cfg = SamplerConfig(temperature=0.7, top_p=0.8, top_k=0, min_p=0.1, presence_penalty=0.4)
-    ids = model.tokenizer.encode("while True:\n")
-    joint = _target_joint(model, ids, cfg)
-    ladder, deep = _mixed_ladders(model, lanes)
-    running = lane_mod.RunningLane(ladder, greedy_ladder=deep)
+    from mtplx.sampling import row_distribution
+
+    cfg = SamplerConfig(temperature=1.0, top_k=3, top_p=1.0, presence_penalty=0.5)
+    ids = model.tokenizer.encode("def ")
+
+    def dist(seq, sampler=cfg):
+        counts = {t: seq.count(t) for t in seq}
+        return row_distribution(model.logits(model.hidden(mx.array([ids + seq]), model.make_cache()))[0, -1],
+                                sampler, counts)
+
+    joint = {}
+    p1 = dist([])
+    for t1, a in zip(p1.ids.tolist(), p1.probs):
+        p2 = dist([t1])
+        for t2, b in zip(p2.ids.tolist(), p2.probs):
+            p3 = dist([t1, t2])
+            joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
+    ladder, greedy, sampled = _mixed_ladders(model, lanes)
+    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, keep_log=True)
     neighbours = _prompts(model, 3)
     for i, (s, kw) in enumerate(MIXED[:3]):
         running.add(_req(f"n{i}", neighbours[i], 400, sampler=s, seed=7 + i, **kw))
     _steps(running, 3)
-    streams, counts = seeded_outcomes(running, ids, 600, 2, cfg, None)
+    streams, counts = seeded_outcomes(running, ids, 600, 3, cfg, None)
     late = [running.add(_req(f"m{i}", neighbours[i], 20, sampler=s, seed=i, **kw))
             for i, (s, kw) in enumerate(MIXED[3:6])]
     _drain(running)
-    assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 60 and len(late) == 3
+    seeded = {str(s) for s in range(600)}
+    second = [j for rid, *_, j in running.draft_log if rid in seeded and j == 1]
+    assert running.peak_rows == 8 and len(second) > 100 and len(late) == 3
+    assert sum(s.rejected_drafts for s in streams) > 100 and {s.mtp_depth for s in streams} == {2}
     p_value, df = chi2_test(counts, joint)
-    assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
+    assert df >= 8 and p_value > ALPHA, (p_value, df, counts)
+    # power: under "accept every draft", t2 ~ the head's draft distribution given t1
+    pairs = {}
+    for (t1, t2, _), v in joint.items():
+        pairs[(t1, t2)] = pairs.get((t1, t2), 0.0) + v
+    head = model.hidden(mx.array([ids]), model.make_cache())[:, -1:]
+    bad = {}
+    for t1 in p1.ids.tolist():
+        g = model.draft_hidden(head, mx.array([[t1]]), model.make_mtp_cache())
+        q = row_distribution(model.logits(g)[0, -1], cfg, {t1: 1})
+        p_t1 = sum(v for k, v in pairs.items() if k[0] == t1)
+        bad.update({(t1, t2): p_t1 * b for t2, b in zip(q.ids.tolist(), q.probs)})
+    outside = sum(v for k, v in bad.items() if k not in pairs)
+    lam = 600 * (sum((bad.get(k, 0.0) - v) ** 2 / v for k, v in pairs.items()) + (1e9 if outside > 0.01 else 0.0))
+    assert lam > 100, lam
 
 
 def test_a_sampled_row_that_stopped_drafting_leaves_its_greedy_neighbours_their_depth(model, lanes, monkeypatch):
-    """A sampled `auto` row that has stopped drafting makes the same draws at any depth, so its
-    greedy neighbour keeps chaining 3 drafts beside it; each probe it makes moves the lane to depth
-    1 for that cycle. Its tokens equal its own decoded alone; the greedy row's, plain greedy's."""
+    """A sampled `auto` row that has stopped drafting makes no draws a depth could change, and
+    when it probes it chains its own one draft inside the greedy neighbour's depth-3 verify: the
+    lane never leaves depth 3. Its tokens equal its own decoded alone; the greedy row's, plain
+    greedy's."""
     from mtplx.engine.installed import solo_lane
 
     monkeypatch.setattr(row_mod, "ROW_STOP_BELOW", 0.95)      # one rejection stops a row
-    ladder, deep = _mixed_ladders(model, lanes)
+    ladder, greedy, _ = _mixed_ladders(model, lanes)
     prompts = _prompts(model, 2)
     hot = _req("s", prompts[1], 90, sampler=SamplerConfig(temperature=1.0, top_p=1.0, top_k=0), seed=11,
                adaptive=True)
     alone = lane_mod.RunningLane(solo_lane(model))
     ref = alone.add(hot)
     _drain(alone)
-    running = lane_mod.RunningLane(ladder, greedy_ladder=deep)
-    greedy = running.add(_req(0, prompts[0], 120))
+    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy)
+    greedy_stream = running.add(_req(0, prompts[0], 120))
     sampled = running.add(hot)
     depths = []
-    while sampled.finish_reason is None:
+    while sampled.finish_reason is None and greedy_stream.finish_reason is None:
         running.step()
         depths.append(running.lane.depth)
     _drain(running)
-    assert sampled.drafts_skipped > 0 and sampled.spec_cycles > 0      # it stopped, and probed
-    assert 1 in depths and 3 in depths and running.depth_switches >= 2
-    assert sampled.tokens == ref.tokens
-    assert greedy.tokens == greedy_ar(model, prompts[0], 120)
+    assert sampled.drafts_skipped > 0 and sampled.spec_cycles > 1      # it stopped, and probed
+    assert set(depths) == {3} and sampled.mtp_depth == 1
+    assert sampled.tokens == ref.tokens and len(depths) > 40
+    assert greedy_stream.tokens == greedy_ar(model, prompts[0], 120)
 
 
 def test_the_lane_returns_data_insert_step_remove(model, lanes):

@@ -76,15 +76,17 @@ def _default_compile() -> bool:
 
 
 def default_draft_draw() -> str:
-    """Where sampled rows draw their drafts unless MTPLX_DRAFT_DRAW says: on the device on a GPU
-    (Metal), where the wait between the head and the verify idles it; on the host on MLX's CPU
-    backend, where the device draw cost more than the wait (BENCHMARKS.md, bench lane)."""
+    """Where sampled rows draw their drafts unless MTPLX_DRAFT_DRAW says: on the device, so a
+    cycle waits for the device once, however many drafts it chains (drawn on the host, each
+    chained draft waits for the head: on this project's CPU a service of mixed settings made
+    1.17x the tokens/s with its sampled rows chaining 2 drafts drawn on the device; BENCHMARKS.md,
+    "Measurements behind the engine's constants")."""
     env = os.environ.get("MTPLX_DRAFT_DRAW", "").strip().lower()
     if env:
         if env not in DRAFT_DRAWS:
             raise ValueError(f"MTPLX_DRAFT_DRAW={env!r}: expected one of {DRAFT_DRAWS}")
         return env
-    return "device" if mx.default_device() == mx.gpu else "host"
+    return "device"
 
 
 def _span_bucket(model, width: int) -> Optional[int]:

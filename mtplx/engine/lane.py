@@ -59,17 +59,28 @@ class RunningLane:
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
-                 draft_draw: Optional[str] = None, greedy_ladder=None,
+                 draft_draw: Optional[str] = None, greedy_ladder=None, sampled_ladder=None,
                  repetition_limits: Optional[RepetitionLimits] = None):
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted_ladder(ladder)
-        # While every row that drafts is greedy, the lane runs as these instead (deeper chains): a
-        # greedy row's tokens are the same at any depth, a drafting sampled row's draws are not.
-        self.greedy_ladder = sorted_ladder(greedy_ladder) if greedy_ladder is not None else self.ladder
-        if [ln.width for ln in self.greedy_ladder] != [ln.width for ln in self.ladder]:
-            raise ValueError(f"greedy_ladder widths {[ln.width for ln in self.greedy_ladder]} differ from "
-                             f"the ladder's {[ln.width for ln in self.ladder]}")
+        widths = [ln.width for ln in self.ladder]
+        # The installed lanes by width and depth. Greedy rows chain `greedy_ladder`'s depth at its
+        # widths (a greedy row's tokens are the same at any depth); a sampled row chains its own
+        # depth (`draft_depth`, else `sampled_ladder`'s, else `ladder`'s) at every width.
+        self._lanes_at: dict = {}
+        extra = {"greedy_ladder": greedy_ladder, "sampled_ladder": sampled_ladder}
+        for name, lanes in [("ladder", self.ladder)] + [(k, sorted_ladder(v)) for k, v in extra.items() if v is not None]:
+            if [ln.width for ln in lanes] != widths:
+                raise ValueError(f"{name} widths {[ln.width for ln in lanes]} differ from the ladder's {widths}")
+            for ln in lanes:
+                self._lanes_at.setdefault(ln.width, {})[ln.depth] = ln
+        self.greedy_depths = {ln.width: ln.depth for ln in sorted_ladder(greedy_ladder or self.ladder)}
+        # a sampled row's depth at every width: sampled_ladder's, else the ladder's shallowest
+        sampled = {ln.depth for ln in sorted_ladder(sampled_ladder or self.ladder)}
+        if sampled_ladder is not None and len(sampled) != 1:
+            raise ValueError(f"sampled_ladder chains {sorted(sampled)} drafts: a sampled row chains one depth at every width")
+        self.sampled_depth = min(sampled)
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -96,11 +107,12 @@ class RunningLane:
         self.row_cycles = self.peak_rows = 0            # live rows: summed over cycles, most in one
         self.width_cycles: dict = {}
         self.admitted = self.widenings = self.narrowings = 0
-        self.depth_switches = 0                        # moves between ladder and greedy_ladder at one width
+        self.depth_switches = 0                        # moves between depths at one width
         self.shared_prefills = 0                       # rows admitted with a sibling's prefill (n > 1)
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
         self._host_s = 0.0                             # host work in cycles besides the proposer's
+        self._wait_s = 0.0                             # cycles' waits for the device besides the proposer's
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
         self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
@@ -143,6 +155,12 @@ class RunningLane:
         return self._host_s + self.proposer.host_s
 
     @property
+    def device_wait_s(self) -> float:
+        """Time cycles spent waiting for the device (the verify, the head where drafts are drawn on
+        the host); the rest of `cycle_s` not in `host_s` built the graphs and kept the books."""
+        return self._wait_s + self.proposer.wait_s
+
+    @property
     def policy(self) -> StepPolicy:
         """The step policy of the current lane's draft depth."""
         return self._policies.setdefault(self.lane.depth if self.lane is not None else DEPTH, StepPolicy())
@@ -174,8 +192,18 @@ class RunningLane:
         validate_request(self.model, req)
         prior = draft_acceptance_prior(self.model) if req.speculative and req.adaptive else ROW_ACCEPT_PRIOR
         row = LaneRow(req, self.model.vocab_size, prior, self.repetition_limits)
+        if not row.greedy:
+            row.chain_depth = self._checked_depth(req)
         self.waiting.append(row)
         return row.result
+
+    def _checked_depth(self, req: A3BMTPBatchRequest) -> int:
+        depth = self.sampled_depth if req.draft_depth is None else int(req.draft_depth)
+        shallow = [w for w, at in self._lanes_at.items() if max(at) < depth]
+        if req.speculative and shallow:
+            raise ValueError(f"request {req.request_id}: draft_depth={depth} but this lane chains at most "
+                             f"{max(self._lanes_at[shallow[0]])} drafts at width {shallow[0]}")
+        return depth
 
     def insert(self, requests: Iterable[A3BMTPBatchRequest]) -> list:
         """Queue rows (each joins at a cycle boundary when a slot is free); returns their ids."""
@@ -292,22 +320,26 @@ class RunningLane:
 
     # -- width and depth -----------------------------------------------------------------------------
 
-    def _current_ladder(self) -> list:
-        """`greedy_ladder` while every row, live or queued, that drafts in its next cycle is greedy
-        (a sampled row that does not draft makes the same draws at any depth); else `ladder`."""
-        if self.greedy_ladder is self.ladder:
-            return self.ladder
-        rows = chain(self.rows, (a.row for a in self.admitting), self.waiting)
-        if all(r is None or r.greedy or not r.wants_draft() for r in rows):
-            return self.greedy_ladder
-        return self.ladder
+    def _lane_at(self, width: int) -> InstalledA3BMTPBatchLane:
+        """The installed lane of this width for the rows live or queued: deep enough for every
+        sampled row that drafts in its next cycle, and for greedy rows that draft, their depth
+        here (`greedy_ladder`); the shallowest such lane installed (else the deepest). With no row
+        drafting the depth stays (a row that does not draft makes the same draws at any depth)."""
+        at = self._lanes_at[width]
+        rows = [r for r in chain(self.rows, (a.row for a in self.admitting), self.waiting)
+                if r is not None and r.wants_draft()]
+        greedy = [self.greedy_depths[width]] if any(r.greedy for r in rows) else []
+        need = max([r.chain_depth for r in rows if not r.greedy] + greedy, default=0)
+        if not need:
+            need = self.lane.depth if self.lane is not None else self.ladder[0].depth
+        return at[min((d for d in at if d >= need), default=max(at))]
 
     def _resize(self) -> None:
         """Pick the narrowest installed width that fits the demand: widen at once, narrow after
         `narrow_after` cycles of low demand (never below the live rows). The depth follows the
-        rows at once (`_current_ladder`)."""
-        ladder = self._current_ladder()
-        fit = next((ln for ln in ladder if ln.width >= self.demand), ladder[-1])
+        rows at once (`_lane_at`)."""
+        width = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
+        fit = self._lane_at(width)
         narrower = self.lane is not None and fit.width < self.width and self.live_rows <= fit.width
         if self.lane is None:
             self._reshape(fit, [])
@@ -321,7 +353,7 @@ class RunningLane:
         else:
             if not narrower:
                 self._low_demand = 0
-            here = next(ln for ln in ladder if ln.width == self.width)
+            here = self._lane_at(self.width)
             if here is not self.lane:         # same width, another depth
                 self.depth_switches += 1
                 self._reshape(here, list(range(self.width)))
@@ -504,13 +536,16 @@ class RunningLane:
         drafts on the host, and its log-probability logits. Returns (hidden, logits, host logits)."""
         H, L = self._forwards().verify(tokens, graph=graph)
         L_host = None
+        t_wait = time.perf_counter()
         if step.greedy:
             ids = mx.argmax(L, axis=-1)
             mx.eval(tokens, ids)
+            self._wait_s += time.perf_counter() - t_wait
             host = np.array(tokens)
             step.targets = Targets(self.model.vocab_size, ids=np.array(ids))
         else:
             mx.eval(L, tokens)         # the step's one wait (drafts drawn on the device ride along)
+            self._wait_s += time.perf_counter() - t_wait
             L_host, host = to_host(L), np.array(tokens)
             step.targets = Targets(self.model.vocab_size, logits=L_host)
         step.x0_host, step.d_host = host[:, 0], host[:, 1:]
@@ -582,9 +617,11 @@ class RunningLane:
         step = self._primaries()
         step.drafting = drafting
         step.depth = self.lane.depth if self.inject_drafts is None else 1   # the self-check injects single drafts
+        step.row_depth = np.array([min(r.chain_depth or step.depth, step.depth) if drafting[b] else 0
+                                   for b, r in enumerate(self.rows)], dtype=np.int64)
         owed = np.array([r.owed if r is not None else 0 for r in self.rows])
         step.proposal = self.proposer.propose(self.forwards, self.history, self.h_last, step.x0, self.rows,
-                                              drafting, owed, step.active, step.greedy, step.depth)
+                                              step.row_depth, owed, step.active, step.greedy, step.depth)
         drafts = step.proposal.drafts
         if self.inject_drafts is not None:
             drafts = mx.array(self._injected(np.array(drafts[:, 0]), step), dtype=mx.uint32)[:, None]
@@ -624,8 +661,9 @@ class RunningLane:
             return
         row.pending = None
         step.drafted += 1
+        depth = int(step.row_depth[b])
         kept, residual = accept_chain(
-            step.d_host[b], lambda j, draft: self._judge(step, b, row, j, draft),
+            step.d_host[b, :depth], lambda j, draft: self._judge(step, b, row, j, draft),
             lambda j, tok: row.emit(tok, step.entry(row, b, j, tok)))
         step.accepted += kept
         if not row.live:
@@ -633,8 +671,8 @@ class RunningLane:
         if residual is not None:
             step.keep[b], row.pending = 1 + kept, residual
         else:
-            step.keep[b] = 1 + step.depth
-            self._bonus(step, b, row)
+            step.keep[b] = 1 + depth
+            self._bonus(step, b, row, depth)
         row.owed = kept                  # entries (H[j], draft j) for its accepted drafts
 
     def _judge(self, step: Step, b: int, row: LaneRow, j: int, draft: int) -> tuple:
@@ -644,9 +682,9 @@ class RunningLane:
         r = row.result
         if j == 0:
             row.drafted(kept)           # its policy reads its first draft's outcome
-            r.mtp_depth = max(r.mtp_depth, step.depth)
+            r.mtp_depth = max(r.mtp_depth, int(step.row_depth[b]))
             self.draft_proposals += 1
-            self.draft_tokens += step.depth
+            self.draft_tokens += int(step.row_depth[b])
         if self.draft_log is not None:
             self.draft_log.append((row.req.request_id, len(r.tokens), draft, j))
         if kept:
@@ -658,12 +696,13 @@ class RunningLane:
             r.rejected_drafts += 1
         return kept, token
 
-    def _bonus(self, step: Step, b: int, row: LaneRow) -> None:
-        """Every draft kept: the verify's last position gives one more token (unless the row omits it)."""
+    def _bonus(self, step: Step, b: int, row: LaneRow, depth: int) -> None:
+        """Every draft of its chain kept: the verify's position after them gives one more token
+        (unless the row omits it)."""
         if row.req.omit_speculative_bonus or len(row.result.tokens) >= row.req.max_tokens:
             return
-        bonus = step.targets.token(row, b, step.depth)
-        if not row.emit(bonus, step.entry(row, b, step.depth, bonus)):
+        bonus = step.targets.token(row, b, depth)
+        if not row.emit(bonus, step.entry(row, b, depth, bonus)):
             row.pending = bonus
 
 

@@ -39,21 +39,23 @@ class Proposer:
         self.vocab, self.draft_draw = vocab, draft_draw
         self.device_drafts = 0            # drafts drawn on the device
         self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
+        self.wait_s = 0.0                 # time waiting for the head, for drafts drawn on the host
 
-    def propose(self, forwards, history, h_last, x0, rows, drafting: np.ndarray, owed: np.ndarray,
+    def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed: np.ndarray,
                 keep_history: np.ndarray, greedy: bool, depth: int) -> Proposal:
-        """The drafts of every row [W, depth] (rows that do not draft: whatever the head gave;
-        never judged). The head forward also writes each row's owed history entries."""
+        """The drafts of every row [W, depth]: row b drafts its first `row_depth[b]` (0: it does not
+        draft); past them a row's entries are whatever the head gave, never judged, and make no
+        draws. The head forward also writes each row's owed history entries."""
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
         q_logits, g = forwards.draft(history.hidden, h_last, mx.array(history.tokens, dtype=mx.uint32), x0,
                                      mx.array(owed.astype(np.int32)))        # [W, V], [W, 1, H]
         commit_rows(forwards.mtp_caches, D + 1, np.where(keep_history, 1 + owed, 0))
-        drafts = [self._draws(q_logits, rows, drafting, greedy, proposal, 0)]
+        drafts = [self._draws(q_logits, rows, row_depth > 0, greedy, proposal, 0)]
         for j in range(1, depth):
             q_logits, g = forwards.chain(g, drafts[-1])
             commit_rows(forwards.mtp_caches, 1, np.zeros(W, dtype=np.int64))
-            drafts.append(self._draws(q_logits, rows, drafting, greedy, proposal, j))
+            drafts.append(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j))
         proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
         if greedy:
             mx.async_eval(proposal.drafts)        # the drafts compute while the verify's graph is built
@@ -89,8 +91,10 @@ class Proposer:
         d_host = np.zeros(len(rows), dtype=np.int64)
         if not on_host.any():
             return d_host
+        t_wait = time.perf_counter()
         q_host = to_host(q_logits)          # the wait for the head
         t_host = time.perf_counter()
+        self.wait_s += t_host - t_wait
         for b in np.flatnonzero(on_host):
             q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
             d_host[b] = sample(q[b], rows[b].rng)

@@ -55,6 +55,10 @@ class A3BMTPBatchRequest:
     # Rows of one request (n > 1) with the same prompt: the first of them to finish its prefill
     # gives its prefill to the others queued in the lane (one prefill for all of them).
     prefill_group: Optional[object] = None
+    # Drafts a sampled row chains each cycle (1-3; None: its lane's `sampled_depth`). A property
+    # of the row, not of its lane's width: a chain's depth decides which draws the row makes, and
+    # its draws must not depend on its neighbours. Greedy rows chain their lane's depth.
+    draft_depth: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -148,6 +152,7 @@ class LaneRow:
         self.result = A3BMTPBatchStreamResult(request_id=req.request_id, prompt_tokens=len(req.prompt_ids))
         self.pending: Optional[int] = None
         self.owed = 0         # head-history entries owed for drafts its last MTP cycle accepted
+        self.chain_depth: Optional[int] = None   # a sampled row's drafts a cycle (greedy: its lane's)
         # its own drafting policy (adaptive rows): from its own accept/reject history only
         self.accept_est = prior
         self.drafting = prior >= ROW_STOP_BELOW

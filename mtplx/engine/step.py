@@ -22,7 +22,8 @@ class Step:
     x0: mx.array                       # each row's primary token [W]
     x0_host: Optional[np.ndarray] = None
     drafting: Optional[np.ndarray] = None
-    depth: int = 0                     # drafts each drafting row chained
+    depth: int = 0                     # the verify's drafts a row (the lane's depth)
+    row_depth: Optional[np.ndarray] = None   # drafts each row chained (<= depth; sampled rows: their own)
     targets: Optional[Targets] = None
     lp_host: Optional[np.ndarray] = None     # verify logits on the host, for log-probability entries
     d_host: Optional[np.ndarray] = None      # drafts [W, depth]

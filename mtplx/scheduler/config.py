@@ -11,9 +11,14 @@ import os
 from typing import Optional
 
 DEFAULT_WIDTHS = (3, 8, 16, 32)        # lane widths installed; a running lane moves between them
-# Drafts a cycle chains, by lane width (1: the one-row lane), while every drafting row is greedy.
-# The app's and the replica's default; the library service chains 1 unless it is given these.
-DEFAULT_GREEDY_DEPTHS = {1: 3, 3: 3, 8: 3, 16: 2}
+# Drafts greedy rows chain a cycle, by lane width: the app's and the replica's default chooses each
+# width's depth by its measured cycle cost (`ladder.choose_depth`); a {width: depth} dict overrides.
+# The library service chains 1 unless it is given these.
+GREEDY_DEPTHS_BY_COST = "cost"
+# Drafts a sampled row chains a cycle at every width: the app's and the replica's default (the
+# library service's is 1). On this project's CPU a B8 lane of t0.6 rows made 1.08x the tokens/s at
+# depth 2 as at 1, and 0.97x at 3 (BENCHMARKS.md, "Measurements behind the engine's constants").
+DEFAULT_SAMPLED_DEPTH = 2
 DEFAULT_BATCH_WAIT_S = 0.02            # a lone submit's wait for company (submit_cohort: none)
 MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the row cap when no lane is installed
 IDLE_HEAP_RELEASE_S = 0.5              # idle this long after work, the owner returns free heap to the OS

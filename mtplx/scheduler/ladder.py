@@ -1,6 +1,7 @@
 """The lanes a service's running lanes move along: the installed widths (self-checked), their
-deeper greedy counterparts (`greedy_depths`), the forced width, the numerics profile, and the
-ladder a key's running lane takes from them."""
+counterparts chaining more drafts (greedy rows' depth per width, `greedy_depths`, given or chosen
+by measured cost; sampled rows' one depth, `sampled_depth`), the forced width, the numerics
+profile, and the ladders a key's running lane takes from them."""
 
 from __future__ import annotations
 
@@ -19,17 +20,23 @@ class LaneLadder:
     engine's default. Lane installation runs on the model-owner thread (the service's call)."""
 
     def __init__(self, model, lanes=None, *, numerics: Optional[str] = None, greedy_depths=None,
-                 force_width: Optional[int] = None, compiled: Optional[bool] = None,
-                 max_rows: Optional[int] = None):
+                 sampled_depth: int = MTP_DEPTH, force_width: Optional[int] = None,
+                 compiled: Optional[bool] = None, max_rows: Optional[int] = None):
         from mtplx.engine.installed import DEPTHS, MAX_WIDTH
 
         self.model = model
-        # A lane whose drafting rows are all greedy may chain more drafts at some widths (width ->
-        # depth; 1 is the solo lane): a greedy row's tokens are the same at any depth. While a
-        # sampled row drafts in it, the lane chains MTP_DEPTH at every width: a chain's depth
-        # decides which draws a row makes, and a row's draws must not depend on its neighbours.
-        self.greedy_depths = checked_greedy_depths(greedy_depths, MAX_WIDTH, DEPTHS)
-        self.greedy_lanes: dict[int, Any] = {}    # width -> lane at greedy_depths[width] (not MTP_DEPTH)
+        # Greedy rows chain greedy_depths[width] drafts a cycle (a greedy row's tokens are the same
+        # at any depth): given ({width: depth}; widths absent chain MTP_DEPTH), or "cost": at each
+        # installed width the depth whose measured cycle cost and the head's acceptance promise
+        # the most tokens a second (`choose_depth`). A sampled row chains `sampled_depth` at every
+        # width: a chain's depth decides which draws a row makes, and a row's draws must not
+        # depend on its neighbours, so its depth is the route's, not its lane's.
+        self.choose_greedy_depths = greedy_depths == "cost"
+        self.greedy_depths = {} if self.choose_greedy_depths else checked_greedy_depths(greedy_depths, MAX_WIDTH, DEPTHS)
+        if isinstance(sampled_depth, bool) or sampled_depth not in DEPTHS:
+            raise ValueError(f"sampled_depth={sampled_depth!r} is invalid: a lane chains {DEPTHS} drafts")
+        self.sampled_depth = int(sampled_depth)
+        self.deep_lanes: dict[tuple, Any] = {}    # (width, depth) -> lane chaining depth != MTP_DEPTH drafts
         self.compiled = compiled
         self.max_rows = int(max_rows) if max_rows is not None else None
         self.forced_width, self._forced_by = resolve_force_width(force_width)
@@ -56,23 +63,40 @@ class LaneLadder:
                 except LaneSelfCheckError as exc:
                     self.refused_widths[w] = str(exc)
                     logger.warning("MTP batch lane B%d refused: %s", w, exc)
-        self._install_greedy_lanes(lanes)
+        self._install_deep_lanes(lanes)
         self.set_lanes(lanes)
         return sorted(lanes)
 
-    def _install_greedy_lanes(self, lanes: dict) -> None:
-        """Deeper greedy lanes only where the width's own lane passed its self-check (the same
-        forwards at that width; the self-check injects single drafts at any depth)."""
+    def _install_deep_lanes(self, lanes: dict) -> None:
+        """Lanes chaining more drafts, only where the width's own lane passed its self-check (the
+        same forwards at that width; the self-check injects single drafts at any depth), with
+        their step costs measured; then greedy rows' depth by width where it is chosen by cost."""
         from mtplx.engine.install import install_a3b_mtp_batch_lane, measure_step_costs
-        from mtplx.engine.installed import solo_lane
+        from mtplx.engine.installed import DEPTHS, solo_lane
 
-        for w, d in sorted(self.greedy_depths.items()):
-            if d != MTP_DEPTH and w not in self.greedy_lanes and (w == 1 or w in lanes):
+        if self.numerics == "b1-exact":
+            return
+        for w in [1] + sorted(lanes):
+            wanted = set(DEPTHS) if self.choose_greedy_depths else {self.greedy_depths.get(w, MTP_DEPTH)}
+            for d in sorted((wanted | {self.sampled_depth}) - {MTP_DEPTH}):
+                if (w, d) in self.deep_lanes:
+                    continue
                 lane = (solo_lane(self.model, d, self.compiled) if w == 1 else install_a3b_mtp_batch_lane(
                     self.model, w, numerics=self.numerics, selfcheck=False, depth=d, compiled=self.compiled))
                 if not lane.step_costs:
                     measure_step_costs(lane)
-                self.greedy_lanes[w] = lane
+                self.deep_lanes[(w, d)] = lane
+            if self.choose_greedy_depths:
+                at = {d: self._lane_at(w, d, lanes) for d in DEPTHS}
+                if all(ln is not None for ln in at.values()):
+                    self.greedy_depths[w] = choose_depth(at, self.model)
+
+    def _lane_at(self, width: int, depth: int, lanes: Optional[dict] = None):
+        from mtplx.engine.installed import solo_lane
+
+        if depth != MTP_DEPTH:
+            return self.deep_lanes.get((width, depth))
+        return solo_lane(self.model, compiled=self.compiled) if width == 1 else (lanes or self.lanes).get(width)
 
     def set_lanes(self, lanes) -> None:
         if not isinstance(lanes, dict):
@@ -115,11 +139,11 @@ class LaneLadder:
                 return w, self.lanes[w]
         raise ValueError(f"no installed lane fits a cohort of {real_width} rows (installed widths {sorted(self.lanes)})")
 
-    def ladder(self, greedy: bool = False) -> list:
+    def ladder(self, depth: Optional[int] = None) -> list:
         """The widths a key's running lane may run at: from the forced width (or the one-row solo
-        lane) up to the widest installed lane within `max_cohort_rows`; for a lane of greedy rows,
-        each at its `greedy_depths` depth where that lane is installed. "b1-exact": the one-row
-        lane alone, so a lane's rows decode one at a time."""
+        lane) up to the widest installed lane within `max_cohort_rows`; each width's lane chaining
+        `depth` drafts where one is installed (None: MTP_DEPTH). "b1-exact": the one-row lane
+        alone, so a lane's rows decode one at a time."""
         from mtplx.engine.installed import solo_lane
 
         if self.numerics == "b1-exact":
@@ -129,9 +153,13 @@ class LaneLadder:
             lanes = [ln for ln in lanes if ln.width >= self.forced_width]
         elif not lanes or lanes[0].width > 1:     # (every width refused: rows decode solo)
             lanes.insert(0, solo_lane(self.model, compiled=self.compiled))
-        if greedy:
-            lanes = [self.greedy_lanes.get(ln.width, ln) for ln in lanes]
+        if depth is not None:
+            lanes = [self.deep_lanes.get((ln.width, depth), ln) for ln in lanes]
         return lanes
+
+    def greedy_ladder(self) -> list:
+        """Each width's lane at its greedy depth."""
+        return [self.deep_lanes.get((ln.width, self.greedy_depths.get(ln.width)), ln) for ln in self.ladder()]
 
     def widths(self) -> list:
         return sorted({getattr(lane, "width", 1) for lane in self.ladder()}) or [1]
@@ -141,3 +169,16 @@ class LaneLadder:
                 "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
                 **installed_snapshot(self.lanes), "forced_width": self.forced_width, "numerics": self.numerics,
                 "max_cohort_rows": self.max_cohort_rows}
+
+
+def choose_depth(lanes_by_depth: dict, model) -> int:
+    """The depth whose lane promises greedy rows the most tokens a second: a cycle chaining d
+    drafts yields 1 + a + ... + a^d tokens a row, where a is the head's measured greedy
+    acceptance (`draft_acceptance_prior`: a chain's j-th draft needs every one before it), for
+    its measured cost (`step_costs["mtp"]`). Whether drafting pays at all (depth 0) the lane's
+    StepPolicy decides as it runs."""
+    from mtplx.engine.lane import draft_acceptance_prior
+
+    a = draft_acceptance_prior(model)
+    rate = {d: sum(a ** j for j in range(d + 1)) / ln.step_costs["mtp"] for d, ln in lanes_by_depth.items()}
+    return max(rate, key=lambda d: (rate[d], -d))

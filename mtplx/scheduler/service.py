@@ -107,7 +107,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
     with its own lanes.
 
     Settings (``deployments.app.AppArgs`` documents each): ``greedy_depths`` (none deeper unless
-    given), ``force_width`` (None: ``MTPLX_MTP_BATCH_FORCE_WIDTH``, else none), ``kv_budget_bytes``
+    given; "cost": chosen per width by measured cost), ``sampled_depth`` (1 unless given), ``force_width`` (None: ``MTPLX_MTP_BATCH_FORCE_WIDTH``, else none), ``kv_budget_bytes``
     (None: ``MTPLX_KV_BUDGET_GB``, else half the memory), ``draft_draw`` and ``compiled`` (None: the
     engine's default), ``repetition_limits`` (None: rows arm the repetition stop only through
     their ``generation_limits``; given: every row stops on a literal repetition within them).
@@ -117,14 +117,14 @@ class MTPBatchGenerationService(ModelOwnerThread):
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
-                 on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None,
+                 on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None, sampled_depth: int = 1,
                  force_width: Optional[int] = None, draft_draw: Optional[str] = None,
                  compiled: Optional[bool] = None, repetition_limits=None):
         from mtplx.engine.installed import DEPTHS, DRAFT_DRAWS
 
         self.model = model
         self.ladder = LaneLadder(model, lanes, numerics=numerics, greedy_depths=greedy_depths,
-                                 force_width=force_width, compiled=compiled, max_rows=max_cohort_rows)
+                                 sampled_depth=sampled_depth, force_width=force_width, compiled=compiled, max_rows=max_cohort_rows)
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r} is invalid: expected one of {DRAFT_DRAWS}")
         self.draft_draw = draft_draw
@@ -405,7 +405,8 @@ class MTPBatchGenerationService(ModelOwnerThread):
         from mtplx.engine.lane import RunningLane
 
         running = (self._running_lane_cls or RunningLane)(
-            self.ladder.ladder(), greedy_ladder=self.ladder.ladder(greedy=True), draft_draw=self.draft_draw,
+            self.ladder.ladder(), greedy_ladder=self.ladder.greedy_ladder(),
+            sampled_ladder=self.ladder.ladder(self.ladder.sampled_depth), draft_draw=self.draft_draw,
             repetition_limits=self.repetition_limits)
         with self._cond:
             self._stats["lanes_started"] += 1
@@ -473,8 +474,12 @@ class MTPBatchGenerationService(ModelOwnerThread):
                     events = phase()
                 except Exception as exc:   # fails this lane's rows only; other keys keep running
                     failure, events = exc, running.drain_events()    # rows that ended before it keep their results
+                t_deliver = time.perf_counter()
                 for event in events:
                     self._deliver(lane, event)
+                delivered_s = time.perf_counter() - t_deliver
+                with self._cond:
+                    self._stats["delivery_s"] += delivered_s
                 if failure is not None:
                     break
         finally:
