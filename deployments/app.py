@@ -74,6 +74,9 @@ class AppArgs(BaseModel):
     compiled: Optional[bool] = Field(
         None, description="Compiled cycle graphs (mx.compile) for the installed lanes; None: "
                           "MTPLX_MTP_BATCH_COMPILE, else compiled")
+    overlap: Optional[bool] = Field(
+        None, description="Launch a lane's next MTP cycle before its step's tokens stream out; None: "
+                          "MTPLX_OVERLAP, else on a GPU only (MLX's CPU backend computes the launch at once)")
     kv_budget_gb: Optional[float] = Field(
         None, gt=0.0, description="Decode state (KV and recurrent) all lanes of a replica may hold, GiB; rows "
                                   "wait beyond it. None: MTPLX_KV_BUDGET_GB, else half the replica's memory")
@@ -190,7 +193,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         warmup=a.warmup, niceness=a.niceness if a.replica_niceness is None else a.replica_niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
         watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics,
-        force_width=a.force_width, draft_draw=a.draft_draw, compiled=a.compiled, kv_budget_gb=a.kv_budget_gb,
+        force_width=a.force_width, draft_draw=a.draft_draw, compiled=a.compiled, overlap=a.overlap,
+        kv_budget_gb=a.kv_budget_gb,
         repetition_stop=a.repetition_stop.model_dump() if a.repetition_stop is not None else None)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
     # the rows waiting for a window, and requests it is answering 429 (so that overload gets our

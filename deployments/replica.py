@@ -220,7 +220,7 @@ class MTPReplica:
                  summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S, metrics: bool = True,
                  force_width: Optional[int] = None, draft_draw: Optional[str] = None,
                  compiled: Optional[bool] = None, kv_budget_gb: Optional[float] = None,
-                 repetition_stop: Optional[dict] = None):
+                 repetition_stop: Optional[dict] = None, overlap: Optional[bool] = None):
         """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: chosen by measured cost;
         `repetition_stop`: the limits every row stops within, None: off)."""
         from ._proc import freeze_startup_objects, renice_process
@@ -250,7 +250,7 @@ class MTPReplica:
             numerics=numerics, on_lane_step=self._lane_step_ended,
             greedy_depths=GREEDY_DEPTHS_BY_COST if greedy_depths is None else greedy_depths,
             sampled_depth=sampled_depth,
-            force_width=force_width, draft_draw=draft_draw, compiled=compiled,
+            force_width=force_width, draft_draw=draft_draw, compiled=compiled, overlap=overlap,
             kv_budget_bytes=resolve_kv_budget(kv_budget_gb),
             repetition_limits=RepetitionLimits(**repetition_stop) if repetition_stop is not None else None)
         self.load_s = time.perf_counter() - t0

@@ -7,7 +7,7 @@ import asyncio
 from typing import Callable, Dict, List, Optional
 
 from benchmarks.load.clients import closed_loop, open_loop
-from benchmarks.load.summary import lane_occupancy, summarize_arm
+from benchmarks.load.summary import cycle_breakdown, lane_occupancy, summarize_arm
 from benchmarks.load.workload import (LONG_EVERY, OPEN_LOOP_LOAD, Arm, arm_label, closed_loop_requests,
                                       poisson_arrivals, request_body)
 from benchmarks.servers import ServerProcess, snapshot, snapshot_with
@@ -148,8 +148,10 @@ def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
     rows, wall = asyncio.run(run(at_drain if ours else None))
     summary = summarize_arm(rows, wall)
     if ours:
-        summary["lane_occupancy"] = lane_occupancy(before, snapshot(server.url))
+        after = snapshot(server.url)
+        summary["lane_occupancy"] = lane_occupancy(before, after)
         summary["steady_lane_occupancy"] = lane_occupancy(before, drained.get("snapshot"))
+        summary["cycle_breakdown"] = cycle_breakdown(before, after, wall)
     return summary, rows
 
 
@@ -157,5 +159,10 @@ def _brief(s: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{1000 * v:.0f}"
 
+    cb = s.get("cycle_breakdown")
+    where = "" if not cb else (
+        f"  cycle {cb['cycle_ms']['cycles']:.1f} ms (device {cb['cycle_ms']['device_wait']:.1f}, host "
+        f"{cb['cycle_ms']['host']:.1f}, graphs+books {cb['cycle_ms']['graphs_and_books']:.1f}); wall: cycles "
+        f"{cb['wall_share']['cycles']:.0%}, prefill {cb['wall_share']['prefill']:.0%}, delivery {cb['wall_share']['delivery']:.0%}")
     return (f"{s['tok_s'] or 0:7.1f} tok/s  TTFT p95 {ms(s['ttft_p95_s'])} ms  ITL p50 {ms(s['itl_p50_s'])} ms"
-            f"  errors {s['errors']}")
+            f"  errors {s['errors']}{where}")

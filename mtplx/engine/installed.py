@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-import mlx.core as mx
 
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.row import validate_request
@@ -87,6 +86,21 @@ def default_draft_draw() -> str:
             raise ValueError(f"MTPLX_DRAFT_DRAW={env!r}: expected one of {DRAFT_DRAWS}")
         return env
     return "device"
+
+
+def default_overlap() -> bool:
+    """Whether running lanes launch their next MTP cycle before a step's events go out, unless
+    MTPLX_OVERLAP says: on a GPU (Metal), where `mx.async_eval` returns at once and the device
+    computes the launched cycle while the host streams the step's tokens; not on MLX's CPU
+    backend, where a forward's async_eval computes most of it before returning (a B8 launch took
+    18 of its cycle's 20 ms), so launching early only delays the step's events (BENCHMARKS.md,
+    "Measurements behind the engine's constants")."""
+    import mlx.core as mx
+
+    env = os.environ.get("MTPLX_OVERLAP", "").strip().lower()
+    if env:
+        return env not in ("0", "off", "false", "no")
+    return mx.default_device() == mx.gpu
 
 
 def _span_bucket(model, width: int) -> Optional[int]:

@@ -12,75 +12,67 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
-from itertools import chain
 from typing import Callable, Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from mtplx.engine.acceptor import Targets, accept_chain
-from mtplx.engine.admission import Admission
-from mtplx.engine.commit import HISTORY_FLUSH_AT, HeadHistory, commit_positions
+from mtplx.engine.admission import LaneAdmission
+from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, VERIFY_T, InstalledA3BMTPBatchLane,
-                                    default_draft_draw, solo_lane, sorted_ladder)
+from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane,
+                                    default_draft_draw, default_overlap, solo_lane, sorted_ladder)
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.repetition import RepetitionLimits
+from mtplx.engine.shape import LaneShape, lanes_by_depth
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
                               host_logprob, validate_request)
 from mtplx.engine.step import Step
-from mtplx.models.cache import RaggedKVCache, commit_rows, empty_batch_layer
+from mtplx.models.cache import commit_rows
 from mtplx.sampling import sample, to_host
+
+
 
 PRIOR_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively."""\n'
 PRIOR_TOKENS = 48
 
 
-class RunningLane:
+class RunningLane(LaneShape, LaneAdmission):
     """A fixed-width lane that keeps running while rows come and go (continuous admission),
     shaped after mlx-lm's `BatchGenerator`: `insert` rows, `step()` returns what each row did
     (`RowEvent`s), `remove` rows. `ladder` is the installed lanes it may run as: when more rows
     want in than the current width holds it widens to the narrowest installed width that fits,
     carrying the live rows' state over; after `narrow_after` cycles of low demand it narrows
     again. The compiled graphs belong to the installed lanes, so rows coming and going never
-    recompile. Rows of any sampling settings share the lane; `greedy_ladder` (the same widths,
-    chaining more drafts) is what it runs as while every row that drafts is greedy, and a drafting
-    sampled row moves it back to `ladder`'s depth at the boundary where it is queued.
+    recompile. Rows of any sampling settings share the lane, and one verify serves rows of
+    different depths: a greedy row chains its lane's depth (`greedy_ladder`'s at each width; its
+    tokens are the same at any depth), a sampled row its own (`draft_depth`, else
+    `sampled_ladder`'s) at every width, so its draws never depend on its neighbours; the lane runs
+    at the shallowest installed depth its drafting rows need.
 
-    A new row is prefilled alone, at its own length, one chunk per step while the others decode,
-    then merged into a free slot of the ragged caches. A row that does not draft
+    A new row is prefilled at its own length, one chunk per step while the others decode (rows
+    whose prefill is one chunk, admitted at one boundary, in one forward), then merged into a
+    free slot of the ragged caches. A row that does not draft
     (`speculative=False`, or an `adaptive` row that stopped: `LaneRow.drafted`) keeps the target's
     next token each cycle, with `generate_ar`'s draws. Where no row's draws depend on it (greedy
     adaptive rows) the `StepPolicy` may run a plain AR step instead: one target forward [W, 1],
-    no head forward, the head's history entries owed (`HeadHistory`).
+    no head forward, the head's history entries owed (`HeadHistory`). With `overlap`, a step
+    whose next boundary has nothing to do launches the next MTP cycle before returning its
+    events (`decode`).
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
                  draft_draw: Optional[str] = None, greedy_ladder=None, sampled_ladder=None,
-                 repetition_limits: Optional[RepetitionLimits] = None):
+                 repetition_limits: Optional[RepetitionLimits] = None, overlap: Optional[bool] = None):
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted_ladder(ladder)
-        widths = [ln.width for ln in self.ladder]
-        # The installed lanes by width and depth. Greedy rows chain `greedy_ladder`'s depth at its
-        # widths (a greedy row's tokens are the same at any depth); a sampled row chains its own
-        # depth (`draft_depth`, else `sampled_ladder`'s, else `ladder`'s) at every width.
-        self._lanes_at: dict = {}
-        extra = {"greedy_ladder": greedy_ladder, "sampled_ladder": sampled_ladder}
-        for name, lanes in [("ladder", self.ladder)] + [(k, sorted_ladder(v)) for k, v in extra.items() if v is not None]:
-            if [ln.width for ln in lanes] != widths:
-                raise ValueError(f"{name} widths {[ln.width for ln in lanes]} differ from the ladder's {widths}")
-            for ln in lanes:
-                self._lanes_at.setdefault(ln.width, {})[ln.depth] = ln
-        self.greedy_depths = {ln.width: ln.depth for ln in sorted_ladder(greedy_ladder or self.ladder)}
-        # a sampled row's depth at every width: sampled_ladder's, else the ladder's shallowest
-        sampled = {ln.depth for ln in sorted_ladder(sampled_ladder or self.ladder)}
-        if sampled_ladder is not None and len(sampled) != 1:
-            raise ValueError(f"sampled_ladder chains {sorted(sampled)} drafts: a sampled row chains one depth at every width")
-        self.sampled_depth = min(sampled)
+        self._lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
+            self.ladder, greedy_ladder, sampled_ladder)
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -109,6 +101,8 @@ class RunningLane:
         self.admitted = self.widenings = self.narrowings = 0
         self.depth_switches = 0                        # moves between depths at one width
         self.shared_prefills = 0                       # rows admitted with a sibling's prefill (n > 1)
+        self.batched_prefills = 0                      # forwards that prefilled several rows together
+        self._batchable: Optional[bool] = None         # whether the model's rows can prefill together
         self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
         self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
         self._host_s = 0.0                             # host work in cycles besides the proposer's
@@ -119,6 +113,13 @@ class RunningLane:
         self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)
         self.mtp_cycles = self.ar_steps = 0            # of `cycles`, by kind
         self.last_step: Optional[str] = None
+        # overlapped cycles: the next MTP cycle, launched at a step's end (step, verify), its
+        # launch's host time, or the kind chosen for the next step when it was not launched
+        self.overlap = default_overlap() if overlap is None else bool(overlap)
+        self._launched: Optional[tuple] = None
+        self.overlapped_cycles = 0                     # cycles launched at the step before theirs
+        self._launch_s = 0.0
+        self._next_kind: Optional[str] = None
         self._step_costs = StepCostMeter()
         # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step
         self.step_plan: Optional[Callable[[int], str]] = None
@@ -214,6 +215,7 @@ class RunningLane:
         self._removed.update(request_ids)
 
     def cancel_all(self, reason: str = "cancelled") -> None:
+        self._launched = self._next_kind = None
         self._reporting += self._all_rows()
         for row in self._all_rows():
             row.finish(reason)
@@ -231,26 +233,72 @@ class RunningLane:
     def admit(self) -> list[RowEvent]:
         """The cycle boundary: removed rows leave, the width follows the demand, prefills advance
         within the budget and finished ones take free slots (each row's first token comes from
-        its prefill). Its events can reach clients before the cycle runs (time to first token)."""
+        its prefill). Its events can reach clients before the cycle runs (time to first token).
+        While a launched cycle computes (`overlap`) it waits: `decode` runs it after that cycle."""
         self._reporting += self._all_rows()
+        if self._launched is None:
+            self._boundary()
+        return self.drain_events()
+
+    def _boundary(self) -> None:
+        shape = (self.lane, [id(r) for r in self.rows])
         self._drop_cancelled()
         self._resize()
         t0 = time.perf_counter()
         self._admit()
         self.prefill_s += time.perf_counter() - t0
-        return self.drain_events()
+        if shape != (self.lane, [id(r) for r in self.rows]):
+            self._next_kind = None          # chosen for other rows
 
     def decode(self) -> list[RowEvent]:
-        """One MTP cycle or plain AR step for the live rows."""
+        """One MTP cycle or plain AR step for the live rows (the one launched at the last step's
+        end, then the boundary that waited for it, if any). With `overlap`, when the next boundary
+        has nothing to do, the next MTP cycle is launched before this step's events go out: the
+        device computes it while the caller streams them."""
         self._reporting += self._all_rows()
-        if self.live_rows:
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            t1, previous = time.perf_counter(), self.last_step
+            self.mtp_cycles += 1
+            self.overlapped_cycles += 1
+            self._finish_cycle(launched)
+            self.last_step = "mtp"
+            self._observe_step(previous, time.perf_counter() - t1 + self._launch_s)
+            if not self._boundary_idle():
+                self._boundary()
+        elif self.live_rows:
             t1 = time.perf_counter()
-            kind, previous = self._choose_step(), self.last_step
+            kind, previous = self._next_kind or self._choose_step(), self.last_step
+            self._next_kind = None
             self._run_step(kind)
-            dt = time.perf_counter() - t1
-            self.cycle_s += dt
-            self._step_costs.observe(self.lane, self.last_step, previous, dt, self.cycles)
+            self._observe_step(previous, time.perf_counter() - t1)
+        if self.overlap and self._boundary_idle():
+            self._launch_next()
         return self.drain_events()
+
+    def _observe_step(self, previous: Optional[str], dt: float) -> None:
+        self.cycle_s += dt
+        self._step_costs.observe(self.lane, self.last_step, previous, dt, self.cycles)
+
+    def _boundary_idle(self) -> bool:
+        """Whether the next boundary would change nothing: rows live, none waiting, prefilling,
+        removed or cancelled, and the lane already at the width and depth its rows want."""
+        if not self.live_rows or self.waiting or self.admitting or self._removed or self.step_plan is not None:
+            return False
+        if any(r is not None and self._gone(r) for r in self.rows):
+            return False
+        fit = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
+        return fit == self.width and self._lane_at(self.width) is self.lane and self.inject_drafts is None
+
+    def _launch_next(self) -> None:
+        """The next step's choice, and if it is an MTP cycle its launch (`_launch_cycle`)."""
+        kind = self._choose_step()
+        if kind != "mtp" or not any(r is not None and r.wants_draft() for r in self.rows):
+            self._next_kind = kind
+            return
+        t0 = time.perf_counter()
+        self._launched = self._launch_cycle()
+        self._launch_s = time.perf_counter() - t0
 
     def drain_events(self) -> list[RowEvent]:
         """Each row's news not yet returned, for the rows the lane held when its last step (or
@@ -318,175 +366,6 @@ class RunningLane:
                 self.rows[b] = None
         self._removed.clear()
 
-    # -- width and depth -----------------------------------------------------------------------------
-
-    def _lane_at(self, width: int) -> InstalledA3BMTPBatchLane:
-        """The installed lane of this width for the rows live or queued: deep enough for every
-        sampled row that drafts in its next cycle, and for greedy rows that draft, their depth
-        here (`greedy_ladder`); the shallowest such lane installed (else the deepest). With no row
-        drafting the depth stays (a row that does not draft makes the same draws at any depth)."""
-        at = self._lanes_at[width]
-        rows = [r for r in chain(self.rows, (a.row for a in self.admitting), self.waiting)
-                if r is not None and r.wants_draft()]
-        greedy = [self.greedy_depths[width]] if any(r.greedy for r in rows) else []
-        need = max([r.chain_depth for r in rows if not r.greedy] + greedy, default=0)
-        if not need:
-            need = self.lane.depth if self.lane is not None else self.ladder[0].depth
-        return at[min((d for d in at if d >= need), default=max(at))]
-
-    def _resize(self) -> None:
-        """Pick the narrowest installed width that fits the demand: widen at once, narrow after
-        `narrow_after` cycles of low demand (never below the live rows). The depth follows the
-        rows at once (`_lane_at`)."""
-        width = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
-        fit = self._lane_at(width)
-        narrower = self.lane is not None and fit.width < self.width and self.live_rows <= fit.width
-        if self.lane is None:
-            self._reshape(fit, [])
-        elif fit.width > self.width:
-            self.widenings += 1
-            self._low_demand = 0
-            self._reshape(fit, list(range(self.width)))
-        elif narrower and self._narrow_due():
-            self.narrowings += 1
-            self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
-        else:
-            if not narrower:
-                self._low_demand = 0
-            here = self._lane_at(self.width)
-            if here is not self.lane:         # same width, another depth
-                self.depth_switches += 1
-                self._reshape(here, list(range(self.width)))
-
-    def _narrow_due(self) -> bool:
-        self._low_demand += 1
-        if self._low_demand >= self.narrow_after or not self.live_rows:
-            self._low_demand = 0
-            return True
-        return False
-
-    def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
-        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state.
-        Onto a lane chaining another number of drafts, rows first settle the head history their
-        last cycle left owed (its layout is [W, depth]), as before an AR step."""
-        if self.history is not None:
-            if self.lane is not None and lane.depth != self.lane.depth:
-                self.history.owe_rows(self.rows)
-                self.history.redepth(lane.depth)
-            self.history.write(self.model, self.mtp_caches)     # its columns are as wide as the old width
-        index = keep + [None] * (lane.width - len(keep))
-        rows = [self.rows[i] if i is not None else None for i in index]
-        if index == list(range(self.width)) and lane.width == self.width:
-            pass                         # every row stays in its slot: the state as it is
-        elif self.caches is not None and any(r is not None for r in rows):
-            self._move_rows(index)
-        else:            # nothing live to carry: start from empty layers at the new width
-            self.caches = self.mtp_caches = self.history = None
-        self.lane, self.rows = lane, rows
-        self.forwards = self.logits_host = None
-        self._reserve_for_life([r for r in rows if r is not None])
-
-    def _move_rows(self, index: list) -> None:
-        """New slot i takes old slot index[i]'s state (None: an empty slot)."""
-        take = [i if i is not None else 0 for i in index]
-        self.caches = [c.take_rows(index) for c in self.caches]
-        self.mtp_caches = [c.take_rows(index) for c in self.mtp_caches]
-        sel = mx.array(take, dtype=mx.int32)
-        self.logits_last, self.h_last = self.logits_last[sel], self.h_last[sel]
-        self.history.take(take)
-
-    def _reserve_for_life(self, rows: list) -> None:
-        """A compiled lane's KV buffers sized now for these rows' whole lives, so its graphs are not
-        traced again while they decode."""
-        if not self.lane.compiled or not rows or self.caches is None:
-            return
-        need = max(len(r.req.prompt_ids) + r.req.max_tokens for r in rows) + max(VERIFY_T, HISTORY_FLUSH_AT)
-        for layer in self.caches + self.mtp_caches:
-            if isinstance(layer, RaggedKVCache):
-                layer.ensure_capacity(need)
-
-    # -- admission -----------------------------------------------------------------------------------
-
-    def _ensure_state(self, adm: Admission) -> None:
-        """Empty lane state at the current width, shaped like this first row's."""
-        if self.caches is not None:
-            return
-        W = self.width
-        self.caches = [empty_batch_layer(c, W) for c in adm.cache]
-        self.mtp_caches = [empty_batch_layer(c, W) for c in adm.mtp_cache or []]
-        logits, hidden = adm.out
-        self.logits_last = mx.zeros((W,) + logits.shape, logits.dtype)
-        self.h_last = mx.zeros((W,) + hidden.shape[1:], hidden.dtype)
-        self.history = HeadHistory(W, self.lane.depth, hidden)
-
-    def _admit(self) -> None:
-        """Start prefills for free slots (FIFO), advance them within the prefill budget, and merge
-        each finished prefill into a free slot."""
-        free = self.width - self.live_rows
-        while self.waiting and len(self.admitting) < free:
-            self.admitting.append(Admission(self.model, self.waiting.popleft(), self.prefill_chunk))
-        budget = self.prefill_budget
-        spent = 0
-        while self.admitting and (budget is None or spent < budget):
-            adm = self.admitting[0]
-            spent += adm.advance()
-            if adm.out is not None:
-                self.admitting.popleft()
-                self._place(adm)
-                self._place_siblings(adm)
-
-    def _place_siblings(self, adm: Admission) -> None:
-        """Rows of adm's prefill group that have not started their own prefill take its prefill
-        instead, as far as free slots go (the rest prefill on their own when a slot frees)."""
-        group = adm.row.req.prefill_group
-        if group is None:
-            return
-        prompt = adm.row.req.prompt_ids
-        queued = [a.row for a in self.admitting if a.steps is None] + list(self.waiting)
-        for row in [r for r in queued if r.req.prefill_group == group and r.req.prompt_ids == prompt]:
-            if None not in self.rows:
-                return
-            if row in self.waiting:
-                self.waiting.remove(row)
-            else:
-                self.admitting.remove(next(a for a in self.admitting if a.row is row))
-            self.shared_prefills += 1
-            self._place(adm.shared_with(row))
-
-    def _place(self, adm: Admission) -> None:
-        self._ensure_state(adm)
-        b = self.rows.index(None)
-        for layer, per_row in zip(self.caches, adm.cache):
-            layer.put_row(b, per_row)
-        for layer, per_row in zip(self.mtp_caches, adm.mtp_cache or []):
-            layer.put_row(b, per_row)
-        self._reserve_for_life([adm.row])
-        logits, hidden = adm.out
-        self.logits_last[b] = logits
-        self.h_last[b] = hidden[0]
-        self.logits_host = None
-        self.history.clear_slot(b)
-        row = adm.row
-        r = row.result
-        self.rows[b] = row
-        r.admitted_at_cycle, r.fixed_width, r.route_id = self.cycles, self.width, self.lane.route_id
-        r.real_width = self.live_rows
-        self.admitted += 1
-        row.decode_started_s = time.perf_counter()
-        try:
-            row.req.on_decode_start()
-        except Exception:
-            row.finish("cancelled")
-            self.rows[b] = None
-            return
-        # The first token comes from the prefill's logits: emit it now rather than after a cycle
-        # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
-        first = int(mx.argmax(logits).item()) if row.greedy else sample(row.dist(to_host(logits)), row.rng)
-        if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
-            self.rows[b] = None
-        else:
-            row.pending = first
-
     # -- a step's shared parts: primaries, verify, decisions' end, commit ----------------------------
 
     def _forwards(self) -> CycleForwards:
@@ -511,9 +390,7 @@ class RunningLane:
                     r.fixed_width, r.route_id = W, self.lane.route_id
 
     def _primaries(self) -> Step:
-        """Start a step: count it, and pick each row's primary token (its pending token, else
-        drawn from its last logits)."""
-        self._count_step()
+        """Pick each row's primary token (its pending token, else drawn from its last logits)."""
         rows = self.rows
         active = np.array([r is not None for r in rows])
         has_pending = np.array([r is not None and r.pending is not None for r in rows])
@@ -534,19 +411,26 @@ class RunningLane:
     def _verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None):
         """The target forward over `tokens` [W, T]; the step learns its targets, its primaries and
         drafts on the host, and its log-probability logits. Returns (hidden, logits, host logits)."""
+        return self._read_verify(step, *self._launch_verify(step, tokens, graph))
+
+    def _launch_verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None) -> tuple:
+        """The verify forward's graph, set computing (`mx.async_eval`): (tokens, hidden, logits, what
+        the host reads)."""
         H, L = self._forwards().verify(tokens, graph=graph)
-        L_host = None
+        read = [tokens, mx.argmax(L, axis=-1)] if step.greedy else [tokens, L]
+        mx.async_eval(read)
+        return tokens, H, L, read
+
+    def _read_verify(self, step: Step, tokens: mx.array, H: mx.array, L: mx.array, read: list) -> tuple:
+        """The step's one wait for the device, and what the host reads of the verify."""
         t_wait = time.perf_counter()
+        mx.eval(read)
+        self._wait_s += time.perf_counter() - t_wait
+        host, L_host = np.array(tokens), None
         if step.greedy:
-            ids = mx.argmax(L, axis=-1)
-            mx.eval(tokens, ids)
-            self._wait_s += time.perf_counter() - t_wait
-            host = np.array(tokens)
-            step.targets = Targets(self.model.vocab_size, ids=np.array(ids))
+            step.targets = Targets(self.model.vocab_size, ids=np.array(read[1]))
         else:
-            mx.eval(L, tokens)         # the step's one wait (drafts drawn on the device ride along)
-            self._wait_s += time.perf_counter() - t_wait
-            L_host, host = to_host(L), np.array(tokens)
+            L_host = to_host(L)
             step.targets = Targets(self.model.vocab_size, logits=L_host)
         step.x0_host, step.d_host = host[:, 0], host[:, 1:]
         if any(r is not None and r.req.logprobs is not None for r in self.rows):
@@ -585,6 +469,7 @@ class RunningLane:
         head forward; each row keeps its target's next token (the same draws, in the same order,
         as a non-drafting row in an MTP cycle: `generate_ar`'s). The head-history entries of these
         positions (and any entry owed from the last MTP cycle) are owed."""
+        self._count_step()
         step = self._primaries()
         if self.mtp_caches:
             may_draft = self.history.owe_rows(self.rows)
@@ -611,6 +496,10 @@ class RunningLane:
         """One MTP cycle: the proposer drafts for the rows that want to, one verify forward over
         [W, 1 + depth] = [primary, drafts] judges them, each row keeps what the acceptor accepts
         (and the bonus when it keeps every draft), and the commit keeps each row's positions."""
+        self._finish_cycle(self._launch_cycle())
+
+    def _launch_cycle(self) -> tuple:
+        """A cycle up to its verify, set computing: (step, verify)."""
         self._forwards()
         self.history.write(self.model, self.mtp_caches)     # what AR steps owed, first
         drafting = np.array([r is not None and r.wants_draft() for r in self.rows])
@@ -625,7 +514,13 @@ class RunningLane:
         drafts = step.proposal.drafts
         if self.inject_drafts is not None:
             drafts = mx.array(self._injected(np.array(drafts[:, 0]), step), dtype=mx.uint32)[:, None]
-        H, L, L_host = self._verify(step, mx.concatenate([step.x0[:, None], drafts], axis=1))
+        return step, self._launch_verify(step, mx.concatenate([step.x0[:, None], drafts], axis=1))
+
+    def _finish_cycle(self, launched: tuple) -> None:
+        """The rest of a launched cycle: the wait, each row's decisions, the commit."""
+        step, verify = launched
+        self._count_step()
+        H, L, L_host = self._read_verify(step, *verify)
         self.proposer.settle(step.proposal, step.d_host, check=self.inject_drafts is None)
         t_host = time.perf_counter()
         step.keep = np.zeros(self.width, dtype=np.int64)

@@ -130,7 +130,7 @@ def new_service_stats(max_depth: int) -> dict:
         "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
         "draft_proposals": 0, "draft_tokens": 0, "accepted_by_position": [0] * max_depth,
         "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "device_drafts": 0,
-        "cycle_s": 0.0, "device_wait_s": 0.0, "host_s": 0.0, "delivery_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
+        "batched_prefills": 0, "cycle_s": 0.0, "device_wait_s": 0.0, "host_s": 0.0, "delivery_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
         "widenings": 0, "narrowings": 0, "depth_switches": 0,
         "solo_runs": 0, "driver_errors": 0,
         "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
@@ -142,7 +142,7 @@ def new_service_stats(max_depth: int) -> dict:
 # stats once; a snapshot adds the live lanes' current values).
 LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
                  "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
-                 "admitted": "admissions", "shared_prefills": "shared_prefills", "widenings": "widenings",
+                 "admitted": "admissions", "shared_prefills": "shared_prefills", "batched_prefills": "batched_prefills", "widenings": "widenings",
                  "narrowings": "narrowings", "depth_switches": "depth_switches",
                  "cycle_s": "cycle_s", "device_wait_s": "device_wait_s", "host_s": "host_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "device_drafts": "device_drafts",
@@ -258,6 +258,7 @@ def counters_snapshot(s: dict) -> dict:
         "mean_lane_occupancy": round(s["lane_row_cycles"] / max(s["target_verify_cycles"], 1), 3),
         "admissions": s["admissions"],
         "shared_prefills": s["shared_prefills"],     # admissions that took a sibling's prefill (n > 1)
+        "batched_prefills": s["batched_prefills"],   # forwards that prefilled rows admitted together
         # compiled cycle graphs traced again at a new shape (a KV buffer grew, which the lane
         # avoids by sizing a row's KV for prompt + max_tokens when it joins)
         "graph_retraces": s["graph_retraces"],

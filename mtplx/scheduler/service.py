@@ -108,7 +108,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     Settings (``deployments.app.AppArgs`` documents each): ``greedy_depths`` (none deeper unless
     given; "cost": chosen per width by measured cost), ``sampled_depth`` (1 unless given), ``force_width`` (None: ``MTPLX_MTP_BATCH_FORCE_WIDTH``, else none), ``kv_budget_bytes``
-    (None: ``MTPLX_KV_BUDGET_GB``, else half the memory), ``draft_draw`` and ``compiled`` (None: the
+    (None: ``MTPLX_KV_BUDGET_GB``, else half the memory), ``draft_draw``, ``compiled`` and ``overlap`` (None: the
     engine's default), ``repetition_limits`` (None: rows arm the repetition stop only through
     their ``generation_limits``; given: every row stops on a literal repetition within them).
     """
@@ -119,7 +119,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
                  on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None, sampled_depth: int = 1,
                  force_width: Optional[int] = None, draft_draw: Optional[str] = None,
-                 compiled: Optional[bool] = None, repetition_limits=None):
+                 compiled: Optional[bool] = None, repetition_limits=None, overlap: Optional[bool] = None):
         from mtplx.engine.installed import DEPTHS, DRAFT_DRAWS
 
         self.model = model
@@ -128,6 +128,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r} is invalid: expected one of {DRAFT_DRAWS}")
         self.draft_draw = draft_draw
+        self.overlap = overlap
         self.repetition_limits = repetition_limits
         self._on_lane_step = failsafe(on_lane_step)
         self.in_lane_step = False
@@ -407,7 +408,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         running = (self._running_lane_cls or RunningLane)(
             self.ladder.ladder(), greedy_ladder=self.ladder.greedy_ladder(),
             sampled_ladder=self.ladder.ladder(self.ladder.sampled_depth), draft_draw=self.draft_draw,
-            repetition_limits=self.repetition_limits)
+            repetition_limits=self.repetition_limits, overlap=self.overlap)
         with self._cond:
             self._stats["lanes_started"] += 1
             lane = self._running[key] = _KeyLane(key, running, serial=self._stats["lanes_started"])

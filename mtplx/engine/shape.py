@@ -1,0 +1,121 @@
+"""How a running lane's width and depth follow its rows: the installed lane it runs as (the
+narrowest width that holds the demand, the shallowest depth its drafting rows need), and moving
+its rows' state onto another installed lane."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import mlx.core as mx
+
+from mtplx.engine.commit import HISTORY_FLUSH_AT
+from mtplx.engine.installed import VERIFY_T, InstalledA3BMTPBatchLane, sorted_ladder
+from mtplx.models.cache import RaggedKVCache
+
+
+def lanes_by_depth(ladder: list, greedy_ladder=None, sampled_ladder=None) -> tuple:
+    """A running lane's installed lanes by width and depth ({width: {depth: lane}}), greedy rows'
+    depth by width (`greedy_ladder`'s, else the ladder's) and sampled rows' one depth
+    (`sampled_ladder`'s, else the ladder's shallowest). Every ladder has the same widths."""
+    widths = [ln.width for ln in ladder]
+    at: dict = {}
+    extra = {"greedy_ladder": greedy_ladder, "sampled_ladder": sampled_ladder}
+    for name, lanes in [("ladder", ladder)] + [(k, sorted_ladder(v)) for k, v in extra.items() if v is not None]:
+        if [ln.width for ln in lanes] != widths:
+            raise ValueError(f"{name} widths {[ln.width for ln in lanes]} differ from the ladder's {widths}")
+        for ln in lanes:
+            at.setdefault(ln.width, {})[ln.depth] = ln
+    greedy_depths = {ln.width: ln.depth for ln in sorted_ladder(greedy_ladder or ladder)}
+    sampled = {ln.depth for ln in sorted_ladder(sampled_ladder or ladder)}
+    if sampled_ladder is not None and len(sampled) != 1:
+        raise ValueError(f"sampled_ladder chains {sorted(sampled)} drafts: a sampled row chains one depth at every width")
+    return at, greedy_depths, min(sampled)
+
+
+class LaneShape:
+    """`RunningLane`'s width and depth (its rows, ladders and caches are the lane's own)."""
+
+    def _lane_at(self, width: int) -> InstalledA3BMTPBatchLane:
+        """The installed lane of this width for the rows live or queued: deep enough for every
+        sampled row that drafts in its next cycle, and for greedy rows that draft, their depth
+        here (`greedy_ladder`); the shallowest such lane installed (else the deepest). With no row
+        drafting the depth stays (a row that does not draft makes the same draws at any depth)."""
+        at = self._lanes_at[width]
+        rows = [r for r in chain(self.rows, (a.row for a in self.admitting), self.waiting)
+                if r is not None and r.wants_draft()]
+        greedy = [self.greedy_depths[width]] if any(r.greedy for r in rows) else []
+        need = max([r.chain_depth for r in rows if not r.greedy] + greedy, default=0)
+        if not need:
+            need = self.lane.depth if self.lane is not None else self.ladder[0].depth
+        return at[min((d for d in at if d >= need), default=max(at))]
+
+    def _resize(self) -> None:
+        """Pick the narrowest installed width that fits the demand: widen at once, narrow after
+        `narrow_after` cycles of low demand (never below the live rows). The depth follows the
+        rows at once (`_lane_at`)."""
+        width = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
+        fit = self._lane_at(width)
+        narrower = self.lane is not None and fit.width < self.width and self.live_rows <= fit.width
+        if self.lane is None:
+            self._reshape(fit, [])
+        elif fit.width > self.width:
+            self.widenings += 1
+            self._low_demand = 0
+            self._reshape(fit, list(range(self.width)))
+        elif narrower and self._narrow_due():
+            self.narrowings += 1
+            self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
+        else:
+            if not narrower:
+                self._low_demand = 0
+            here = self._lane_at(self.width)
+            if here is not self.lane:         # same width, another depth
+                self.depth_switches += 1
+                self._reshape(here, list(range(self.width)))
+
+    def _narrow_due(self) -> bool:
+        self._low_demand += 1
+        if self._low_demand >= self.narrow_after or not self.live_rows:
+            self._low_demand = 0
+            return True
+        return False
+
+    def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
+        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state.
+        Onto a lane chaining another number of drafts, rows first settle the head history their
+        last cycle left owed (its layout is [W, depth]), as before an AR step."""
+        if self.history is not None:
+            if self.lane is not None and lane.depth != self.lane.depth:
+                self.history.owe_rows(self.rows)
+                self.history.redepth(lane.depth)
+            self.history.write(self.model, self.mtp_caches)     # its columns are as wide as the old width
+        index = keep + [None] * (lane.width - len(keep))
+        rows = [self.rows[i] if i is not None else None for i in index]
+        if index == list(range(self.width)) and lane.width == self.width:
+            pass                         # every row stays in its slot: the state as it is
+        elif self.caches is not None and any(r is not None for r in rows):
+            self._move_rows(index)
+        else:            # nothing live to carry: start from empty layers at the new width
+            self.caches = self.mtp_caches = self.history = None
+        self.lane, self.rows = lane, rows
+        self.forwards = self.logits_host = None
+        self._reserve_for_life([r for r in rows if r is not None])
+
+    def _move_rows(self, index: list) -> None:
+        """New slot i takes old slot index[i]'s state (None: an empty slot)."""
+        take = [i if i is not None else 0 for i in index]
+        self.caches = [c.take_rows(index) for c in self.caches]
+        self.mtp_caches = [c.take_rows(index) for c in self.mtp_caches]
+        sel = mx.array(take, dtype=mx.int32)
+        self.logits_last, self.h_last = self.logits_last[sel], self.h_last[sel]
+        self.history.take(take)
+
+    def _reserve_for_life(self, rows: list) -> None:
+        """A compiled lane's KV buffers sized now for these rows' whole lives, so its graphs are not
+        traced again while they decode."""
+        if not self.lane.compiled or not rows or self.caches is None:
+            return
+        need = max(len(r.req.prompt_ids) + r.req.max_tokens for r in rows) + max(VERIFY_T, HISTORY_FLUSH_AT)
+        for layer in self.caches + self.mtp_caches:
+            if isinstance(layer, RaggedKVCache):
+                layer.ensure_capacity(need)

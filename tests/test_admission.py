@@ -1,0 +1,127 @@
+"""Rows admitted at one cycle boundary whose prefill is one chunk prefill together, in one
+forward: each row's state and tokens are its own prefill's."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mtplx.engine.admission import Admission, batchable
+from mtplx.engine.install import install_a3b_mtp_batch_lane
+from mtplx.engine.lane import RunningLane
+from mtplx.engine.row import A3BMTPBatchRequest, LaneRow
+from mtplx.sampling import SamplerConfig
+
+from references import greedy_ar
+
+TEXTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "x", "class Stack:\n    def __init__(self):",
+         "for i in range(10):\n", "try:\n    import json"]
+
+
+@pytest.fixture(scope="module")
+def lane8(model):
+    return install_a3b_mtp_batch_lane(model, 8, selfcheck=False)
+
+
+def _req(i, ids, n, **kw):
+    return A3BMTPBatchRequest(request_id=str(i), prompt_ids=ids, max_tokens=n, **kw)
+
+
+def _alone(model, ids, **kw):
+    """Row `ids`' own prefill: (logits, hidden, target KV of layer 0, head history of its layer 0)."""
+    adm = Admission(model, LaneRow(_req("alone", ids, 1, **kw), model.vocab_size), 256)
+    while adm.out is None:
+        adm.advance()
+    return adm
+
+
+def test_rows_admitted_together_prefill_in_one_forward_each_as_its_own(model, lane8):
+    """Six rows of prompts 1-14 tokens long join an empty lane at once: one forward prefills them
+    all; each row's last logits and hidden, its target KV and its head history equal its own
+    prefill's, and each row decodes to plain greedy."""
+    assert batchable(model)
+    prompts = [model.tokenizer.encode(t) for t in TEXTS]
+    assert len({len(p) for p in prompts}) > 3 and min(len(p) for p in prompts) == 1
+    running = RunningLane(lane8, prefill_budget=None)
+    streams = [running.add(_req(i, p, 24)) for i, p in enumerate(prompts)]
+    running.admit()
+    assert running.batched_prefills == 1 and running.live_rows == 6
+    for b, p in enumerate(prompts):
+        own = _alone(model, p)
+        logits, hidden = own.out
+        assert np.allclose(np.array(running.logits_last[b]), np.array(logits), atol=1e-4)
+        assert np.allclose(np.array(running.h_last[b]), np.array(hidden[0]), atol=1e-4)
+        for lane_layer, own_layer in ((running.caches[0], own.cache[0]), (running.mtp_caches[0], own.mtp_cache[0])):
+            n = int(own_layer.offset)
+            assert int(lane_layer.lengths[b]) == n
+            if n:
+                assert mx.allclose(lane_layer.keys[b, :, :n], own_layer.keys[0, :, :n], atol=1e-4).item()
+    while running.has_work:
+        running.step()
+    for s, p in zip(streams, prompts):
+        assert s.tokens == greedy_ar(model, p, 24)
+
+
+def test_a_long_prompt_and_a_banked_prefix_in_the_line(model, lane8):
+    """Rows in line: two short ones (prefilled together), a 300-token prompt (its own chunks, one a
+    step), then a row whose first 256 tokens are banked (its last chunk, prefilled together with
+    the short row behind it). Within a budget of 256 prompt tokens a step. Every row equals plain
+    greedy; sampled rows among them too equal themselves decoded alone."""
+    from mtplx.engine.installed import solo_lane
+
+    base = model.tokenizer.encode("import os\n" * 120)[:300]
+    assert len(base) == 300
+    banked = {}
+    adm = Admission(model, LaneRow(_req("bank", base, 1, session_commit=lambda s: banked.setdefault(len(s.key), s)),
+                                   model.vocab_size), 256)
+    while adm.out is None:
+        adm.advance()
+    state = banked[257]                                     # the boundary state at 256 tokens
+    restored = base[:257] + model.tokenizer.encode("def main():\n    return 0\n")
+    short = [model.tokenizer.encode(t) for t in TEXTS[:3]]
+    hot = SamplerConfig(temperature=0.8, top_p=0.95, top_k=0)
+    reqs = [_req(0, short[0], 20), _req(1, short[1], 20, sampler=hot, seed=4), _req(2, base, 20),
+            _req(3, restored, 20, session_restore=lambda: state), _req(4, short[2], 20, sampler=hot, seed=9)]
+    running = RunningLane(lane8)
+    streams = [running.add(r) for r in reqs]
+    while running.has_work:
+        running.step()
+    assert running.batched_prefills == 2 and streams[3].cached_tokens == 256
+    for i in (0, 2, 3):
+        assert streams[i].tokens == greedy_ar(model, list(reqs[i].prompt_ids), 20), f"row {i}"
+    for i in (1, 4):
+        alone = RunningLane(solo_lane(model))
+        ref = alone.add(reqs[i])
+        while alone.has_work:
+            alone.step()
+        assert streams[i].tokens == ref.tokens, f"row {i}"
+
+
+def test_overlapped_cycles_decode_every_row_as_without(model, lane8):
+    """With `overlap`, a step whose next boundary has nothing to do launches the next MTP cycle
+    before returning; rows joining, cancelled and finishing meanwhile wait for it. Greedy,
+    sampled (chaining 2 drafts), logprob and cancelled rows come out token for token as from the
+    same lane without overlap, and their tokens arrive in the same steps' events, one step later
+    for the rows the launched cycle delayed at most."""
+    prompts = [model.tokenizer.encode(t) for t in TEXTS]
+    hot = SamplerConfig(temperature=0.7, top_p=0.9, top_k=0)
+
+    def run(overlap):
+        running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), overlap=overlap)
+        streams = [running.add(_req(i, prompts[i], 40 + 7 * i, sampler=hot if i % 2 else SamplerConfig(),
+                                    seed=i, logprobs=2 if i == 3 else None)) for i in range(4)]
+        for _ in range(6):
+            running.step()
+        streams += [running.add(_req(i, prompts[i], 30, sampler=hot, seed=i)) for i in (4, 5)]
+        running.remove(["1"])
+        while running.has_work:
+            running.step()
+        return running, streams
+
+    serial, expected = run(False)
+    overlapped, got = run(True)
+    assert serial.overlapped_cycles == 0 and overlapped.overlapped_cycles > 20
+    assert got[1].finish_reason == expected[1].finish_reason == "cancelled"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if i != 1:
+            assert g.tokens == e.tokens and g.finish_reason == e.finish_reason, f"row {i}"
+    assert [lp for lp, _ in got[3].logprobs] == pytest.approx([lp for lp, _ in expected[3].logprobs], abs=1e-5)
