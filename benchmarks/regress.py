@@ -1,7 +1,7 @@
 """`python -m benchmarks.regress OLD_TREE`: this tree's server against another build's (a checkout
 of the commit before a change), both up for the whole comparison, `bench load`'s closed-loop arms
 alternating arm by arm, texts compared request by request. Options: --runs 3, --clients 1,8,
---temperatures 0,0.6. The other build runs from its own tree (its config, its code through
+--temperatures 0,0.6 (numbers, and `mixed` for per-request settings). The other build runs from its own tree (its config, its code through
 PYTHONPATH). With --old-accepts-session-id (a build from before issue 41) each server is checked
 to be the build it should be: this one refuses `session_id`, those accepted it."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import benchmarks.servers as servers
 from benchmarks.load.arms import _timed_arm, _warm_up
 from benchmarks.load.clients import closed_loop
-from benchmarks.load.workload import arm_label, closed_loop_requests, request_body
+from benchmarks.load.workload import arm_label, closed_loop_requests, parse_temperatures, request_body
 from benchmarks.report import ROOT as NEW
 
 
@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--old-accepts-session-id", action="store_true")
     a = ap.parse_args()
     clients = [int(c) for c in a.clients.split(",")]
-    temps = [float(t) for t in a.temperatures.split(",")]
+    temps = parse_temperatures(a.temperatures)
     builds = {"old": a.old.resolve(), "new": NEW}
     per_run = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -161,7 +161,7 @@ def _brief(s: dict) -> str:
 
     cb = s.get("cycle_breakdown")
     where = "" if not cb else (
-        f"  cycle {cb['cycle_ms']['cycles']:.1f} ms (device {cb['cycle_ms']['device_wait']:.1f}, host "
+        f"  cycle {cb['cycle_ms']['cycles']:.1f} ms (device {cb['cycle_ms']['device']:.1f}, host "
         f"{cb['cycle_ms']['host']:.1f}, graphs+books {cb['cycle_ms']['graphs_and_books']:.1f}); wall: cycles "
         f"{cb['wall_share']['cycles']:.0%}, prefill {cb['wall_share']['prefill']:.0%}, delivery {cb['wall_share']['delivery']:.0%}")
     return (f"{s['tok_s'] or 0:7.1f} tok/s  TTFT p95 {ms(s['ttft_p95_s'])} ms  ITL p50 {ms(s['itl_p50_s'])} ms"

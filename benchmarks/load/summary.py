@@ -66,17 +66,18 @@ def lane_occupancy(before: Optional[dict], after: Optional[dict]) -> Optional[fl
     return (b[0] - a[0]) / (b[1] - a[1])
 
 
-BREAKDOWN = {"device_wait": "cycle_device_wait_seconds_total", "host": "cycle_host_seconds_total",
+BREAKDOWN = {"device": "cycle_device_seconds_total", "host": "cycle_host_seconds_total",
              "cycles": "cycle_seconds_total", "prefill": "prefill_seconds_total",
              "delivery": "delivery_seconds_total", "cycle_count": "lane_cycles"}
 
 
 def cycle_breakdown(before: Optional[dict], after: Optional[dict], wall_s: float) -> Optional[dict]:
     """Where the replicas' time went between two snapshots (summed over replicas): per cycle, ms
-    waiting for the device, in host decisions (sampling, accept tests, rows' books), and the rest
-    of the cycle (building its graphs, commits); and as shares of the arm's wall time, the cycles,
-    admissions' prefill and handing each step's events to the jobs (streaming). None without
-    the counters (older servers)."""
+    in MLX's evaluation (the device's compute, as the host sees it: handing graphs over and
+    waiting), in host decisions (sampling, accept tests), and the rest of the cycle (building its
+    graphs in Python, commits, rows' books); and as shares of the arm's wall time, the cycles,
+    admissions' prefill and handing each step's events to the jobs (streaming). None without the
+    counters (older servers)."""
     def sums(snap):
         reps = [r for r in ((snap or {}).get("replicas") or {}).values() if isinstance(r, dict)]
         if not reps or any(k not in r for r in reps for k in BREAKDOWN.values()):
@@ -87,8 +88,8 @@ def cycle_breakdown(before: Optional[dict], after: Optional[dict], wall_s: float
     if a is None or b is None or b["cycle_count"] <= a["cycle_count"] or wall_s <= 0:
         return None
     d = {k: b[k] - a[k] for k in BREAKDOWN}
-    per_cycle = {k: round(1000 * d[k] / d["cycle_count"], 3) for k in ("device_wait", "host", "cycles")}
-    per_cycle["graphs_and_books"] = round(per_cycle["cycles"] - per_cycle["device_wait"] - per_cycle["host"], 3)
+    per_cycle = {k: round(1000 * d[k] / d["cycle_count"], 3) for k in ("device", "host", "cycles")}
+    per_cycle["graphs_and_books"] = round(per_cycle["cycles"] - per_cycle["device"] - per_cycle["host"], 3)
     return {"cycle_ms": per_cycle,
             "wall_share": {k: round(d[k] / wall_s, 4) for k in ("cycles", "prefill", "delivery")}}
 

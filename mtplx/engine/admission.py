@@ -192,8 +192,8 @@ class LaneAdmission:
         while self.admitting and (budget is None or spent < budget):
             together = self._prefill_group(None if budget is None else budget - spent)
             if len(together) > 1:
+                spent += sum(a.left for a in together)
                 prefill_together(self.model, together)
-                spent += sum(len(a.row.req.prompt_ids) for a in together)
                 self.batched_prefills += 1
             else:
                 spent += self.admitting[0].advance()

@@ -39,7 +39,7 @@ class Proposer:
         self.vocab, self.draft_draw = vocab, draft_draw
         self.device_drafts = 0            # drafts drawn on the device
         self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
-        self.wait_s = 0.0                 # time waiting for the head, for drafts drawn on the host
+        self.wait_s = 0.0                 # time in MLX's evaluation of the head (its drafts)
 
     def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed: np.ndarray,
                 keep_history: np.ndarray, greedy: bool, depth: int) -> Proposal:
@@ -58,7 +58,9 @@ class Proposer:
             drafts.append(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j))
         proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
         if greedy:
+            t_device = time.perf_counter()
             mx.async_eval(proposal.drafts)        # the drafts compute while the verify's graph is built
+            self.wait_s += time.perf_counter() - t_device
         return proposal
 
     def _draws(self, q_logits: mx.array, rows, drafting: np.ndarray, greedy: bool, proposal: Proposal,

@@ -168,7 +168,10 @@ class LaneLadder:
         return {"installed_widths": sorted(self.lanes),
                 "refused_widths": {str(w): why for w, why in sorted(self.refused_widths.items())},
                 **installed_snapshot(self.lanes), "forced_width": self.forced_width, "numerics": self.numerics,
-                "max_cohort_rows": self.max_cohort_rows}
+                "max_cohort_rows": self.max_cohort_rows,
+                # drafts greedy rows chain by width (chosen by cost unless given), sampled rows at every width
+                "greedy_depths": {str(w): d for w, d in sorted(self.greedy_depths.items())},
+                "sampled_depth": self.sampled_depth}
 
 
 def choose_depth(lanes_by_depth: dict, model) -> int:
