@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import report, servers
 from benchmarks.load import arms, cli, clients, outputs, summary, workload
+from benchmarks.load import summary as summary_mod
 
 
 def _read_safetensors(path):
@@ -394,8 +395,12 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
     assert [r["index"] for r in rows] == list(range(9))
     assert events.count("drain") == 1 and 0 < events.index("drain") < len(events) - 1
 
-    snaps = iter([{"replicas": {"a": {"lane_row_cycles": 0, "lane_cycles": 0}}},
-                  {"replicas": {"a": {"lane_row_cycles": 90, "lane_cycles": 30}}}])
+    def counters(rows, cycles, seconds):
+        return {"lane_row_cycles": rows, "lane_cycles": cycles, "cycle_seconds_total": seconds,
+                "cycle_device_seconds_total": 0.6 * seconds, "cycle_host_seconds_total": 0.1 * seconds,
+                "prefill_seconds_total": 0.05 * seconds, "delivery_seconds_total": 0.01 * seconds}
+
+    snaps = iter([{"replicas": {"a": counters(0, 0, 0.0)}}, {"replicas": {"a": counters(90, 30, 0.9)}}])
     monkeypatch.setattr(arms, "snapshot", lambda url: next(snaps))
 
     async def drained(client):
@@ -410,4 +415,8 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
 
     server = types.SimpleNamespace(url="http://x", kind="ours")
     summary, _ = arms._timed_arm(server, run)
-    assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0}
+    # where the replicas' time went over the arm (1 s of wall): 30 cycles of 30 ms
+    breakdown = {"cycle_ms": {"device": 18.0, "host": 3.0, "cycles": 30.0, "graphs_and_books": 9.0},
+                 "wall_share": {"cycles": 0.9, "prefill": 0.045, "delivery": 0.009}}
+    assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0, "cycle_breakdown": breakdown}
+    assert summary_mod.cycle_breakdown({"replicas": {"a": {"lane_cycles": 1}}}, None, 1.0) is None  # older servers
