@@ -158,7 +158,7 @@ def _batched(per_row: list) -> list:
     return layers
 
 
-def _padded(rows: list, pad: Optional[int] = 0) -> mx.array:
+def _padded(rows: list, pad: int = 0) -> mx.array:
     T = max(len(r) for r in rows)
     return mx.array([list(r) + [pad] * (T - len(r)) for r in rows], dtype=mx.uint32)
 

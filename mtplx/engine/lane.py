@@ -241,13 +241,13 @@ class RunningLane(LaneShape, LaneAdmission):
         return self.drain_events()
 
     def _boundary(self) -> None:
-        shape = (self.lane, [id(r) for r in self.rows])
+        shape = (self.lane, [id(r) for r in self.rows]) if self._next_kind is not None else None
         self._drop_cancelled()
         self._resize()
         t0 = time.perf_counter()
         self._admit()
         self.prefill_s += time.perf_counter() - t0
-        if shape != (self.lane, [id(r) for r in self.rows]):
+        if shape is not None and shape != (self.lane, [id(r) for r in self.rows]):
             self._next_kind = None          # chosen for other rows
 
     def decode(self) -> list[RowEvent]:

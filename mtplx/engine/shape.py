@@ -68,7 +68,7 @@ class LaneShape:
         else:
             if not narrower:
                 self._low_demand = 0
-            here = self._lane_at(self.width)
+            here = fit if fit.width == self.width else self._lane_at(self.width)
             if here is not self.lane:         # same width, another depth
                 self.depth_switches += 1
                 self._reshape(here, list(range(self.width)))

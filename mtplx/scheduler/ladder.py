@@ -87,11 +87,12 @@ class LaneLadder:
                     measure_step_costs(lane)
                 self.deep_lanes[(w, d)] = lane
             if self.choose_greedy_depths:
-                at = {d: self._lane_at(w, d, lanes) for d in DEPTHS}
+                at = {d: self._installed(w, d, lanes) for d in DEPTHS}
                 if all(ln is not None for ln in at.values()):
                     self.greedy_depths[w] = choose_depth(at, self.model)
 
-    def _lane_at(self, width: int, depth: int, lanes: Optional[dict] = None):
+    def _installed(self, width: int, depth: int, lanes: Optional[dict] = None):
+        """The installed lane of this width chaining `depth` drafts (None: not installed)."""
         from mtplx.engine.installed import solo_lane
 
         if depth != MTP_DEPTH:

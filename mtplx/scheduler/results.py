@@ -10,7 +10,7 @@ from typing import Optional
 
 from mtplx.sampling import SamplerConfig
 
-MTP_DEPTH = 1                          # drafts a cycle chains outside greedy_depths
+MTP_DEPTH = 1                          # drafts a lane chains where no other depth is given or chosen
 SOLO_ROUTE_ID = "mtp_b1_solo"
 B1_EXACT_ROUTE_ID = "mtp_batch_b1_exact_serial"
 

@@ -65,7 +65,7 @@ from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
 from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result
 from mtplx.scheduler.owner import ModelOwnerThread, fail_calls
-from mtplx.scheduler.results import (Placement, add_lane_counters, add_runner_counters, build_result,
+from mtplx.scheduler.results import (MTP_DEPTH, Placement, add_lane_counters, add_runner_counters, build_result,
                                      counters_snapshot, lane_snapshot, lanes_by_route,
                                      new_service_stats, solo_placement)
 from mtplx.scheduler.runner import runner_result
@@ -117,7 +117,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
-                 on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None, sampled_depth: int = 1,
+                 on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None, sampled_depth: int = MTP_DEPTH,
                  force_width: Optional[int] = None, draft_draw: Optional[str] = None,
                  compiled: Optional[bool] = None, repetition_limits=None, overlap: Optional[bool] = None):
         from mtplx.engine.installed import DEPTHS, DRAFT_DRAWS
