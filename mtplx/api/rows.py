@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mtplx.sampling import SamplerConfig
+from mtplx.structured import Constraint
 
 GENERATION_MODES = ("auto", "mtp", "ar")
 
@@ -31,6 +32,8 @@ def mtp_batch_compatibility_key(model_id: Optional[str], omit_speculative_bonus:
     - generation mode: a row's ``speculative`` / ``adaptive`` flags; a row that does not draft
       keeps one target token per cycle (AR's draws) in an MTP cycle.
     - seed, stop sets, logprobs, ``n`` siblings: the row's own.
+    - constraint (a JSON schema, regex, grammar, tool-call format, thinking budget): the row's
+      own grammar state masks its own distributions, drafts and verified positions alike.
 
     Only the model stays: rows of different weights cannot share a forward.
     """
@@ -64,6 +67,7 @@ class RowSpec:
     ignore_eos: bool = False
     logprobs: Optional[int] = None          # None, or the alternatives per token (0-20)
     prefill_group: Optional[str] = None
+    constraint: Optional[Constraint] = None   # structured output: checked at the ingress, enforced per row
 
     def __post_init__(self):
         speculation(self.generation_mode)    # a bad mode fails here, where the row is built

@@ -1,0 +1,328 @@
+"""Structured output: what a row's constraint is (`Constraint`, built and checked at the ingress,
+carried to the replica unchanged) and how a lane row enforces it (`RowGrammar`). The grammar
+work is llguidance's: it compiles JSON schemas, regular expressions and Lark grammars, and its
+matcher consumes tokens and rolls them back, which speculation needs. No MLX here.
+
+A constraint may start after a thinking section: the grammar applies once the row's text has
+produced `think_end` (the chat template's end-of-thinking marker); before that the row is free,
+except that past `think_budget` thinking tokens the marker is forced, token by token. A
+constraint without a grammar is a thinking budget alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+# A grammar that has not compiled within these bounds is refused (400), never left to hang a lane.
+MAX_GRAMMAR_CHARS = 256 * 1024
+PARSER_FUEL = 2_000_000        # llguidance's lexer fuel per step and at the start (its default is 1M-ish)
+
+# JSON Schema keywords llguidance does not enforce: refused by name and place, never ignored.
+UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
+                        "minContains", "maxContains", "uniqueItems", "propertyNames", "unevaluatedProperties",
+                        "unevaluatedItems")
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be enforced: `message` says what to fix, `where` names the place
+    (a JSON pointer into the schema, or the request field)."""
+
+    def __init__(self, message: str, where: Optional[str] = None):
+        super().__init__(message)
+        self.where = where
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A row's constraint. `grammar`: an llguidance grammar (from the builders below; None: no
+    grammar, a thinking budget only). `kind` names it for stats and errors ("json_schema",
+    "json_object", "regex", "grammar", "choice", "tool_call"). `think_end`: the grammar starts
+    after this text; `think_budget`: thinking tokens before `think_end` is forced."""
+
+    grammar: Optional[str] = None
+    kind: str = "grammar"
+    think_end: Optional[str] = None
+    think_budget: Optional[int] = None
+
+    def __post_init__(self):
+        if self.grammar is None and self.think_budget is None:
+            raise ValueError("a Constraint needs a grammar or a thinking budget")
+        if self.think_budget is not None and (self.think_end is None or self.think_budget < 0):
+            raise ValueError("think_budget needs think_end and must be >= 0")
+
+    def with_thinking(self, think_end: Optional[str], think_budget: Optional[int] = None) -> "Constraint":
+        return Constraint(self.grammar, self.kind, think_end, think_budget)
+
+
+# -- building grammars ------------------------------------------------------------------------------
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+def json_schema_grammar(schema) -> str:
+    """The grammar of JSON values matching `schema` (a dict, or its JSON text). Compact output,
+    no free whitespace: a model cannot wander into a run of spaces."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from exc
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"a JSON schema must be an object (or true), not {json.dumps(schema)[:40]}")
+    bad = _unsupported_keyword(schema, "")
+    if bad is not None:
+        keyword, where = bad
+        raise ConstraintError(f"JSON Schema keyword {keyword!r} at {where or '/'} cannot be enforced by this "
+                              f"server's grammar engine; remove it", where or "/")
+    return _llg().LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+def json_object_grammar() -> str:
+    """Any JSON object (OpenAI's `json_object`)."""
+    return json_schema_grammar({"type": "object"})
+
+
+def regex_grammar(pattern: str) -> str:
+    return _llg().LLMatcher.grammar_from_regex(pattern)
+
+
+def lark_grammar(text: str) -> str:
+    return _llg().LLMatcher.grammar_from_lark(text)
+
+
+def choice_grammar(choices) -> str:
+    """Exactly one of `choices` (strings)."""
+    if not choices or not all(isinstance(c, str) for c in choices):
+        raise ConstraintError("choice needs a non-empty list of strings")
+    return lark_grammar("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def _unsupported_keyword(schema, where: str) -> Optional[tuple]:
+    """(keyword, JSON pointer) of the first keyword llguidance cannot enforce, walking every
+    subschema; None when there is none."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            hit = _unsupported_keyword(item, f"{where}/{i}")
+            if hit:
+                return hit
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in UNSUPPORTED_KEYWORDS:
+            return key, f"{where}/{key}"
+        if key in ("enum", "const", "default", "examples", "description", "title"):
+            continue
+        if key in ("properties", "$defs", "definitions", "patternProperties"):
+            for name, sub in (value.items() if isinstance(value, dict) else ()):
+                hit = _unsupported_keyword(sub, f"{where}/{key}/{_pointer_part(name)}")
+                if hit:
+                    return hit
+        elif isinstance(value, (dict, list)):
+            hit = _unsupported_keyword(value, f"{where}/{key}")
+            if hit:
+                return hit
+    return None
+
+
+def _pointer_part(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+# -- checking a constraint against a tokenizer ----------------------------------------------------
+
+def grammar_tokenizer(hf_tokenizer, vocab_size: Optional[int] = None):
+    """llguidance's view of a Hugging Face fast tokenizer (about a second to build: cached on the
+    tokenizer object). `vocab_size`: the model's, when its embedding is wider than the tokenizer."""
+    cache = getattr(hf_tokenizer, "_mtplx_grammar_tokenizers", None)
+    if cache is None:
+        cache = {}
+        try:
+            hf_tokenizer._mtplx_grammar_tokenizers = cache
+        except AttributeError:
+            pass
+    if vocab_size not in cache:
+        from llguidance.hf import from_tokenizer
+
+        base = from_tokenizer(hf_tokenizer)
+        cache[vocab_size] = base if vocab_size is None or vocab_size <= base.vocab_size else \
+            from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+    return cache[vocab_size]
+
+
+def parser_limits():
+    limits = _llg().LLParserLimits(step_lexer_fuel=PARSER_FUEL, initial_lexer_fuel=PARSER_FUEL)
+    return limits
+
+
+def check_constraint(constraint: Constraint, tokenizer, where: Optional[str] = None, schema=None) -> None:
+    """Raise `ConstraintError` when the constraint's grammar does not compile for `tokenizer` (an
+    llguidance tokenizer) within the bounds: the message is llguidance's, with the place in
+    `schema` (the JSON schema it came from, if any) of the keyword or value it names."""
+    if constraint.grammar is None:
+        return
+    if len(constraint.grammar) > MAX_GRAMMAR_CHARS:
+        raise ConstraintError(f"the grammar is {len(constraint.grammar)} characters; at most "
+                              f"{MAX_GRAMMAR_CHARS} are allowed", where)
+    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(constraint.grammar, tokenizer,
+                                                                         limits=parser_limits())
+    if is_error:
+        message = _first_line(messages[0] if messages else "the grammar does not compile")
+        place = _place(schema, message) if schema is not None else None
+        if place is not None:
+            message, where = f"{message} (at {place or '/'})", (f"{where}:" if where else "") + (place or "/")
+        raise ConstraintError(f"{constraint.kind} cannot be enforced: {message}", where)
+    matcher = _llg().LLMatcher(tokenizer, constraint.grammar, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise ConstraintError(f"{constraint.kind} cannot be enforced: {_first_line(matcher.get_error())}", where)
+
+
+def _place(schema, message: str) -> Optional[str]:
+    """The JSON pointer of what an llguidance message names: an unknown type or format, an
+    unimplemented keyword, a missing reference."""
+    for pattern, key in ((r"Invalid type: (\S+)", "type"), (r"Unknown format: (\S+)", "format"),
+                         (r'Unimplemented keys: \["([^"]+)"', None), (r"Pointer '([^']*)' does not exist", "$ref")):
+        m = re.search(pattern, message)
+        if m is None:
+            continue
+        value = m.group(1)
+        if key == "$ref":
+            value = "#" + value
+        return _find(schema, "", key or value, None if key is None else value)
+    return None
+
+
+def _find(node, where: str, key: str, value) -> Optional[str]:
+    if isinstance(node, dict):
+        if key in node and (value is None or node[key] == value
+                            or (isinstance(node[key], list) and value in node[key])):
+            return f"{where}/{_pointer_part(key)}"
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return None
+    for name, sub in items:
+        hit = _find(sub, f"{where}/{_pointer_part(name)}", key, value)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _first_line(message: str) -> str:
+    lines = [ln for ln in message.strip().splitlines() if ln.strip()]
+    if len(lines) > 1 and re.match(r"^\s*regex parse error", lines[0]):
+        return " ".join(ln.strip() for ln in lines)
+    return lines[0] if lines else message
+
+
+# -- a row's grammar while it decodes ---------------------------------------------------------------
+
+class RowGrammar:
+    """One row's constraint state. The lane `consume`s every token the row emits; within a cycle
+    it `speculate`s the primary and the drafts it judges (each draft's and each verified
+    position's `allowed` set comes after the tokens before it), then `unwind`s them before the
+    row's decisions emit what it keeps. `allowed()`: a bool mask over the model's vocabulary,
+    or None where every token is allowed (thinking, below its budget). `ended`: the grammar is
+    complete (only end-of-sequence allowed): the row stops there."""
+
+    def __init__(self, constraint: Constraint, tokenizer, vocab: int):
+        llg = _llg()
+        self.constraint, self.tokenizer, self.vocab = constraint, tokenizer, vocab
+        self.matcher = None if constraint.grammar is None else llg.LLMatcher(
+            tokenizer, constraint.grammar, log_level=0, limits=parser_limits())
+        if self.matcher is not None and self.matcher.is_error():
+            raise ConstraintError(f"{constraint.kind} cannot be enforced: {_first_line(self.matcher.get_error())}")
+        self._bits = np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        self.tokens: list = []                 # consumed: committed, then speculated
+        self.committed = 0
+        self.answer_at: Optional[int] = 0 if constraint.think_end is None else None
+        self._end = constraint.think_end.encode() if constraint.think_end else b""
+        self._forced = (tokenizer.tokenize_str(constraint.think_end) if constraint.think_budget is not None
+                        else [])
+        self._think_bytes: list = []           # bytes of each thinking token
+        self._kinds: list = []                 # per token: "think", "grammar" (the matcher has it) or "after"
+        self._mask_cache: Optional[tuple] = None
+
+    # state
+
+    @property
+    def thinking(self) -> bool:
+        return self.answer_at is None
+
+    @property
+    def ended(self) -> bool:
+        return not self.thinking and self.matcher is not None and self.matcher.is_stopped()
+
+    def allowed(self) -> Optional[np.ndarray]:
+        n = len(self.tokens)
+        if self._mask_cache is not None and self._mask_cache[0] == n:
+            return self._mask_cache[1]
+        mask = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+        self._mask_cache = (n, mask)
+        return mask
+
+    def _thinking_mask(self, n: int) -> Optional[np.ndarray]:
+        budget = self.constraint.think_budget
+        if budget is None or n < budget:
+            return None
+        mask = np.zeros(self.vocab, dtype=bool)
+        mask[self._forced[min(n - budget, len(self._forced) - 1)]] = True
+        return mask
+
+    def _grammar_mask(self) -> Optional[np.ndarray]:
+        if self.matcher is None:
+            return None
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
+        mask = np.zeros(self.vocab, dtype=bool)
+        n = min(self.vocab, bits.size, self.tokenizer.vocab_size)
+        mask[:n] = bits[:n]
+        if not mask.any():                     # an error state: end the row rather than draw from nothing
+            mask[self.tokenizer.eos_token] = True
+        return mask
+
+    # moves
+
+    def consume(self, token: int) -> None:
+        """A token the row emitted (after `unwind`)."""
+        self.speculate(token)
+        self.committed = len(self.tokens)
+
+    def speculate(self, token: int) -> None:
+        token = int(token)
+        self.tokens.append(token)
+        if self.thinking:
+            self._kinds.append("think")
+            self._think_bytes.append(self.tokenizer.decode_bytes([token]))
+            if self._end and self._end in b"".join(self._think_bytes[-len(self._end):]):
+                self.answer_at = len(self.tokens)
+        elif self.matcher is not None and not self.matcher.is_stopped():
+            self._kinds.append("grammar")
+            self.matcher.consume_token(token)
+        else:
+            self._kinds.append("after")
+
+    def unwind(self) -> None:
+        """Roll back every speculated token: the state is the committed tokens' again."""
+        tail = self._kinds[self.committed:]
+        if not tail:
+            return
+        if self.matcher is not None and tail.count("grammar"):
+            self.matcher.rollback(tail.count("grammar"))
+        if tail.count("think"):
+            del self._think_bytes[-tail.count("think"):]
+        del self.tokens[self.committed:], self._kinds[self.committed:]
+        if self.answer_at is not None and self.answer_at > self.committed:
+            self.answer_at = None
+        self._mask_cache = None
