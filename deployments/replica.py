@@ -365,7 +365,7 @@ class MTPReplica:
             compatibility_key=row.compatibility_key, speculative=row.speculative, adaptive=row.adaptive,
             cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
             omit_speculative_bonus=row.omit_speculative_bonus, prefill_group=row.prefill_group,
-            request_observability={"replica_id": self.replica_id})
+            constraint=row.constraint, request_observability={"replica_id": self.replica_id})
 
     async def _stream(self, buf: "_CohortBuffer", rows: List[RowSpec], jobs: list, started: float,
                       received_at: float) -> AsyncIterator[dict]:

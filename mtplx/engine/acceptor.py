@@ -47,14 +47,21 @@ class Targets:
     the logits on the host [W, T, V], from which each row takes its own distribution (a greedy
     row's is a point mass at the argmax) with its own RNG."""
 
-    def __init__(self, vocab: int, ids: Optional[np.ndarray] = None, logits: Optional[np.ndarray] = None):
+    def __init__(self, vocab: int, ids: Optional[np.ndarray] = None, logits: Optional[np.ndarray] = None,
+                 allowed: Optional[dict] = None):
         self.vocab, self.ids, self.logits = vocab, ids, logits
+        self.allowed = allowed or {}      # constrained rows: b -> [what its grammar allows at each position]
+
+    def p(self, row, b: int, j: int):
+        """Row b's target distribution at position j (restricted to what its grammar allows)."""
+        masks = self.allowed.get(b)
+        return row.dist(self.logits[b, j], allowed=None if masks is None else masks[j])
 
     def token(self, row, b: int, j: int) -> int:
         """The target's own token at position j: row b's next token when it keeps no further draft."""
         if self.ids is not None:
             return int(self.ids[b, j])
-        return sample(row.dist(self.logits[b, j]), row.rng)
+        return sample(self.p(row, b, j), row.rng)
 
     def judge(self, row, b: int, j: int, draft: int, q: Optional[Distribution]) -> tuple[bool, int]:
         """(kept, token): the draft at position j kept, or the token the row takes instead. `q`: the
@@ -63,7 +70,7 @@ class Targets:
             target = int(self.ids[b, j])
             return draft == target, target
         q = q if q is not None else Distribution.point(draft, self.vocab)
-        return verify_one_token(row.dist(self.logits[b, j]), q, draft, row.rng)
+        return verify_one_token(self.p(row, b, j), q, draft, row.rng)
 
 
 def accept_chain(drafts: Sequence[int], judge: Callable[[int, int], tuple],

@@ -190,17 +190,20 @@ class LaneAdmission:
         budget = self.prefill_budget
         spent = 0
         while self.admitting and (budget is None or spent < budget):
-            together = self._prefill_group(None if budget is None else budget - spent)
-            if len(together) > 1:
-                spent += sum(a.left for a in together)
-                prefill_together(self.model, together)
-                self.batched_prefills += 1
-            else:
-                spent += self.admitting[0].advance()
-            while self.admitting and self.admitting[0].out is not None:
+            if self.admitting[0].out is None:
+                together = self._prefill_group(None if budget is None else budget - spent)
+                if len(together) > 1:
+                    spent += sum(a.left for a in together)
+                    prefill_together(self.model, together)
+                    self.batched_prefills += 1
+                else:
+                    spent += self.admitting[0].advance()
+            while self.admitting and self.admitting[0].out is not None and None in self.rows:
                 adm = self.admitting.popleft()
                 self._place(adm)
                 self._place_siblings(adm)
+            if self.admitting and self.admitting[0].out is not None:
+                break       # prefilled, but its siblings took the free slots: it waits for one
 
     def _prefill_group(self, room: Optional[int]) -> list:
         """The admissions next in line whose whole prefill is one final chunk, as many as fit in
@@ -261,7 +264,7 @@ class LaneAdmission:
             return
         # The first token comes from the prefill's logits: emit it now rather than after a cycle
         # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
-        first = int(mx.argmax(logits).item()) if row.greedy else sample(row.dist(to_host(logits)), row.rng)
+        first = int(mx.argmax(logits).item()) if row.greedy else sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
         if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
             self.rows[b] = None
         else:

@@ -33,6 +33,7 @@ from mtplx.engine.shape import LaneShape, lanes_by_depth
 from mtplx.engine.step import Step
 from mtplx.models.cache import commit_rows
 from mtplx.sampling import sample, to_host
+from mtplx.structured import grammar_tokenizer
 
 PRIOR_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively."""\n'
 PRIOR_TOKENS = 48
@@ -192,11 +193,18 @@ class RunningLane(LaneShape, LaneAdmission):
         """Queue a row; it joins at a cycle boundary when a slot is free. Returns its stream."""
         validate_request(self.model, req)
         prior = draft_acceptance_prior(self.model) if req.speculative and req.adaptive else ROW_ACCEPT_PRIOR
-        row = LaneRow(req, self.model.vocab_size, prior, self.repetition_limits)
+        row = LaneRow(req, self.model.vocab_size, prior, self.repetition_limits,
+                      self._grammar_tokenizer() if req.constraint is not None else None)
         if not row.greedy:
             row.chain_depth = self._checked_depth(req)
         self.waiting.append(row)
         return row.result
+
+    def _grammar_tokenizer(self):
+        tokenizer = getattr(self.model, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("a constrained row needs the model's tokenizer; this model was loaded without one")
+        return grammar_tokenizer(tokenizer, self.model.vocab_size)
 
     def _checked_depth(self, req: A3BMTPBatchRequest) -> int:
         depth = self.sampled_depth if req.draft_depth is None else int(req.draft_depth)
@@ -404,9 +412,16 @@ class RunningLane(LaneShape, LaneAdmission):
         t_host = time.perf_counter()
         x0_host = pending.copy()
         for b in np.flatnonzero(active & ~has_pending):
-            x0_host[b] = sample(rows[b].dist(logits_host[b]), rows[b].rng)
+            x0_host[b] = sample(rows[b].dist(logits_host[b], allowed=rows[b].allowed()), rows[b].rng)
+        step = Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host, allowed={})
+        for b in np.flatnonzero(active):
+            grammar = rows[b].grammar
+            if grammar is not None:          # its grammar speculates its primary (if not yet emitted)
+                if not has_pending[b]:
+                    grammar.speculate(int(x0_host[b]))
+                step.allowed[b] = [grammar.allowed()]
         self._host_s += time.perf_counter() - t_host
-        return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
+        return step
 
     def _verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None):
         """The target forward over `tokens` [W, T]; the step learns its targets, its primaries and
@@ -433,11 +448,18 @@ class RunningLane(LaneShape, LaneAdmission):
             step.targets = Targets(self.model.vocab_size, ids=np.array(read[1]))
         else:
             L_host = to_host(L)
-            step.targets = Targets(self.model.vocab_size, logits=L_host)
+            step.targets = Targets(self.model.vocab_size, logits=L_host, allowed=step.allowed)
         step.x0_host, step.d_host = host[:, 0], host[:, 1:]
         if any(r is not None and r.req.logprobs is not None for r in self.rows):
             step.lp_host = L_host if L_host is not None else to_host(L)
         return H, L, L_host
+
+    def _unwind(self, step: Step) -> None:
+        """Constrained rows' grammars roll back what they speculated (primary, drafts): the row's
+        decisions then emit, and their grammars consume, what it keeps."""
+        for b in step.allowed or ():
+            if self.rows[b] is not None:
+                self.rows[b].grammar.unwind()
 
     def _emit_primary(self, b: int, row: LaneRow, token: int) -> bool:
         """Emit row b's primary token (not yet emitted: it came from last step's logits); True
@@ -479,6 +501,7 @@ class RunningLane(LaneShape, LaneAdmission):
                 self.history.owe(self.h_last, step.x0, may_draft)
         H, L, L_host = self._verify(step, step.x0[:, None], graph="ar")
         t_host = time.perf_counter()
+        self._unwind(step)
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):
             row = self.rows[b]
@@ -512,7 +535,8 @@ class RunningLane(LaneShape, LaneAdmission):
                                    for b, r in enumerate(self.rows)], dtype=np.int64)
         owed = np.array([r.owed if r is not None else 0 for r in self.rows])
         step.proposal = self.proposer.propose(self.forwards, self.history, self.h_last, step.x0, self.rows,
-                                              step.row_depth, owed, step.active, step.greedy, step.depth)
+                                              step.row_depth, owed, step.active, step.greedy, step.depth,
+                                              step.allowed)
         drafts = step.proposal.drafts
         if self.inject_drafts is not None:
             drafts = mx.array(self._injected(np.array(drafts[:, 0]), step), dtype=mx.uint32)[:, None]
@@ -525,6 +549,7 @@ class RunningLane(LaneShape, LaneAdmission):
         H, L, L_host = self._read_verify(step, *verify)
         self.proposer.settle(step.proposal, step.d_host, check=self.inject_drafts is None)
         t_host = time.perf_counter()
+        self._unwind(step)
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):
             self._decide(step, b, self.rows[b])

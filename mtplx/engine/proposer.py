@@ -4,12 +4,15 @@ at depth 2-3 it runs again on its own output and last draft per chained draft. W
 comes from: the head's argmax for a greedy draft sampler (q a point mass, no draw); otherwise a
 draw from the row's own draft distribution q with its own RNG, on the device (no wait between
 the head and the verify) or on the host (after a wait, from the whole q; always for a draft
-sampler with penalties, whose token counts live on the host)."""
+sampler with penalties, whose token counts live on the host; always for a constrained row: its
+draft j is drawn from q restricted to what its grammar allows after its primary and drafts
+0..j-1, which the host learns one draft at a time)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 import mlx.core as mx
@@ -42,10 +45,13 @@ class Proposer:
         self.wait_s = 0.0                 # time in MLX's evaluation of the head (its drafts)
 
     def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed: np.ndarray,
-                keep_history: np.ndarray, greedy: bool, depth: int) -> Proposal:
+                keep_history: np.ndarray, greedy: bool, depth: int, allowed: Optional[dict] = None) -> Proposal:
         """The drafts of every row [W, depth]: row b drafts its first `row_depth[b]` (0: it does not
         draft); past them a row's entries are whatever the head gave, never judged, and make no
-        draws. The head forward also writes each row's owed history entries."""
+        draws. The head forward also writes each row's owed history entries. `allowed`: each
+        constrained row's masks so far ([after its primary]); each of its drafts is drawn under
+        the last, speculated by its grammar, and the mask after it appended."""
+        self._allowed = allowed or {}
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
         q_logits, g = forwards.draft(history.hidden, h_last, mx.array(history.tokens, dtype=mx.uint32), x0,
@@ -71,8 +77,8 @@ class Proposer:
         coupled = np.array([drafting[b] and r.greedy_draft for b, r in enumerate(rows)])
         drawn = drafting & ~coupled
         on_device = drawn & (self.draft_draw == "device") & np.array(
-            [r is not None and draws_on_device(r.draft_sampler) for r in rows])
-        d = mx.array(self._host_draws(q_logits, rows, drawn & ~on_device, proposal.q[j]), dtype=mx.uint32)
+            [r is not None and draws_on_device(r.draft_sampler) and r.grammar is None for r in rows])
+        d = mx.array(self._host_draws(q_logits, rows, drawn & ~on_device, proposal.q[j], j), dtype=mx.uint32)
         t_host = time.perf_counter()
         device_draw = None
         if on_device.any():
@@ -88,8 +94,9 @@ class Proposer:
         self.host_s += time.perf_counter() - t_host
         return d
 
-    def _host_draws(self, q_logits: mx.array, rows, on_host: np.ndarray, q: list) -> np.ndarray:
-        """Drafts drawn on the host from each row's whole q (after a wait for the head)."""
+    def _host_draws(self, q_logits: mx.array, rows, on_host: np.ndarray, q: list, j: int) -> np.ndarray:
+        """Drafts drawn on the host from each row's whole q (after a wait for the head); a
+        constrained row's q is restricted by its j-th mask, and its grammar speculates the draft."""
         d_host = np.zeros(len(rows), dtype=np.int64)
         if not on_host.any():
             return d_host
@@ -98,8 +105,12 @@ class Proposer:
         t_host = time.perf_counter()
         self.wait_s += t_host - t_wait
         for b in np.flatnonzero(on_host):
-            q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
+            masks = self._allowed.get(b)
+            q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler, None if masks is None else masks[j])
             d_host[b] = sample(q[b], rows[b].rng)
+            if masks is not None:
+                rows[b].grammar.speculate(int(d_host[b]))
+                masks.append(rows[b].grammar.allowed())
         self.host_s += time.perf_counter() - t_host
         return d_host
 

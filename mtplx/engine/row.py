@@ -14,6 +14,7 @@ import numpy as np
 from mtplx.engine.prefill import CapacityError
 from mtplx.engine.repetition import RepetitionLimits, repeated_tail
 from mtplx.sampling import SamplerConfig, row_distribution, to_host
+from mtplx.structured import Constraint, RowGrammar
 
 
 class A3BMTPBatchCapacityError(CapacityError):
@@ -59,6 +60,9 @@ class A3BMTPBatchRequest:
     # of the row, not of its lane's width: a chain's depth decides which draws the row makes, and
     # its draws must not depend on its neighbours. Greedy rows chain their lane's depth.
     draft_depth: Optional[int] = None
+    # Structured output: the row's tokens follow this grammar (`mtplx.structured`); every
+    # distribution the row draws from or is judged by is restricted to what it allows there.
+    constraint: Optional[Constraint] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -141,8 +145,10 @@ class LaneRow:
     lane looked like while it ran (for its stats)."""
 
     def __init__(self, req: A3BMTPBatchRequest, vocab: int, prior: float = ROW_ACCEPT_PRIOR,
-                 repetition_limits: RepetitionLimits = RepetitionLimits()):
+                 repetition_limits: RepetitionLimits = RepetitionLimits(), grammar_tokenizer=None):
         self.req = req
+        # structured output: the row's grammar state (`grammar_tokenizer`: llguidance's tokenizer)
+        self.grammar = None if req.constraint is None else RowGrammar(req.constraint, grammar_tokenizer, vocab)
         self.repetition_limits = repetition_limits
         self.live = True
         self.sampler = req.sampler
@@ -197,14 +203,25 @@ class LaneRow:
 
     @property
     def greedy(self) -> bool:
-        return self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
+        """Decided on the device from argmaxes: greedy, without penalties or a grammar (a
+        constrained row's argmax is over what its grammar allows: decided on the host)."""
+        return (self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
+                and self.grammar is None)
 
     @property
     def greedy_draft(self) -> bool:
         """Drafts the head's argmax (on the device, no RNG draw)."""
-        return self.draft_sampler.is_greedy and not self.draft_sampler.has_penalties
+        return self.draft_sampler.is_greedy and not self.draft_sampler.has_penalties and self.grammar is None
 
-    def dist(self, logits_row, cfg=None):
+    def allowed(self):
+        """What its grammar allows next (a bool mask over the vocabulary); None: anything."""
+        return None if self.grammar is None else self.grammar.allowed()
+
+    def dist(self, logits_row, cfg=None, allowed=None):
+        """The row's distribution over one row of logits; `allowed` (a bool mask from its grammar)
+        restricts it to those tokens, renormalised."""
+        if allowed is not None:
+            logits_row = np.where(allowed, to_host(logits_row), np.float32(-np.inf))
         return row_distribution(logits_row, cfg or self.sampler, self.counts)
 
     def finish(self, reason: str) -> None:
@@ -258,7 +275,9 @@ class LaneRow:
         except Exception:
             self.finish("cancelled")
             return True
-        if token in self.req.stop_token_ids:
+        if self.grammar is not None:
+            self.grammar.consume(token)
+        if token in self.req.stop_token_ids or (self.grammar is not None and self.grammar.ended):
             self.finish("stop")
         elif len(r.tokens) >= self.req.max_tokens:
             self.finish("length")

@@ -15,6 +15,7 @@ from typing import Any, Callable, Hashable, Iterable, Optional
 from mtplx.api.rows import mtp_batch_compatibility_key
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.config import checked_cancel_reason
+from mtplx.structured import Constraint
 
 
 class MTPBatchCancelled(RuntimeError):
@@ -74,7 +75,8 @@ class MTPBatchJob:
                  omit_speculative_bonus: bool = False, session_id: Optional[str] = None,
                  session_restore: Optional[Callable[[], Any]] = None,
                  session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True,
-                 adaptive: bool = True, prefill_group: Optional[Hashable] = None):
+                 adaptive: bool = True, prefill_group: Optional[Hashable] = None,
+                 constraint: Optional[Constraint] = None):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -103,6 +105,9 @@ class MTPBatchJob:
         self.session_commit = session_commit
         # jobs of one request (n > 1, same prompt) that share one prefill in their lane
         self.prefill_group = prefill_group
+        # structured output (a JSON schema, grammar, tool-call format, thinking budget): enforced
+        # by the lane row (such a job never goes to its solo_runner)
+        self.constraint = constraint
 
         # runtime
         self.future: Future = Future()

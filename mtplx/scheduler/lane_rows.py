@@ -22,7 +22,8 @@ def lane_request(job, row_id: str, *, numerics: str, repetition_stop: bool):
         # b1-exact rows decode as the solo path does: drafting every cycle
         adaptive=job.adaptive and numerics != "b1-exact", prefill_group=job.prefill_group,
         repetition_stop=repetition_stop or bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
-        session_restore=failsafe(job.session_restore), session_commit=failsafe(job.session_commit))
+        session_restore=failsafe(job.session_restore), session_commit=failsafe(job.session_commit),
+        constraint=job.constraint)
 
 
 def deliver_event(job, event) -> None:

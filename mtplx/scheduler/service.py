@@ -384,7 +384,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         """Ids of the jobs that decode through their own solo_runner: those that would decode
         alone (b1-exact: every one), unless they ask for log-probabilities (only lanes give them)."""
         of_key = Counter(j.compatibility_key for j in jobs)
-        return {id(j) for j in jobs if j.solo_runner is not None and j.logprobs is None and (
+        return {id(j) for j in jobs if j.solo_runner is not None and j.logprobs is None and j.constraint is None and (
             self.numerics == "b1-exact" or (of_key[j.compatibility_key] == 1 and j.compatibility_key not in self._running))}
 
     def _join_lane(self, job: MTPBatchJob) -> None:
