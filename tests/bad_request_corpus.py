@@ -63,7 +63,7 @@ CASES = [
     # out of range
     ("negative temperature", "POST", CHAT, chat(temperature=-1), JSON, 400, "temperature"),
     ("temperature above 2", "POST", CHAT, chat(temperature=2.5), JSON, 400, "temperature"),
-    ("top_p zero", "POST", CHAT, chat(top_p=0), JSON, 400, "top_p"),
+    ("top_p negative", "POST", CHAT, chat(top_p=-0.1), JSON, 400, "top_p"),
     ("top_k below -1", "POST", CHAT, chat(top_k=-5), JSON, 400, "top_k"),
     ("min_p above 1", "POST", CHAT, chat(min_p=1.5), JSON, 400, "min_p"),
     ("presence_penalty 3", "POST", CHAT, chat(presence_penalty=3), JSON, 400, "presence_penalty"),
@@ -92,7 +92,8 @@ CASES = [
     ("session_id chat", "POST", CHAT, chat(session_id="s-1"), JSON, 400, "session_id"),
     ("session_id completions", "POST", COMP, comp(session_id="s-1"), JSON, 400, "session_id"),
     # unsupported features, unknown things
-    ("tools", "POST", CHAT, chat(tools=[{"type": "function"}]), JSON, 400, "tools"),
+    ("tool without function", "POST", CHAT, chat(tools=[{"type": "function"}]), JSON, 400, "tools.0.function"),
+    ("legacy functions", "POST", CHAT, chat(functions=[{"name": "f"}]), JSON, 400, "functions"),
     ("echo", "POST", COMP, comp(echo=True), JSON, 400, "echo"),
     ("logit_bias", "POST", CHAT, chat(logit_bias={"5": 10}), JSON, 400, "logit_bias"),
     ("unknown model", "POST", CHAT, chat(model="gpt-4o"), JSON, 404, "model"),

@@ -175,7 +175,8 @@ def test_anthropic_request_translates_to_the_chat_path(model):
                         "messages.0.content.0.type"),
                        ({k: v for k, v in body.items() if k != "max_tokens"}, "max_tokens"),
                        ({**body, "temperature": 1.5}, "temperature"),
-                       ({**body, "tools": [{"name": "t"}]}, "tools"),
+                       ({**body, "tools": [{"name": "t"}]}, "tools.0.input_schema"),
+                       ({**body, "tool_choice": {"type": "any"}}, "tool_choice"),
                        ({**body, "frobnicate": 1}, "frobnicate")]:
         with pytest.raises(OpenAIError) as exc:
             r = parse_request(anthropic.MessagesRequest, json.dumps(bad).encode())

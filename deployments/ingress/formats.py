@@ -10,6 +10,8 @@ from typing import List, Optional
 
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.parsing import OutputParser, openai_delta, openai_message_fields
+from mtplx.api.tools import new_call_id
 
 from .row_stream import RowResult, RowStream
 
@@ -38,10 +40,19 @@ class _OpenAIFormat:
         return []
 
     def _text_delta(self, text: str):
+        """The delta of a piece of text; None: nothing to send yet (held back by the parser)."""
         raise NotImplementedError
+
+    def _flush_delta(self):
+        """What the parser held back until the end (None: nothing)."""
+        return None
 
     def _end_delta(self):
         raise NotImplementedError
+
+    def _finish(self, result: RowResult) -> tuple:
+        """(finish_reason, stats) the row reports."""
+        return result.finish_reason, result.stats
 
     # shared
     def logprobs(self) -> Optional[dict]:
@@ -66,13 +77,19 @@ class _OpenAIFormat:
                 yield chunk
             try:
                 async for text in self.run.texts():
-                    yield self._chunk(self._text_delta(text), logprobs=self.logprobs())
+                    delta, logprobs = self._text_delta(text), self.logprobs()
+                    if delta is not None or logprobs is not None:
+                        yield self._chunk(delta if delta is not None else {}, logprobs=logprobs)
             except oa.OpenAIError as exc:
                 yield exc.body()
                 return
             result = self.run.result()
-            yield self._chunk(self._end_delta(), result.finish_reason, result.stop_reason, self.logprobs(),
-                              mtplx_stats=result.stats)
+            tail = self._flush_delta()
+            if tail is not None:
+                yield self._chunk(tail)
+            finish_reason, stats = self._finish(result)
+            yield self._chunk(self._end_delta(), finish_reason, result.stop_reason, self.logprobs(),
+                              mtplx_stats=stats)
         finally:
             self.run.close()   # before the end: the client went away, this row only is ended
 
@@ -98,16 +115,35 @@ class _OpenAIFormat:
 
 
 class ChatFormat(_OpenAIFormat):
+    """A chat answer. With a thinking section or tools (the run's `OutputPlan`), its text is
+    parsed: reasoning_content, content and tool_calls, streamed as they arrive; a row whose
+    calls were parsed finishes with "tool_calls" (unless it ran out of budget)."""
+
     name = "chat"
     stream_object = "chat.completion.chunk"
+
+    def __init__(self, run: RowStream):
+        super().__init__(run)
+        plan = run.plan
+        self.parser = OutputParser(plan.thinking, plan.parse_tools, new_call_id) if plan.parses else None
 
     def _logprobs(self, tokens, entries):
         return oa.chat_logprobs(tokens, entries, self.run.logprobs, self.run.ing.token_bytes)
 
+    def _finish(self, result):
+        if self.parser is None or not self.parser.result().tool_calls or result.finish_reason != "stop":
+            return result.finish_reason, result.stats
+        return "tool_calls", dict(result.stats, finish_reason="tool_calls")
+
     def _body(self, text, result, logprobs):
-        run = self.run
-        return oa.chat_response(run.rid, run.created, run.model, text, result.finish_reason, self.usage(result),
-                                result.stats, result.stop_reason, logprobs)
+        run, extra = self.run, None
+        if self.parser is not None:
+            self.parser.push(text)
+            self.parser.flush()
+            text, extra = openai_message_fields(self.parser.result())
+        finish_reason, stats = self._finish(result)
+        return oa.chat_response(run.rid, run.created, run.model, text, finish_reason, self.usage(result),
+                                stats, result.stop_reason, logprobs, extra)
 
     def _chunk(self, delta, finish_reason=None, stop_reason=None, logprobs=None, **extra):
         run = self.run
@@ -118,7 +154,10 @@ class ChatFormat(_OpenAIFormat):
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def _text_delta(self, text):
-        return {"content": text}
+        return {"content": text} if self.parser is None else openai_delta(self.parser.push(text))
+
+    def _flush_delta(self):
+        return None if self.parser is None else openai_delta(self.parser.flush())
 
     def _end_delta(self):
         return {}
@@ -157,34 +196,48 @@ class CompletionFormat(_OpenAIFormat):
 class AnthropicFormat:
     """A Messages answer. Usage counts the whole prompt as input unless the request sent
     cache_control (`cache_split`); then a body splits it into cache reads and uncached input as
-    Anthropic's does. A stream's counts are message_start's throughout (see MessageStream)."""
+    Anthropic's does. A stream's counts are message_start's throughout (see MessageStream). With
+    thinking or tools (the run's plan) the answer is parsed into thinking, text and tool_use
+    blocks (ids toolu_...), streamed as they arrive."""
 
     name = "anthropic"
 
     def __init__(self, run: RowStream, cache_split: bool = False):
         self.run = run
         self.cache_split = cache_split
+        plan = run.plan
+        self.parser = OutputParser(plan.thinking, plan.parse_tools, lambda: new_call_id("toolu_")) \
+            if plan.parses else None
 
     async def response(self) -> dict:
         run = self.run
         text = await run.text()
         r = run.result()
         usage = anthropic.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens if self.cache_split else 0)
-        return anthropic.message_response(run.rid, run.model, text, r.finish_reason, r.stop_string, usage, r.stats)
+        parsed = None
+        if self.parser is not None:
+            self.parser.push(text)
+            self.parser.flush()
+            parsed = self.parser.result()
+        return anthropic.message_response(run.rid, run.model, text, r.finish_reason, r.stop_string, usage, r.stats,
+                                          parsed)
 
     async def sse(self):
-        run = self.run
-        events = anthropic.MessageStream(run.rid, run.model, len(run.spec.prompt_ids))
+        run, parser = self.run, self.parser
+        events = anthropic.MessageStream(run.rid, run.model, len(run.spec.prompt_ids), parsed=parser is not None)
         try:
             yield events.start()
             try:
                 async for text in run.texts():
-                    yield events.text(text)
+                    out = events.text(text) if parser is None else events.events(parser.push(text))
+                    if out:
+                        yield out
             except oa.OpenAIError as exc:
                 yield events.error(exc)
                 return
             r = run.result()
-            yield events.finish(r.finish_reason, r.stop_string, r.completion_tokens, r.stats)
+            tail = b"" if parser is None else events.events(parser.flush())
+            yield tail + events.finish(r.finish_reason, r.stop_string, r.completion_tokens, r.stats)
         finally:
             run.close()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 from mtplx.api import openai as oa
+from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.text import IncrementalDetokenizer, StopStringMatcher
 
 from .pending import DISCONNECT, STOP_STRING, PendingRow
@@ -50,14 +51,16 @@ class RowStream:
     """A row's text deltas (`start`, then `texts`), log-probabilities (`take_logprobs`) and result
     (`result`). A pump task reads the row's batch slot into a queue; when the client goes away
     (`close` before the end) the row is ended at the ingress and the pump is cancelled. `ingress`:
-    the `OpenAIIngress` (its tokenizer, dispatcher, waiting bound, settings and metrics)."""
+    the `OpenAIIngress` (its tokenizer, dispatcher, waiting bound, settings and metrics). `plan`:
+    how the answer's text is read (thinking, tool calls), for the formats."""
 
     def __init__(self, ingress, row: PendingRow, req, *, response_id: str, t0: float,
-                 client_id: Optional[str], route: str):
+                 client_id: Optional[str], route: str, plan: OutputPlan = PLAIN):
         self.ing = ingress
         self.row = row
         self.spec = row.spec
         self.req = req
+        self.plan = plan
         self.rid = response_id
         self.t0 = t0
         self.client_id = client_id

@@ -23,6 +23,8 @@ from starlette.routing import Router
 import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api import output_plan
+from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
 
@@ -31,6 +33,7 @@ from ..live_page import PAGE_HTML, PAGE_PATH
 from ..metrics import INGRESS_SERIES, make_metrics, record
 from .admission import Admission, WaitingBound
 from .auth import authorize, load_api_keys
+from .constraints import ConstraintChecker
 from .dispatch import ReplicaDispatcher, call
 from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
 from .model_files import load_model_metadata, load_tokenizer, resolve_model_dir
@@ -95,6 +98,7 @@ class OpenAIIngress:
             replica, self.bound, self._stats, self._metric, retry_after_s=self.bound.retry_after_s,
             max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
             max_concurrent_batches=self.max_concurrent_batches)
+        self.constraints = ConstraintChecker()
         self._router = self._routes()
         try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
             from ..grafana import provision
@@ -219,8 +223,10 @@ class OpenAIIngress:
         with self.bound.admit() as place:
             req = oa.parse_request(oa.ChatCompletionRequest, body)
             self._check_model(req.model)
-            prompt_ids = await _off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages)
-            return await self._generate(ChatFormat, req, prompt_ids, t0, ctx, place)
+            plan = output_plan.for_chat(req)
+            prompt_ids = await _off_loop(_messages_size(req.messages), partial(
+                oa.encode_chat, self.tokenizer, req.messages, template_kwargs=plan.template_kwargs))
+            return await self._generate(ChatFormat, req, prompt_ids, t0, ctx, place, plan=plan)
 
     async def _completions(self, request: Request, ctx: RequestContext) -> Response:
         t0 = time.perf_counter()
@@ -228,12 +234,13 @@ class OpenAIIngress:
         with self.bound.admit() as place:
             req = oa.parse_request(oa.CompletionRequest, body)
             self._check_model(req.model)
+            plan = output_plan.for_completion(req)
             prompt = req.single_prompt()
             prompt_ids = await _off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
                                          self.meta["vocab_size"] or 2 ** 31)
             if not prompt_ids:
                 raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
-            return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place)
+            return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place, plan=plan)
 
     async def _messages(self, request: Request, ctx: RequestContext) -> Response:
         """Anthropic Messages, served as the chat completion it translates to (same cohorts, lanes
@@ -246,17 +253,22 @@ class OpenAIIngress:
             req = msg.to_chat_request()
             prompt_ids = await _off_loop(_messages_size(req.messages), msg.encode, self.tokenizer)
             answer = partial(AnthropicFormat, cache_split=msg.sends_cache_control)
-            return await self._generate(answer, req, prompt_ids, t0, ctx, place, route=AnthropicFormat.name)
+            return await self._generate(answer, req, prompt_ids, t0, ctx, place, route=AnthropicFormat.name,
+                                        plan=msg.output_plan())
 
     async def _generate(self, answer, req, prompt_ids: List[int], t0: float, ctx: RequestContext,
-                        place: Admission, route: Optional[str] = None) -> Response:
-        """One request's rows, from its spec to its answer in format `answer` (a format class)."""
-        spec = self._row_spec(req, prompt_ids, ctx.rid)
+                        place: Admission, route: Optional[str] = None, plan: OutputPlan = PLAIN) -> Response:
+        """One request's rows, from its spec to its answer in format `answer` (a format class).
+        `plan`: the answer's constraint (checked here: a grammar that does not compile is a 400)
+        and how its text is read (thinking, tool calls)."""
+        await self.constraints.check(plan, self.tokenizer, self.meta["vocab_size"])
+        spec = dataclasses.replace(self._row_spec(req, prompt_ids, ctx.rid), constraint=plan.constraint)
         received_at = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         rows = self._choice_rows(req, spec) if req.requested_rows > 1 else [spec]
         formats = [answer(RowStream(self, PendingRow(s, received_at), req, response_id=ctx.rid, t0=t0,
-                                    client_id=ctx.client_id, route=route or answer.name)) for s in rows]
+                                    client_id=ctx.client_id, route=route or answer.name, plan=plan))
+                   for s in rows]
         place.hand_over(f.run for f in formats)
         if len(formats) > 1:
             return await self._choices(formats, req)

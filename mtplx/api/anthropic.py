@@ -13,9 +13,12 @@ import json
 import uuid
 from typing import List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from mtplx.api import openai as oa
+from mtplx.api import output_plan
+from mtplx.api.parsing import ParsedAnswer
+from mtplx.api.tools import anthropic_tool_choice, anthropic_tools
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -32,8 +35,12 @@ def new_message_id() -> str:
 
 
 def error_body(exc: oa.OpenAIError) -> dict:
-    """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+    """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}; a refused
+    field is named at the start of the message ("tools.0.input_schema: ..."), as Anthropic does."""
+    message = exc.message
+    if exc.param and exc.status == 400 and not message.startswith(exc.param):
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": message}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,25 +48,84 @@ def error_body(exc: oa.OpenAIError) -> dict:
 
 
 class ContentBlock(BaseModel):
-    """A content block; only text blocks are served (citations are ignored; a cache_control hint
-    only changes how usage splits the prompt, see `MessagesRequest.sends_cache_control`)."""
+    """A content block: text; tool_use (assistant turns) and tool_result (user turns); thinking
+    (assistant turns; the template drops past reasoning). Citations are ignored; a cache_control
+    hint only changes how usage splits the prompt (see `MessagesRequest.sends_cache_control`)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
     text: Optional[str] = None
 
 
-def _blocks_text(content: Union[str, List[ContentBlock]], param: str) -> str:
+def _blocks_text(content: Union[str, List[ContentBlock]], param: str, allowed=("text",)) -> str:
+    """The text of a turn's text blocks; blocks of the `allowed` kinds other than text are skipped
+    (the caller reads them), any other kind is refused by name."""
     if isinstance(content, str):
         return content
     pieces = []
     for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
-            raise oa.invalid_request(f"Content block type {block.type!r} is not supported (text blocks only: no "
-                                     f"images, documents, tool use or thinking)", param=f"{param}.{j}.type",
-                                     code="unsupported_content")
-        pieces.append(block.text)
+        if block.type not in allowed or (block.type == "text" and block.text is None):
+            raise oa.invalid_request(f"Content block type {block.type!r} is not supported here (text, and tool_use "
+                                     f"/ thinking in assistant turns, tool_result in user turns; no images or "
+                                     f"documents)", param=f"{param}.{j}.type", code="unsupported_content")
+        if block.type == "text":
+            pieces.append(block.text)
     return "".join(pieces)
+
+
+def _field(block: ContentBlock, name: str, kind, param: str):
+    value = (block.model_extra or {}).get(name)
+    if not isinstance(value, kind):
+        raise oa.invalid_request(f"a {block.type} block needs {name}", param=f"{param}.{name}")
+    return value
+
+
+def _tool_result_text(block: ContentBlock, param: str) -> str:
+    content = (block.model_extra or {}).get("content", "")
+    if isinstance(content, list):
+        try:
+            content = [ContentBlock.model_validate(b) for b in content]
+        except Exception:
+            raise oa.invalid_request("tool_result content must be a string or text blocks",
+                                     param=f"{param}.content") from None
+    elif not isinstance(content, str):
+        raise oa.invalid_request("tool_result content must be a string or text blocks", param=f"{param}.content")
+    text = _blocks_text(content, f"{param}.content")
+    return f"Error: {text}" if (block.model_extra or {}).get("is_error") else text
+
+
+def _user_turn(content, param: str) -> List[oa.ChatMessage]:
+    """A user turn: its tool_result blocks as tool messages (in order), then its text."""
+    if isinstance(content, str):
+        return [oa.ChatMessage(role="user", content=content)]
+    out = []
+    for j, block in enumerate(content):
+        if block.type == "tool_result":
+            where = f"{param}.{j}"
+            out.append(oa.ChatMessage(role="tool", content=_tool_result_text(block, where),
+                                      tool_call_id=_field(block, "tool_use_id", str, where)))
+    text = _blocks_text(content, param, ("text", "tool_result"))
+    if text or not out:
+        out.append(oa.ChatMessage(role="user", content=text))
+    return out
+
+
+def _assistant_turn(content, param: str) -> oa.ChatMessage:
+    """An assistant turn: text, tool_use blocks as tool calls, thinking as reasoning."""
+    if isinstance(content, str):
+        return oa.ChatMessage(role="assistant", content=content)
+    calls, reasoning = [], []
+    for j, block in enumerate(content):
+        where = f"{param}.{j}"
+        if block.type == "tool_use":
+            calls.append({"id": _field(block, "id", str, where), "type": "function",
+                          "function": {"name": _field(block, "name", str, where),
+                                       "arguments": json.dumps(_field(block, "input", dict, where), ensure_ascii=False)}})
+        elif block.type == "thinking":
+            reasoning.append((block.model_extra or {}).get("thinking") or "")
+    text = _blocks_text(content, param, ("text", "tool_use", "thinking", "redacted_thinking"))
+    return oa.ChatMessage(role="assistant", content=text, tool_calls=calls or None,
+                          reasoning_content="".join(reasoning) if reasoning else None)
 
 
 class Message(BaseModel):
@@ -79,12 +145,42 @@ class _MessagesPrompt(BaseModel):
     tools: Optional[list] = None
     tool_choice: Optional[dict] = None
     thinking: Optional[dict] = None
+    _plan: Optional[output_plan.OutputPlan] = PrivateAttr(default=None)
 
     def checks(self) -> None:
-        for name in ("tools", "tool_choice", "thinking"):
-            if getattr(self, name):
-                raise oa.invalid_request(f"{name} is not supported by this server", param=name,
-                                         code="unsupported_value")
+        self.output_plan()      # tools, tool_choice and thinking are validated here
+
+    def _thinking(self) -> tuple:
+        """(on, budget) of `thinking`: {"type": "enabled", "budget_tokens": N} (below max_tokens;
+        the answer follows the reasoning) or {"type": "disabled"}."""
+        t = self.thinking
+        if t is None:
+            return False, None
+        kind = t.get("type")
+        if kind not in ("enabled", "disabled") or set(t) - {"type", "budget_tokens"}:
+            raise oa.invalid_request("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
+                                     "{\"type\": \"disabled\"}", param="thinking")
+        if kind == "disabled":
+            return False, None
+        budget = t.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise oa.invalid_request("thinking.budget_tokens must be a non-negative integer",
+                                     param="thinking.budget_tokens")
+        max_tokens = getattr(self, "max_tokens", None)
+        if max_tokens is not None and budget >= max_tokens:
+            raise oa.invalid_request(f"thinking.budget_tokens ({budget}) must be below max_tokens ({max_tokens})",
+                                     param="thinking.budget_tokens")
+        return True, budget
+
+    def output_plan(self) -> output_plan.OutputPlan:
+        """Tools in the prompt, calls parsed (and forced by a grammar for tool_choice any / tool),
+        thinking split off and budgeted (mtplx.api.output_plan)."""
+        if self._plan is None:
+            tools = anthropic_tools(self.tools)
+            choice = anthropic_tool_choice(self.tool_choice, tools)
+            thinking, budget = self._thinking()
+            self._plan = output_plan.assemble(thinking, budget, tools, choice)
+        return self._plan
 
     @property
     def continues_final_message(self) -> bool:
@@ -98,14 +194,18 @@ class _MessagesPrompt(BaseModel):
             if system:
                 out.append(oa.ChatMessage(role="system", content=system))
         for i, m in enumerate(self.messages):
-            out.append(oa.ChatMessage(role=m.role, content=_blocks_text(m.content, f"messages.{i}.content")))
+            param = f"messages.{i}.content"
+            if m.role == "user":
+                out += _user_turn(m.content, param)
+            else:
+                out.append(_assistant_turn(m.content, param))
         return out
 
     def encode(self, tokenizer) -> List[int]:
         """The prompt's token ids, through the model's chat template (as a chat completion's)."""
         prefill = self.continues_final_message
         return oa.encode_chat(tokenizer, self.chat_messages(), add_generation_prompt=not prefill,
-                              continue_final_message=prefill)
+                              continue_final_message=prefill, template_kwargs=self.output_plan().template_kwargs)
 
 
 class CountTokensRequest(_MessagesPrompt):
@@ -122,7 +222,7 @@ class MessagesRequest(_MessagesPrompt):
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0, strict=True)
     # accepted: bookkeeping, and a prompt-caching hint (the prefix cache is automatic; the hint only
     # asks for usage split into cache reads and uncached input)
@@ -164,11 +264,27 @@ class MessagesRequest(_MessagesPrompt):
 # Responses
 
 
-def stop_reason(finish_reason: str, stop_sequence: Optional[str]) -> str:
-    """Anthropic's stop_reason from the row's OpenAI finish_reason and the stop string it matched."""
+def stop_reason(finish_reason: str, stop_sequence: Optional[str], tool_use: bool = False) -> str:
+    """Anthropic's stop_reason from the row's OpenAI finish_reason, the stop string it matched and
+    whether it made tool calls."""
     if finish_reason == "length":
         return "max_tokens"
-    return "stop_sequence" if stop_sequence is not None else "end_turn"
+    if stop_sequence is not None:
+        return "stop_sequence"
+    return "tool_use" if tool_use else "end_turn"
+
+
+def content_blocks(parsed: ParsedAnswer) -> List[dict]:
+    """A parsed answer's content: a thinking block (thinking on), a text block (unless blank
+    beside tool calls), tool_use blocks."""
+    blocks = []
+    if parsed.reasoning is not None:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if (parsed.content or "").strip() or not parsed.tool_calls:
+        blocks.append({"type": "text", "text": parsed.content or ""})
+    for call in parsed.tool_calls:
+        blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)})
+    return blocks
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -180,10 +296,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def message_response(msg_id: str, model: str, text: str, finish_reason: str, stop_sequence: Optional[str],
-                     usage_: dict, stats: Optional[dict]) -> dict:
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}],
-            "stop_reason": stop_reason(finish_reason, stop_sequence), "stop_sequence": stop_sequence,
+                     usage_: dict, stats: Optional[dict], parsed: Optional[ParsedAnswer] = None) -> dict:
+    """`parsed`: the answer read for thinking and tool calls (None: one text block of `text`)."""
+    content = [{"type": "text", "text": text}] if parsed is None else content_blocks(parsed)
+    tool_use = parsed is not None and bool(parsed.tool_calls)
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason(finish_reason, stop_sequence, tool_use), "stop_sequence": stop_sequence,
             "usage": usage_, "mtplx_stats": stats}
 
 
@@ -192,32 +310,75 @@ def sse_event(name: str, data: dict) -> bytes:
 
 
 class MessageStream:
-    """The server-sent events of one streamed message: message_start, one text content block
+    """The server-sent events of one streamed message: message_start, its content blocks
     (content_block_start, content_block_delta..., content_block_stop), message_delta (stop reason
     and usage), message_stop; or an error event. message_start goes out before the prefix cache
-    has answered, so both usages count the whole prompt as input (no cache reads): the two agree."""
+    has answered, so both usages count the whole prompt as input (no cache reads): the two agree.
 
-    def __init__(self, msg_id: str, model: str, prompt_tokens: int):
+    A plain answer is one text block, opened at the start. A `parsed` answer (thinking, tools)
+    opens its blocks as its parts arrive (`events`): thinking (thinking_delta), text
+    (text_delta), tool_use (input {}, then input_json_delta fragments of the arguments)."""
+
+    def __init__(self, msg_id: str, model: str, prompt_tokens: int, parsed: bool = False):
         self.msg_id, self.model, self.prompt_tokens = msg_id, model, int(prompt_tokens)
+        self.parsed = parsed
+        self.index = -1 if parsed else 0     # the open block
+        self.block: Optional[str] = None if parsed else "text"
+        self.tool_use = False
 
     def start(self) -> bytes:
         message = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": usage(self.prompt_tokens, 0)}
-        return (sse_event("message_start", {"type": "message_start", "message": message})
-                + sse_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                    "content_block": {"type": "text", "text": ""}}))
+        out = sse_event("message_start", {"type": "message_start", "message": message})
+        return out if self.parsed else out + self._block_start({"type": "text", "text": ""})
+
+    def _block_start(self, block: dict) -> bytes:
+        return sse_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                 "content_block": block})
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def _open(self, kind: str, block: dict, new: bool = False) -> bytes:
+        if self.block == kind and not new:
+            return b""
+        out = self._close()
+        self.index, self.block = self.index + 1, kind
+        return out + self._block_start(block)
+
+    def _close(self) -> bytes:
+        if self.block is None:
+            return b""
+        self.block = None
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def text(self, delta: str) -> bytes:
-        return sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                 "delta": {"type": "text_delta", "text": delta}})
+        return self._delta({"type": "text_delta", "text": delta})
+
+    def events(self, events: list) -> bytes:
+        """A parsed answer's events (mtplx.api.parsing) as block events."""
+        out = b""
+        for ev in events:
+            if ev[0] == "reasoning":
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out += self._delta({"type": "thinking_delta", "thinking": ev[1]})
+            elif ev[0] == "content":
+                out += self._open("text", {"type": "text", "text": ""}) + self.text(ev[1])
+            elif ev[0] == "call":
+                self.tool_use = True
+                out += self._open("tool_use", {"type": "tool_use", "id": ev[2], "name": ev[3], "input": {}}, new=True)
+            else:
+                out += self._delta({"type": "input_json_delta", "partial_json": ev[2]})
+        return out
 
     def finish(self, finish_reason: str, stop_sequence: Optional[str], output_tokens: int,
                stats: Optional[dict]) -> bytes:
-        return (sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        end = b"" if self.index >= 0 else self._open("text", {"type": "text", "text": ""})
+        reason = stop_reason(finish_reason, stop_sequence, self.tool_use)
+        return (end + self._close()
                 + sse_event("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": stop_reason(finish_reason, stop_sequence),
-                                                        "stop_sequence": stop_sequence},
+                                              "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
                                               "usage": usage(self.prompt_tokens, output_tokens),
                                               "mtplx_stats": stats})
                 + sse_event("message_stop", {"type": "message_stop"}))

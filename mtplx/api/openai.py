@@ -151,18 +151,49 @@ class ContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: Union[str, dict] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A past assistant turn's tool call, as OpenAI returned it (arguments a JSON string)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[List[ToolCallIn]] = None         # assistant turns
+    tool_call_id: Optional[str] = None                    # tool turns
+    reasoning_content: Optional[str] = None               # assistant turns (the template drops past reasoning)
 
     @model_validator(mode="after")
     def _content_required(self):
         # Only an assistant turn may come without content (it made tool calls, say).
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
+
+    def template_dict(self, index: int) -> dict:
+        """The message as the chat template reads it."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text(index)}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -188,7 +219,7 @@ class _GenerationFields(BaseModel):
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)       # 0: the heaviest token only (greedy)
     top_k: Optional[int] = Field(default=None, ge=-1, strict=True)
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
@@ -211,6 +242,17 @@ class _GenerationFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, strict=True)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    # structured output (mtplx.api.output_plan): OpenAI's response_format, vLLM's structured_outputs;
+    # vLLM's deprecated guided_* fields are refused with the name of their replacement
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    guided_json_object: Optional[Any] = None
+    guided_decoding_backend: Optional[Any] = None
+    guided_whitespace_pattern: Optional[Any] = None
     # mtplx extensions
     generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
     omit_speculative_bonus: bool = False
@@ -269,10 +311,15 @@ class _GenerationFields(BaseModel):
 class ChatCompletionRequest(_GenerationFields):
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
-    tools: Optional[list] = None
+    # tools and thinking (validated into an OutputPlan by mtplx.api.output_plan)
+    tools: Optional[Any] = None
     tool_choice: Optional[Any] = None
-    functions: Optional[list] = None
-    response_format: Optional[dict] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[Any] = None          # legacy: refused, use tools
+    function_call: Optional[Any] = None      # legacy: refused, use tool_choice
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    thinking_budget: Optional[int] = Field(default=None, ge=0, strict=True)    # mtplx: thinking tokens before </think>
     logprobs: Optional[bool] = Field(default=None, strict=True)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
 
@@ -285,12 +332,10 @@ class ChatCompletionRequest(_GenerationFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs: true", param="top_logprobs")
         self.common_checks()
-        if self.tools or self.functions:
-            raise invalid_request("tools / function calling are not supported", param="tools",
-                                  code="unsupported_value")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid_request("response_format other than text is not supported",
-                                  param="response_format", code="unsupported_value")
+        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, legacy) is not None:
+                raise invalid_request(f"{legacy} is the deprecated form of function calling and is not supported; "
+                                      f"use {current}", param=legacy, code="unsupported_value")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise invalid_request("max_tokens and max_completion_tokens disagree; send one",
@@ -431,12 +476,16 @@ def parse_request(cls, raw: bytes):
 
 
 def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None) -> SamplerConfig:
-    """SamplerConfig from the request; omitted fields take the model's / mtplx defaults."""
+    """SamplerConfig from the request; omitted fields take the model's / mtplx defaults. top_p 0
+    keeps only the heaviest token: greedy decoding."""
     values = dict(defaults or {})
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
         if v is not None:
             values[name] = v
+    if req.top_p == 0:
+        values["temperature"] = 0.0
+        values.pop("top_p", None)
     if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
         values["top_k"] = 0
     try:
@@ -456,22 +505,24 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
 
 
 def render_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> str:
+                continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> str:
     """The messages through the model's chat template; `continue_final_message` leaves the last
-    (assistant) turn open, so the completion continues it."""
-    convo = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
-             for i, m in enumerate(messages)]
+    (assistant) turn open, so the completion continues it. `template_kwargs`: `tools` (OpenAI's
+    function-tool dicts) and `enable_thinking`, when the request has them."""
+    convo = [m.template_dict(i) for i, m in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             continue_final_message=continue_final_message)
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # jinja errors (e.g. role order rules of a template)
         raise invalid_request(f"messages could not be rendered with the model's chat template: {exc}",
                               param="messages") from None
 
 
 def encode_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, add_special_tokens: bool = False) -> List[int]:
-    text = render_chat(tokenizer, messages, add_generation_prompt, continue_final_message)
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                template_kwargs: Optional[dict] = None) -> List[int]:
+    text = render_chat(tokenizer, messages, add_generation_prompt, continue_final_message, template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -504,8 +555,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-# OpenAI's finish reasons this server reports ("tool_calls", "content_filter" never happen here).
-FINISH_REASONS = ("stop", "length")
+# OpenAI's finish reasons this server reports ("content_filter" never happens here; "tool_calls" when
+# the answer's tool calls were parsed, see deployments.ingress.formats).
+FINISH_REASONS = ("stop", "length", "tool_calls")
 
 
 def openai_finish_reason(engine_reason: Optional[str]) -> str:
@@ -515,12 +567,13 @@ def openai_finish_reason(engine_reason: Optional[str]) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-def chat_response(rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict,
+def chat_response(rid: str, created: int, model: str, text: Optional[str], finish_reason: str, usage_: dict,
                   stats: Optional[dict], stop_reason: Union[int, str, None] = None,
-                  logprobs: Optional[dict] = None) -> dict:
+                  logprobs: Optional[dict] = None, message_extra: Optional[dict] = None) -> dict:
+    """`message_extra`: `tool_calls` and `reasoning_content` of a parsed answer."""
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text, **(message_extra or {})},
                      "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}],
         "usage": usage_, "system_fingerprint": None, "mtplx_stats": stats,
     }
