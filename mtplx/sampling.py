@@ -191,9 +191,12 @@ def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
         z = z_all.astype(np.float64)
         return Distribution(None, z / z.sum(), V)
     total = float(z_all.sum(dtype=np.float64))
+    # tokens of weight 0 (masked to -inf by a grammar, or underflowed) are never drawn: the
+    # ranking is complete once the candidates hold every token of positive weight
+    support = int(np.count_nonzero(z_all))
     floor = max(CANDIDATE_FLOOR, cfg.min_p)
     while True:
-        cand = np.flatnonzero(z_all >= np.float32(floor))
+        cand = np.flatnonzero(z_all >= np.float32(floor)) if floor > 0.0 else np.flatnonzero(z_all)
         if 0 < cfg.top_k < cand.size:
             # top-k keeps none below the k-th heaviest weight: rank only the candidates at or above
             # it (still closed under ties, so still a prefix of the whole ranking)
@@ -210,7 +213,7 @@ def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
             keep &= zs >= cfg.min_p * zs[0]
         if cfg.top_k > 0:
             keep[cfg.top_k:] = False
-        if cand.size == V or not keep[-1] or 0 < cfg.top_k <= cand.size or floor <= cfg.min_p:
+        if cand.size == support or not keep[-1] or 0 < cfg.top_k <= cand.size or floor <= cfg.min_p:
             break
         floor = floor ** 4 if floor > 1e-30 else 0.0
     ids, w = cand[keep], zs[keep]
