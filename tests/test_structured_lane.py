@@ -98,6 +98,7 @@ def test_greedy_constrained_mtp_equals_ar_and_the_oracle(model, deep_lane, llg_t
     """Constrained greedy rows (three schemas, a regex, one after a thinking budget) in a
     depth-3 lane beside unconstrained greedy and sampled rows joining at different steps: each
     equals its greedy AR decoding under the same grammar, and mlx-lm with the grammar's masks;
+    every row's tokens are the same with overlapped cycles;
     every completed JSON output validates and ends with "stop"."""
     tok = model.tokenizer
     eos = frozenset(model.eos_token_ids)
@@ -110,6 +111,9 @@ def test_greedy_constrained_mtp_equals_ar_and_the_oracle(model, deep_lane, llg_t
     reqs.append(_req(12, tok.encode("import sys"), 40, sampler=SamplerConfig(temperature=1.0, top_p=0.9), seed=4))
     mtp, running = _run(deep_lane, reqs, stagger=2)
     assert running.accepted > 20 and max(s.mtp_depth for s in mtp) == 3
+    overlapped, running = _run(deep_lane, reqs, stagger=2, overlap=True)
+    assert running.overlapped_cycles > 0
+    assert [s.tokens for s in overlapped] == [s.tokens for s in mtp]
     ar, _ = _run(deep_lane, [_req(r.request_id, r.prompt_ids, r.max_tokens, r.constraint, stop_token_ids=eos,
                                   speculative=False) for r in reqs[:len(constraints)]])
     for i, c in enumerate(constraints):
