@@ -485,7 +485,7 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
             values[name] = v
     if req.top_p == 0:
         values["temperature"] = 0.0
-        values.pop("top_p", None)
+        values["top_p"] = 1.0
     if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
         values["top_k"] = 0
     try:
