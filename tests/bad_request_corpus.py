@@ -94,6 +94,24 @@ CASES = [
     # unsupported features, unknown things
     ("tool without function", "POST", CHAT, chat(tools=[{"type": "function"}]), JSON, 400, "tools.0.function"),
     ("legacy functions", "POST", CHAT, chat(functions=[{"name": "f"}]), JSON, 400, "functions"),
+    # structured output, tools, thinking
+    ("schema keyword not enforced", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"uniqueItems": True}}}}}), JSON, 400,
+     "response_format.json_schema.schema"),
+    ("schema of an unknown type", "POST", COMP, comp(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strng"}}}), JSON, 400, "response_format.json_schema.schema"),
+    ("regex that does not compile", "POST", CHAT, chat(structured_outputs={"regex": "(ab"}), JSON, 400,
+     "structured_outputs.regex"),
+    ("lark grammar that does not compile", "POST", CHAT, chat(structured_outputs={"grammar": "start: nope"}), JSON,
+     400, "structured_outputs.grammar"),
+    ("deprecated guided_json", "POST", CHAT, chat(guided_json={"type": "object"}), JSON, 400, "guided_json"),
+    ("tool_choice naming an unknown tool", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                              tool_choice={"type": "function",
+                                                                           "function": {"name": "g"}}), JSON, 400,
+     "tool_choice"),
+    ("tool without a name", "POST", CHAT, chat(tools=[{"type": "function", "function": {}}]), JSON, 400,
+     "tools.0.function.name"),
+    ("unknown reasoning_effort", "POST", CHAT, chat(reasoning_effort="max"), JSON, 400, "reasoning_effort"),
     ("echo", "POST", COMP, comp(echo=True), JSON, 400, "echo"),
     ("logit_bias", "POST", CHAT, chat(logit_bias={"5": 10}), JSON, 400, "logit_bias"),
     ("unknown model", "POST", CHAT, chat(model="gpt-4o"), JSON, 404, "model"),

@@ -445,10 +445,25 @@ def test_completions_and_anthropic_refusals_name_the_field(ingress):
                               "a": {"type": "strng"}}}}], "tool_choice": {"type": "any"}},
                            "tools.0.input_schema"),
                           ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "content": "x"}]}]},
-                           "messages.0.content.0.type")]:
+                           "messages.0.content.0.type"),
+                          ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "strng"}}}},
+                           "output_config.format.schema"),
+                          ({"output_config": {"format": {"type": "xml"}}}, "output_config.format.type"),
+                          ({"output_config": {"effort": "huge"}}, "output_config.effort")]:
         status, body = _post(ingress, "/v1/messages", {**msgs, **fields})
         assert status == 400 and body["type"] == "error", (fields, body)
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"].startswith(where), body
+
+
+def test_tokenize_renders_tools_and_thinking_as_chat_does(ingress, tokenizer):
+    from mtplx.api.openai import ChatMessage, encode_chat
+
+    status, body = _post(ingress, "/tokenize", {"messages": USER, "tools": [WEATHER],
+                                                "chat_template_kwargs": {"enable_thinking": True}})
+    assert status == 200, body
+    kwargs = {"tools": [WEATHER], "enable_thinking": True}
+    assert body["tokens"] == encode_chat(tokenizer, [ChatMessage(**m) for m in USER], template_kwargs=kwargs)
+    assert tokenizer.decode(body["tokens"]).endswith("<think>\n") and "# Tools" in tokenizer.decode(body["tokens"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -553,6 +568,10 @@ def test_anthropic_tool_use_streamed_and_not(serve_app):
     with pytest.raises(anthropic.BadRequestError) as exc:
         ac.messages.create(**dict(kw, tool_choice={"type": "tool", "name": "nope"}))
     assert "tool_choice.name" in str(exc.value)
+    # structured outputs: the client's parse helper (output_config.format)
+    parsed = ac.messages.parse(model=MODEL, messages=USER, max_tokens=64, output_format=Person,
+                               extra_body={"temperature": 0})
+    assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Person), parsed
 
 
 @RAY_MARK

@@ -358,7 +358,8 @@ class OpenAIIngress:
         self._check_model(req.model)
         if isinstance(req, oa.TokenizeChatRequest):
             ids = await _off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages,
-                                  req.add_generation_prompt, req.continue_final_message, req.add_special_tokens)
+                                  req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                                  output_plan.for_tokenize(req).template_kwargs)
         else:
             ids = await _off_loop(len(req.prompt), lambda: list(
                 self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))

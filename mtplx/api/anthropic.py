@@ -145,6 +145,7 @@ class _MessagesPrompt(BaseModel):
     tools: Optional[list] = None
     tool_choice: Optional[dict] = None
     thinking: Optional[dict] = None
+    output_config: Optional[dict] = None     # format: a JSON schema for the answer (structured outputs)
     _plan: Optional[output_plan.OutputPlan] = PrivateAttr(default=None)
 
     def checks(self) -> None:
@@ -152,16 +153,17 @@ class _MessagesPrompt(BaseModel):
 
     def _thinking(self) -> tuple:
         """(on, budget) of `thinking`: {"type": "enabled", "budget_tokens": N} (below max_tokens;
-        the answer follows the reasoning) or {"type": "disabled"}."""
+        the answer follows the reasoning), {"type": "adaptive"} (on, no budget) or {"type":
+        "disabled"}."""
         t = self.thinking
         if t is None:
             return False, None
         kind = t.get("type")
-        if kind not in ("enabled", "disabled") or set(t) - {"type", "budget_tokens"}:
-            raise oa.invalid_request("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N} or "
-                                     "{\"type\": \"disabled\"}", param="thinking")
-        if kind == "disabled":
-            return False, None
+        if kind not in ("enabled", "adaptive", "disabled") or set(t) - {"type", "budget_tokens", "display"}:
+            raise oa.invalid_request("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
+                                     "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", param="thinking")
+        if kind != "enabled":
+            return kind == "adaptive", None
         budget = t.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise oa.invalid_request("thinking.budget_tokens must be a non-negative integer",
@@ -179,7 +181,8 @@ class _MessagesPrompt(BaseModel):
             tools = anthropic_tools(self.tools)
             choice = anthropic_tool_choice(self.tool_choice, tools)
             thinking, budget = self._thinking()
-            self._plan = output_plan.assemble(thinking, budget, tools, choice)
+            structured = output_plan.output_config_constraint(self.output_config)
+            self._plan = output_plan.assemble(thinking, budget, tools, choice, structured)
         return self._plan
 
     @property

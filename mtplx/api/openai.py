@@ -434,6 +434,8 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    tools: Optional[Any] = None                     # listed by the template, as a chat completion's
+    chat_template_kwargs: Optional[dict] = None     # enable_thinking
 
     def checks(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:

@@ -154,6 +154,37 @@ def structured_outputs_constraint(so) -> tuple:
                   "regex" if kind == "regex" else "grammar")
 
 
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def output_config_constraint(oc) -> Optional[tuple]:
+    """Anthropic's `output_config`: `format` {"type": "json_schema", "schema"} constrains the
+    answer (what `client.messages.parse(output_format=Model)` sends); `effort` is accepted and has
+    no effect (thinking is turned on by `thinking`)."""
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise oa.invalid_request("output_config must be an object", param="output_config")
+    unknown = sorted(set(oc) - {"format", "effort"})
+    if unknown:
+        raise oa.invalid_request(f"output_config.{unknown[0]} is not supported", param=f"output_config.{unknown[0]}",
+                                 code="unsupported_value")
+    if oc.get("effort") is not None and oc["effort"] not in ANTHROPIC_EFFORTS:
+        raise oa.invalid_request(f"output_config.effort must be one of {list(ANTHROPIC_EFFORTS)}",
+                                 param="output_config.effort")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise oa.invalid_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                                 param="output_config.format.type", code="unsupported_value")
+    where = "output_config.format.schema"
+    if "schema" not in fmt:
+        raise oa.invalid_request("output_config.format needs a schema", param=where)
+    schema = _schema_value(fmt["schema"], where)
+    return _built(json_schema_grammar, schema, where, "json_schema", schema)
+
+
 def refuse_guided_fields(req) -> None:
     """vLLM's guided_* fields are gone (vLLM deprecated them): a 400 naming the replacement."""
     for name, replacement in GUIDED_FIELDS.items():
@@ -188,9 +219,10 @@ def chat_thinking(req) -> Tuple[bool, Optional[int]]:
     if flag is not None and not isinstance(flag, bool):
         raise oa.invalid_request("chat_template_kwargs.enable_thinking must be true or false",
                                  param="chat_template_kwargs.enable_thinking")
-    if flag is None and req.reasoning_effort is not None:
-        flag = req.reasoning_effort not in THINKING_OFF_EFFORTS
-    budget = req.thinking_budget
+    effort = getattr(req, "reasoning_effort", None)
+    if flag is None and effort is not None:
+        flag = effort not in THINKING_OFF_EFFORTS
+    budget = getattr(req, "thinking_budget", None)
     if budget is not None:
         if flag is False:
             raise oa.invalid_request("thinking_budget needs thinking; it is turned off by this request",
@@ -226,6 +258,13 @@ def for_chat(req: oa.ChatCompletionRequest) -> OutputPlan:
     choice = openai_tool_choice(req.tool_choice, tools, req.parallel_tool_calls)
     thinking, budget = chat_thinking(req)
     return assemble(thinking, budget, tools, choice, structured_constraint(req))
+
+
+def for_tokenize(req: oa.TokenizeChatRequest) -> OutputPlan:
+    """The chat form of /tokenize: the prompt a chat completion with these tools and
+    chat_template_kwargs decodes from."""
+    thinking, _ = chat_thinking(req)
+    return OutputPlan(thinking=thinking, tools=tuple(openai_tools(req.tools)))
 
 
 def for_completion(req: oa.CompletionRequest) -> OutputPlan:
