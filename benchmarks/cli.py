@@ -21,6 +21,12 @@ def run(a) -> None:
                 logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
                 open_requests=a.open_requests, direct_http=a.direct_http)
         return
+    if a.what == "structured":
+        from benchmarks.structured import run_cli as run_structured
+
+        if run_structured(a):
+            sys.exit(1)
+        return
     if a.what == "soak":
         from benchmarks.soak import run_cli as run_soak
 

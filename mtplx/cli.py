@@ -52,6 +52,17 @@ def add_load_options(p) -> None:
                    help="ours only: closed-loop arms without and with logprobs: K, alternated")
 
 
+def add_structured_options(p) -> None:
+    """The options only `bench structured` takes."""
+    p.add_argument("--duration", type=float, default=None, help="seconds per arm (20; --quick: 4)")
+    p.add_argument("--served", action="store_true", help="also through `serve run` (response_format json_schema), "
+                                                         "closed loops of --clients clients")
+    p.add_argument("--served-only", action="store_true", help="only the served arms")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="served: /v1/completions (code prompts, the default) or /v1/chat/completions")
+    p.add_argument("--blas-threads", type=int, default=1, help="in process: BLAS threads (1, as a replica)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="mtplx", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -67,23 +78,27 @@ def main(argv=None):
     g.add_argument("--mode", choices=("mtp", "ar"), default="mtp")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak")
-    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak"))
+    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak, structured")
+    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak", "structured"))
     b.add_argument("--model", default=None)
-    b.add_argument("--tokens", type=int, default=None)
+    b.add_argument("--tokens", type=int, default=None, help="tokens a row (structured: max_tokens, 96)")
     b.add_argument("--prompts", type=int, default=8, help="solo: prompts; service, http: rows of the cohort")
     b.add_argument("--rounds", type=int, default=3)
     b.add_argument("--json", action="store_true", help="one JSON line")
     b.add_argument("--no-child", action="store_true", help="skip the BLAS-off child run")
     b.add_argument("--no-report", action="store_true",
-                   help="solo/lane/service/http: print only; no JSON record, chart or BENCHMARKS.md section")
+                   help="solo/lane/service/http/structured: print only; no JSON record, chart or "
+                        "BENCHMARKS.md section")
     b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests; "
-                                                        "soak: 100 requests, 15 s of overload")
+                                                        "soak: 100 requests, 15 s of overload; "
+                                                        "structured: 1 round of 4 s per arm")
     b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
-    b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32")
+    b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32; "
+                                                   "structured --served: 1,8")
     b.add_argument("--direct-http", action="store_true", help="load, soak: clients call the ingress replica on its "
                                                               "own port (Serve's direct ingress), not the proxy")
     add_load_options(b.add_argument_group("load only"))
+    add_structured_options(b.add_argument_group("structured only"))
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
