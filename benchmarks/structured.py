@@ -551,7 +551,7 @@ def render_structured(record: dict, image: str) -> str:
                   "", *[ln.format(what="clients, sampler") for ln in TABLE_HEAD],
                   *[r for c, per in served.items() for name, summ in per.items()
                     for r in _arm_rows(f"{c[1:]}, {name}", summ)],
-                  "", _targets_line("served", {f"{c[1:]} clients {name}": summ for c, per in served.items()
+                  "", _targets_line("served", {f"{c[1:]} client(s) {name}": summ for c, per in served.items()
                                               for name, summ in per.items()})]
         lines += _invalid_lines({f"{c} {name}": summ for c, per in served.items() for name, summ in per.items()})
     return "\n".join(lines + ["", f"![bench structured]({image})"]) + "\n"
