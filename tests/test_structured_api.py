@@ -449,6 +449,8 @@ def test_completions_and_anthropic_refusals_name_the_field(ingress):
                           ({"tool_choice": {"type": "any"}}, "tool_choice"),
                           ({"thinking": {"type": "enabled", "budget_tokens": 16}}, "thinking.budget_tokens"),
                           ({"thinking": {"type": "on"}}, "thinking"),
+                          ({"thinking": {"type": "adaptive"}, "messages": USER + [
+                              {"role": "assistant", "content": "def"}]}, "thinking"),
                           ({"tools": [{"name": "t", "input_schema": {"type": "object", "properties": {
                               "a": {"type": "strng"}}}}], "tool_choice": {"type": "any"}},
                            "tools.0.input_schema"),

@@ -181,6 +181,9 @@ class _MessagesPrompt(BaseModel):
             tools = anthropic_tools(self.tools)
             choice = anthropic_tool_choice(self.tool_choice, tools)
             thinking, budget = self._thinking()
+            if thinking and self.continues_final_message:
+                raise oa.invalid_request("thinking cannot be combined with a final assistant turn (a prefill): the "
+                                         "answer would start inside it, not in a thinking section", param="thinking")
             structured = output_plan.output_config_constraint(self.output_config)
             self._plan = output_plan.assemble(thinking, budget, tools, choice, structured)
         return self._plan
