@@ -233,8 +233,9 @@ class RowGrammar:
     it `speculate`s the primary and the drafts it judges (each draft's and each verified
     position's `allowed` set comes after the tokens before it), then `unwind`s them before the
     row's decisions emit what it keeps. `allowed()`: a bool mask over the model's vocabulary,
-    or None where every token is allowed (thinking, below its budget). `ended`: the grammar is
-    complete (only end-of-sequence allowed): the row stops there."""
+    or None where every token is allowed (thinking, below its budget); `allows(token)`: one
+    token's check. `ended`: the grammar is complete (only end-of-sequence allowed): the row
+    stops there."""
 
     def __init__(self, constraint: Constraint, tokenizer, vocab: int):
         llg = _llg()
@@ -264,6 +265,14 @@ class RowGrammar:
     def ended(self) -> bool:
         return not self.thinking and self.matcher is not None and self.matcher.is_stopped()
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next: a check of one token (a few microseconds),
+        where `allowed()` computes the whole mask (about a hundred)."""
+        if self.thinking or self.matcher is None or self.matcher.is_stopped():
+            mask = self.allowed()
+            return mask is None or bool(mask[int(token)])
+        return self.matcher.validate_tokens([int(token)]) == 1
+
     def allowed(self) -> Optional[np.ndarray]:
         n = len(self.tokens)
         if self._mask_cache is not None and self._mask_cache[0] == n:
@@ -284,10 +293,10 @@ class RowGrammar:
         if self.matcher is None:
             return None
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little").astype(bool)
-        mask = np.zeros(self.vocab, dtype=bool)
-        n = min(self.vocab, bits.size, self.tokenizer.vocab_size)
-        mask[:n] = bits[:n]
+        n = min(self.vocab, self.tokenizer.vocab_size)
+        mask = np.unpackbits(self._bits.view(np.uint8), count=n, bitorder="little").view(bool)
+        if n < self.vocab:            # the embedding's rows past the tokenizer's are never allowed
+            mask = np.concatenate([mask, np.zeros(self.vocab - n, dtype=bool)])
         if not mask.any():                     # an error state: end the row rather than draw from nothing
             mask[self.tokenizer.eos_token] = True
         return mask

@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from mtplx.sampling import Distribution, inverse_cdf, sample
+from mtplx.sampling import Distribution, inverse_cdf, sample, to_host
 
 
 def verify_one_token(p, q, draft: int, rng: np.random.Generator) -> tuple[bool, int]:
@@ -48,26 +48,40 @@ class Targets:
     row's is a point mass at the argmax) with its own RNG."""
 
     def __init__(self, vocab: int, ids: Optional[np.ndarray] = None, logits: Optional[np.ndarray] = None,
-                 allowed: Optional[dict] = None):
+                 allowed: Optional[dict] = None, device_logits=None):
         self.vocab, self.ids, self.logits = vocab, ids, logits
-        self.allowed = allowed or {}      # constrained rows: b -> [what its grammar allows at each position]
+        self.allowed = allowed or {}      # sampled constrained rows: b -> [its grammar's mask at each position]
+        self.device_logits = device_logits   # the verify's logits, read row by row where a grammar needs them
+
+    def _host_logits(self, b: int, j: int):
+        """Row b's logits at position j on the host, when a grammar asks (all rows' come at once)."""
+        def read():
+            if self.logits is None:
+                self.logits = to_host(self.device_logits)
+            return self.logits[b, j]
+        return read
 
     def p(self, row, b: int, j: int):
-        """Row b's target distribution at position j (restricted to what its grammar allows)."""
+        """Row b's target distribution at position j, restricted to what its grammar allows there
+        (a greedy constrained row's grammar is at position j's state when it is judged)."""
+        if row.grammar is not None and row.greedy:
+            return Distribution.point(row.constrained_argmax(int(np.argmax(self.logits[b, j])),
+                                                             self._host_logits(b, j)), self.vocab)
         masks = self.allowed.get(b)
         return row.dist(self.logits[b, j], allowed=None if masks is None else masks[j])
 
     def token(self, row, b: int, j: int) -> int:
         """The target's own token at position j: row b's next token when it keeps no further draft."""
         if self.ids is not None:
-            return int(self.ids[b, j])
+            token = int(self.ids[b, j])
+            return token if row.grammar is None else row.constrained_argmax(token, self._host_logits(b, j))
         return sample(self.p(row, b, j), row.rng)
 
     def judge(self, row, b: int, j: int, draft: int, q: Optional[Distribution]) -> tuple[bool, int]:
         """(kept, token): the draft at position j kept, or the token the row takes instead. `q`: the
         draft's distribution (None: a point mass, the head's argmax)."""
         if self.ids is not None:
-            target = int(self.ids[b, j])
+            target = self.token(row, b, j)
             return draft == target, target
         q = q if q is not None else Distribution.point(draft, self.vocab)
         return verify_one_token(self.p(row, b, j), q, draft, row.rng)

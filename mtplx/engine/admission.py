@@ -264,7 +264,11 @@ class LaneAdmission:
             return
         # The first token comes from the prefill's logits: emit it now rather than after a cycle
         # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
-        first = int(mx.argmax(logits).item()) if row.greedy else sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
+        if row.greedy:
+            first = int(mx.argmax(logits).item())
+            first = first if row.grammar is None else row.constrained_argmax(first, lambda: to_host(logits))
+        else:
+            first = sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
         if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
             self.rows[b] = None
         else:

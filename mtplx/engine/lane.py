@@ -404,7 +404,7 @@ class RunningLane(LaneShape, LaneAdmission):
         has_pending = np.array([r is not None and r.pending is not None for r in rows])
         pending = np.array([r.pending if r is not None and r.pending is not None else 0 for r in rows],
                            dtype=np.int64)
-        if all(r.greedy for r in rows if r is not None):
+        if all(r.greedy and (r.grammar is None or r.pending is not None) for r in rows if r is not None):
             x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
                           mx.argmax(self.logits_last, axis=-1).astype(mx.uint32))
             return Step(active, has_pending, True, x0)
@@ -413,15 +413,21 @@ class RunningLane(LaneShape, LaneAdmission):
         x0_host = pending.copy()
         for b in np.flatnonzero(active & ~has_pending):
             x0_host[b] = sample(rows[b].dist(logits_host[b], allowed=rows[b].allowed()), rows[b].rng)
-        step = Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host, allowed={})
-        for b in np.flatnonzero(active):
-            grammar = rows[b].grammar
-            if grammar is not None:          # its grammar speculates its primary (if not yet emitted)
-                if not has_pending[b]:
-                    grammar.speculate(int(x0_host[b]))
-                step.allowed[b] = [grammar.allowed()]
         self._host_s += time.perf_counter() - t_host
-        return step
+        return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
+
+    def _speculate_primaries(self, step: Step) -> None:
+        """Constrained rows' grammars speculate their primaries (those not yet emitted); a sampled
+        one's mask after it starts its list (`Step.allowed`)."""
+        step.allowed = {}
+        for b in np.flatnonzero(step.active):
+            row = self.rows[b]
+            if row.grammar is None:
+                continue
+            if not step.has_pending[b]:
+                row.grammar.speculate(int(step.x0_host[b]))
+            if row.masked:
+                step.allowed[b] = [row.grammar.allowed()]
 
     def _verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None):
         """The target forward over `tokens` [W, T]; the step learns its targets, its primaries and
@@ -445,7 +451,7 @@ class RunningLane(LaneShape, LaneAdmission):
         self._wait_s += time.perf_counter() - t_wait
         host, L_host = np.array(tokens), None
         if step.greedy:
-            step.targets = Targets(self.model.vocab_size, ids=np.array(read[1]))
+            step.targets = Targets(self.model.vocab_size, ids=np.array(read[1]), device_logits=L)
         else:
             L_host = to_host(L)
             step.targets = Targets(self.model.vocab_size, logits=L_host, allowed=step.allowed)
@@ -457,9 +463,9 @@ class RunningLane(LaneShape, LaneAdmission):
     def _unwind(self, step: Step) -> None:
         """Constrained rows' grammars roll back what they speculated (primary, drafts): the row's
         decisions then emit, and their grammars consume, what it keeps."""
-        for b in step.allowed or ():
-            if self.rows[b] is not None:
-                self.rows[b].grammar.unwind()
+        for row in self.rows:
+            if row is not None and row.grammar is not None:
+                row.grammar.unwind()
 
     def _emit_primary(self, b: int, row: LaneRow, token: int) -> bool:
         """Emit row b's primary token (not yet emitted: it came from last step's logits); True
@@ -495,6 +501,7 @@ class RunningLane(LaneShape, LaneAdmission):
         positions (and any entry owed from the last MTP cycle) are owed."""
         self._count_step()
         step = self._primaries()
+        self._speculate_primaries(step)
         if self.mtp_caches:
             may_draft = self.history.owe_rows(self.rows)
             if may_draft.any():
@@ -529,6 +536,7 @@ class RunningLane(LaneShape, LaneAdmission):
         self.history.write(self.model, self.mtp_caches)     # what AR steps owed, first
         drafting = np.array([r is not None and r.wants_draft() for r in self.rows])
         step = self._primaries()
+        self._speculate_primaries(step)
         step.drafting = drafting
         step.depth = self.lane.depth if self.inject_drafts is None else 1   # the self-check injects single drafts
         step.row_depth = np.array([min(r.chain_depth or step.depth, step.depth) if drafting[b] else 0

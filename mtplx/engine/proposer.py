@@ -4,9 +4,11 @@ at depth 2-3 it runs again on its own output and last draft per chained draft. W
 comes from: the head's argmax for a greedy draft sampler (q a point mass, no draw); otherwise a
 draw from the row's own draft distribution q with its own RNG, on the device (no wait between
 the head and the verify) or on the host (after a wait, from the whole q; always for a draft
-sampler with penalties, whose token counts live on the host; always for a constrained row: its
-draft j is drawn from q restricted to what its grammar allows after its primary and drafts
-0..j-1, which the host learns one draft at a time)."""
+sampler with penalties, whose token counts live on the host). A constrained row's draft j comes
+from q restricted to what its grammar allows after its primary and drafts 0..j-1: a greedy
+draft is the head's argmax when the grammar allows it, else the argmax over what it allows; a
+drawn one is drawn on the host under the grammar's mask. The host learns a constrained row's
+drafts one at a time (its grammar speculates each before the next is drafted)."""
 
 from __future__ import annotations
 
@@ -49,19 +51,21 @@ class Proposer:
         """The drafts of every row [W, depth]: row b drafts its first `row_depth[b]` (0: it does not
         draft); past them a row's entries are whatever the head gave, never judged, and make no
         draws. The head forward also writes each row's owed history entries. `allowed`: each
-        constrained row's masks so far ([after its primary]); each of its drafts is drawn under
-        the last, speculated by its grammar, and the mask after it appended."""
+        sampled constrained row's masks so far ([after its primary]); each of its drafts is drawn
+        under the last, and the mask after it appended."""
         self._allowed = allowed or {}
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
         q_logits, g = forwards.draft(history.hidden, h_last, mx.array(history.tokens, dtype=mx.uint32), x0,
                                      mx.array(owed.astype(np.int32)))        # [W, V], [W, 1, H]
         commit_rows(forwards.mtp_caches, D + 1, np.where(keep_history, 1 + owed, 0))
-        drafts = [self._draws(q_logits, rows, row_depth > 0, greedy, proposal, 0)]
+        drafts = [self._constrained(q_logits, self._draws(q_logits, rows, row_depth > 0, greedy, proposal, 0),
+                                    rows, row_depth > 0)]
         for j in range(1, depth):
             q_logits, g = forwards.chain(g, drafts[-1])
             commit_rows(forwards.mtp_caches, 1, np.zeros(W, dtype=np.int64))
-            drafts.append(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j))
+            drafts.append(self._constrained(q_logits, self._draws(q_logits, rows, row_depth > j, greedy, proposal, j),
+                                            rows, row_depth > j))
         proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
         if greedy:
             t_device = time.perf_counter()
@@ -108,11 +112,35 @@ class Proposer:
             masks = self._allowed.get(b)
             q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler, None if masks is None else masks[j])
             d_host[b] = sample(q[b], rows[b].rng)
-            if masks is not None:
-                rows[b].grammar.speculate(int(d_host[b]))
-                masks.append(rows[b].grammar.allowed())
         self.host_s += time.perf_counter() - t_host
         return d_host
+
+    def _constrained(self, q_logits: mx.array, d: mx.array, rows, drafting: np.ndarray) -> mx.array:
+        """Constrained drafting rows' drafts, read on the host: a greedy one the argmax over what
+        its grammar allows; each speculated by its grammar (and a sampled row's next mask kept)."""
+        constrained = [b for b in np.flatnonzero(drafting) if rows[b].grammar is not None]
+        if not constrained:
+            return d
+        t_wait = time.perf_counter()
+        d_host = np.array(d)              # the wait for the head
+        t_host = time.perf_counter()
+        self.wait_s += t_host - t_wait
+        q_host = []                       # the head's logits on the host, read once if a grammar asks
+
+        def q_row(b):
+            if not q_host:
+                q_host.append(to_host(q_logits))
+            return q_host[0][b]
+
+        for b in constrained:
+            row = rows[b]
+            if row.greedy_draft:
+                d_host[b] = row.constrained_argmax(int(d_host[b]), lambda: q_row(b))
+            row.grammar.speculate(int(d_host[b]))
+            if b in self._allowed:
+                self._allowed[b].append(row.grammar.allowed())
+        self.host_s += time.perf_counter() - t_host
+        return mx.array(d_host, dtype=mx.uint32)
 
     def settle(self, proposal: Proposal, d_host: np.ndarray, check: bool = True) -> None:
         """After the cycle's one wait: each device-drawn draft's exact q, from its candidates and

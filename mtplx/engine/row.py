@@ -203,15 +203,27 @@ class LaneRow:
 
     @property
     def greedy(self) -> bool:
-        """Decided on the device from argmaxes: greedy, without penalties or a grammar (a
-        constrained row's argmax is over what its grammar allows: decided on the host)."""
-        return (self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
-                and self.grammar is None)
+        """Decided from argmaxes read on the device (a constrained row's: when its grammar allows
+        the argmax; else from its logits, `constrained_argmax`)."""
+        return self.sampler.is_greedy and self.draft_sampler.is_greedy and not self.sampler.has_penalties
 
     @property
     def greedy_draft(self) -> bool:
-        """Drafts the head's argmax (on the device, no RNG draw)."""
-        return self.draft_sampler.is_greedy and not self.draft_sampler.has_penalties and self.grammar is None
+        """Drafts the head's argmax (on the device, no RNG draw; a constrained row's checked)."""
+        return self.draft_sampler.is_greedy and not self.draft_sampler.has_penalties
+
+    @property
+    def masked(self) -> bool:
+        """A constrained row whose distributions are sampled: it needs its grammar's whole masks
+        (a greedy one needs only the argmax checked, `constrained_argmax`)."""
+        return self.grammar is not None and not self.greedy
+
+    def constrained_argmax(self, argmax: int, logits_row) -> int:
+        """A constrained greedy row's token: `argmax` when its grammar allows it, else the argmax
+        over what it allows (`logits_row`: a callable giving the row's logits on the host)."""
+        if self.grammar.allows(argmax):
+            return int(argmax)
+        return int(np.argmax(np.where(self.grammar.allowed(), logits_row(), np.float32(-np.inf))))
 
     def allowed(self):
         """What its grammar allows next (a bool mask over the vocabulary); None: anything."""

@@ -29,8 +29,8 @@ class Step:
     d_host: Optional[np.ndarray] = None      # drafts [W, depth]
     proposal: object = None
     keep: Optional[np.ndarray] = None
-    # constrained rows: row b -> what its grammar allows at each verify position [0..its depth]
-    # (after its primary and the drafts before that position); their grammars speculate them
+    # sampled constrained rows: row b -> what its grammar allows at each verify position [0..its
+    # depth] (after its primary and the drafts before that position, which its grammar speculates)
     allowed: Optional[dict] = None
     drafted: int = 0                   # rows that drafted, drafts they kept (the StepPolicy's acceptance)
     accepted: int = 0
