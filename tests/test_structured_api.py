@@ -497,6 +497,10 @@ def test_openai_structured_output_helpers_and_fields(client):
     choice = parsed.choices[0]
     assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person), choice
     assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+    with client.chat.completions.stream(model=MODEL, messages=USER, response_format=Person, max_tokens=64,
+                                        temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.parsed == choice.message.parsed
     for extra, check in [({"structured_outputs": {"regex": "[a-z]{3,8}-[0-9]{2}"}},
                           lambda t: re.fullmatch("[a-z]{3,8}-[0-9]{2}", t)),
                          ({"structured_outputs": {"choice": ["yes", "no", "maybe"]}}, lambda t: t in ("yes", "no", "maybe")),
@@ -537,6 +541,10 @@ def test_openai_required_tool_calls_streamed_and_not(client):
     fragments = [d.function.arguments for d in deltas if d.function.arguments]
     assert len(fragments) > 2 and json.loads("".join(fragments)) == arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    with client.chat.completions.stream(model=MODEL, messages=USER, tools=[tool], tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=96, temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.parsed_arguments == call.function.parsed_arguments
     # tools with the default choice (auto): listed in the prompt, the answer read for calls
     auto = client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], max_tokens=8, temperature=0)
     plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0)

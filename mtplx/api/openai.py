@@ -174,6 +174,7 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[List[ToolCallIn]] = None         # assistant turns
     tool_call_id: Optional[str] = None                    # tool turns
     reasoning_content: Optional[str] = None               # assistant turns (the template drops past reasoning)
+    reasoning: Optional[str] = None                       # newer vLLM's name for it
 
     @model_validator(mode="after")
     def _content_required(self):
@@ -191,8 +192,9 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
                                  for c in self.tool_calls]
-        if self.reasoning_content is not None:
-            out["reasoning_content"] = self.reasoning_content
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
 
     def text(self, index: int) -> str:
