@@ -27,6 +27,7 @@ from mtplx.api import output_plan
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
+from mtplx.structured import Constraint
 
 from .._proc import freeze_startup_objects, renice_process, renice_serve_proxy
 from ..live_page import PAGE_HTML, PAGE_PATH
@@ -262,7 +263,7 @@ class OpenAIIngress:
         `plan`: the answer's constraint (checked here: a grammar that does not compile is a 400)
         and how its text is read (thinking, tool calls)."""
         await self.constraints.check(plan, self.tokenizer, self.meta["vocab_size"])
-        spec = dataclasses.replace(self._row_spec(req, prompt_ids, ctx.rid), constraint=plan.constraint)
+        spec = self._row_spec(req, prompt_ids, ctx.rid, plan.constraint)
         received_at = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         rows = self._choice_rows(req, spec) if req.requested_rows > 1 else [spec]
@@ -278,7 +279,7 @@ class OpenAIIngress:
             return StreamingResponse(fmt.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
         return JSONResponse(await fmt.response())
 
-    def _row_spec(self, req, prompt_ids: List[int], rid: str) -> RowSpec:
+    def _row_spec(self, req, prompt_ids: List[int], rid: str, constraint: Optional[Constraint] = None) -> RowSpec:
         """The row this request decodes as (its n > 1 choices are copies of it)."""
         if req.stop_token_ids:
             self._check_vocab(req.stop_token_ids, "stop_token_ids")
@@ -291,7 +292,7 @@ class OpenAIIngress:
             omit_speculative_bonus=bool(req.omit_speculative_bonus),
             # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
             stop_token_ids=tuple(sorted(set(req.stop_token_ids or ()))), ignore_eos=bool(req.ignore_eos),
-            logprobs=req.requested_logprobs)
+            logprobs=req.requested_logprobs, constraint=constraint)
 
     def _max_tokens(self, req, n_prompt: int) -> int:
         """The row's budget: the request's (within this server's limit and the context window), or

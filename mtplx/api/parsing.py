@@ -183,7 +183,11 @@ class ToolCallParser:
     def _header(self, out: list) -> None:
         m = _HEADER.match(self._buf)
         if m is not None:
-            call = self._start(out, json.loads(m.group(1)), TOOL_CALL_OPEN + self._buf[:m.end()])
+            try:
+                name = json.loads(m.group(1))
+            except ValueError:         # not a JSON string after all: the block is read whole
+                name = None
+            call = self._start(out, name, TOOL_CALL_OPEN + self._buf[:m.end()])
             if call is not None:
                 self._buf, self.mode, self._scan = self._buf[m.end():], "args", _ValueScanner()
                 return

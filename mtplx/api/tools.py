@@ -267,5 +267,11 @@ def tool_call_constraint(tools: Sequence[ToolSpec], choice: ToolChoice, after_th
             parts.append((Constraint(json_schema_grammar(tool.parameters), "json_schema"), tool.param, tool.parameters))
         except ConstraintError as exc:
             raise oa.invalid_request(str(exc), param=tool.param, code="invalid_schema") from None
-    grammar = lark_grammar(tool_call_lark(allowed, choice.parallel, after_thinking))
+        except Exception as exc:      # llguidance's own refusal of the schema
+            raise oa.invalid_request(f"json_schema cannot be enforced: {exc}", param=tool.param,
+                                     code="invalid_schema") from None
+    try:
+        grammar = lark_grammar(tool_call_lark(allowed, choice.parallel, after_thinking))
+    except Exception as exc:
+        raise oa.invalid_request(f"the tool-call grammar cannot be built: {exc}", param="tools") from None
     return Constraint(grammar, "tool_call"), parts
