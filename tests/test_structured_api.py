@@ -215,6 +215,47 @@ def test_reasoning_splits_at_the_first_think_end():
     assert both.result().reasoning == "hmm" and [c.name for c in both.result().tool_calls] == ["f"]
 
 
+def test_parser_takes_any_text_without_failing():
+    """Whatever a model writes (markers cut anywhere, broken JSON, odd escapes): no exception, and
+    every call returned has a JSON object for arguments."""
+    from mtplx.api.parsing import OutputParser
+
+    pieces = ["<tool_call>", "</tool_call>", "<think>", "</think>", '{"name": ', '"f"', '"\\x"', ', "arguments": ',
+              "{", "}", "[", "]", '"', "\\", "\n", " ", "a", "1", ",", "<tool_", "</thi"]
+    rng = random.Random(3)
+    for _ in range(1500):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
+        parser = OutputParser(thinking=rng.random() < 0.5, tools=True)
+        _feed(parser, text, sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6)))))
+        assert all(isinstance(json.loads(c.arguments), dict) for c in parser.result().tool_calls)
+
+
+def test_anthropic_stream_opens_a_block_per_part():
+    from mtplx.api.anthropic import MessageStream
+
+    stream = MessageStream("msg_1", MODEL, 5, parsed=True)
+    raw = stream.start() + stream.events([("reasoning", "r"), ("reasoning", "s"), ("content", "c"),
+                                          ("call", 0, "toolu_1", "f"), ("args", 0, '{"a"'), ("args", 0, ": 1}"),
+                                          ("call", 1, "toolu_2", "g"), ("args", 1, "{}")])
+    raw += stream.finish("stop", None, 9, {})
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    shape = [(e["type"], e.get("index"), (e.get("content_block") or e.get("delta") or {}).get("type")) for e in events]
+    assert shape == [("message_start", None, None),
+                     ("content_block_start", 0, "thinking"), ("content_block_delta", 0, "thinking_delta"),
+                     ("content_block_delta", 0, "thinking_delta"), ("content_block_stop", 0, None),
+                     ("content_block_start", 1, "text"), ("content_block_delta", 1, "text_delta"),
+                     ("content_block_stop", 1, None),
+                     ("content_block_start", 2, "tool_use"), ("content_block_delta", 2, "input_json_delta"),
+                     ("content_block_delta", 2, "input_json_delta"), ("content_block_stop", 2, None),
+                     ("content_block_start", 3, "tool_use"), ("content_block_delta", 3, "input_json_delta"),
+                     ("content_block_stop", 3, None), ("message_delta", None, None), ("message_stop", None, None)]
+    assert events[8]["content_block"] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    empty = MessageStream("msg_2", MODEL, 5, parsed=True)
+    raw = empty.start() + empty.finish("length", None, 4, {})
+    assert b'"content_block_start","index":0,"content_block":{"type":"text"' in raw and b"max_tokens" in raw
+
+
 def test_openai_deltas_carry_the_call_first_then_fragments():
     from mtplx.api.parsing import openai_delta
 
