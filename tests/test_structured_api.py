@@ -572,6 +572,7 @@ def test_openai_required_tool_calls_streamed_and_not(client):
     assert isinstance(call.function.parsed_arguments, GetWeather)
     arguments = _args_valid(call.function.arguments, schema)
     assert r.model_extra["mtplx_stats"]["finish_reason"] == "tool_calls"
+    assert r.model_extra["mtplx_stats"]["constraint"] == "tool_call"
     # streamed: the call's id, type and name first, then its arguments in fragments, as they come
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=USER, tools=[tool], tool_choice={"type": "function", "function": {"name": "get_weather"}},

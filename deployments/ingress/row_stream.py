@@ -289,6 +289,8 @@ class RowStream:
             stats["client_request_id"] = self.client_id
         if end == END_STOP_STRING:
             stats["stop_string_matched"] = True
+        if self.spec.constraint is not None:     # what constrained the row (json_schema, tool_call, thinking, ...)
+            stats["constraint"] = self.spec.constraint.kind
         stats["cancelled"] = end == END_CANCELLED
         # the client sees OpenAI's reason everywhere; the engine's stays beside it
         stats["engine_finish_reason"] = stats.get("engine_finish_reason") or fin.get("finish_reason")
