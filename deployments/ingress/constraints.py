@@ -40,20 +40,29 @@ def check_plan(plan: OutputPlan, tokenizer) -> None:
 class ConstraintChecker:
     def __init__(self):
         self._tokenizer = None
+        self._unavailable: Optional[str] = None     # why the grammar engine cannot read this tokenizer
         self._lock = asyncio.Lock()
 
     async def _grammar_tokenizer(self, tokenizer, vocab_size: Optional[int]):
-        if self._tokenizer is None:
+        if self._tokenizer is None and self._unavailable is None:
             async with self._lock:
-                if self._tokenizer is None:
+                if self._tokenizer is None and self._unavailable is None:
                     loop = asyncio.get_running_loop()
-                    self._tokenizer = await loop.run_in_executor(None, grammar_tokenizer, tokenizer, vocab_size)
-                    log.info("mtplx ingress: the grammar engine's tokenizer is built (%d tokens)",
-                             self._tokenizer.vocab_size)
+                    try:
+                        self._tokenizer = await loop.run_in_executor(None, grammar_tokenizer, tokenizer, vocab_size)
+                        log.info("mtplx ingress: the grammar engine's tokenizer is built (%d tokens)",
+                                 self._tokenizer.vocab_size)
+                    except Exception as exc:     # a slow (not Rust) tokenizer, say
+                        log.exception("mtplx ingress: the grammar engine cannot read this model's tokenizer")
+                        self._unavailable = f"{type(exc).__name__}: {exc}"
         return self._tokenizer
 
     async def check(self, plan: OutputPlan, tokenizer, vocab_size: Optional[int]) -> None:
         if plan.constraint is None or plan.constraint.grammar is None:
             return
         llg_tokenizer = await self._grammar_tokenizer(tokenizer, vocab_size)
+        if llg_tokenizer is None:
+            raise oa.invalid_request(f"structured output is not available for this model: the grammar engine "
+                                     f"cannot read its tokenizer ({self._unavailable})", param=plan.param,
+                                     code="unsupported_value")
         await asyncio.get_running_loop().run_in_executor(None, check_plan, plan, llg_tokenizer)
