@@ -69,6 +69,11 @@ from benchmarks.schemas import SCHEMAS, format_checker, validation_error
 MAX_TOKENS = 96
 WIDTH = 8
 ARMS = ("constrained", "unconstrained")
+# in process also: the same rows free, each with its constrained twin's length as its budget (the
+# median tokens its item's constrained rows returned so far), so that both arms run as many rows,
+# prefills and tokens a row: what remains between them is the grammar's own cost and acceptance
+MATCHED = "matched"
+ALL_ARMS = ARMS + (MATCHED,)
 SAMPLERS = {"greedy": {"temperature": 0.0}, "t0.6": {"temperature": 0.6, "top_p": 0.95}}
 TARGET_RATIO = 0.85
 TARGET_VALIDITY = 1.0
@@ -127,7 +132,7 @@ def summarize_arms(rounds: List[dict]) -> dict:
     medians over rounds and the pooled counts, the median of the per-round ratios
     constrained/unconstrained tok/s, and whether the targets are met."""
     out: dict = {}
-    for arm in ARMS:
+    for arm in [a for a in ALL_ARMS if any(a in r for r in rounds)]:
         runs = [r[arm] for r in rounds if arm in r]
         pooled = {k: sum(run.get(k, 0) for run in runs) for k in ("rows", "row_tokens", "stop", "length", "other",
                                                                     "valid", "invalid", "errors")}
@@ -146,6 +151,10 @@ def summarize_arms(rounds: List[dict]) -> dict:
                  for r in rounds]
     out["ratio_per_round"] = [None if x is None else round(x, 4) for x in per_round]
     out["ratio"] = _median(per_round)
+    if MATCHED in out:
+        matched = [_ratio(r.get("constrained", {}).get("tok_s"), r.get(MATCHED, {}).get("tok_s")) for r in rounds]
+        out["ratio_matched_per_round"] = [None if x is None else round(x, 4) for x in matched]
+        out["ratio_matched"] = _median(matched)
     validity = out["constrained"]["validity"]
     out["targets"] = {"ratio": out["ratio"] is not None and out["ratio"] >= TARGET_RATIO,
                       "validity": validity is not None and validity >= TARGET_VALIDITY
@@ -198,21 +207,25 @@ def _lane_request(model, item: dict, index: int, sampler, constrained: bool, max
 
 
 def lane_run(ladder, model, items: list, sampler, constrained: bool, duration_s: float,
-             max_tokens: int = MAX_TOKENS, width: int = WIDTH, checker=None) -> dict:
+             max_tokens: int = MAX_TOKENS, width: int = WIDTH, checker=None, budgets: Optional[dict] = None) -> dict:
     """One arm: `width` rows live in a fresh running lane for `duration_s`, each ended row replaced
-    by the next request; what the rows returned, judged, and the lane's counters."""
+    by the next request; what the rows returned, judged, and the lane's counters. `budgets`: an
+    item's max_tokens by its name (the matched arm); `lengths` in the result: each item's rows'
+    token counts."""
     running = running_lane(ladder)
     eos = frozenset(model.eos_token_ids)
     tally, item_of, counter = new_tally(), {}, itertools.count()
 
     def submit():
         i = next(counter)
-        item_of[f"r{i}"] = items[i % len(items)]
-        running.add(_lane_request(model, item_of[f"r{i}"], i, sampler, constrained, max_tokens))
+        item = item_of[f"r{i}"] = items[i % len(items)]
+        budget = (budgets or {}).get(item["name"], max_tokens)
+        running.add(_lane_request(model, item, i, sampler, constrained, budget))
 
     for _ in range(width):
         submit()
     tokens = errors = 0
+    lengths: dict = {}
     t0 = time.perf_counter()
     deadline = t0 + duration_s
     while time.perf_counter() < deadline:
@@ -224,6 +237,7 @@ def lane_run(ladder, model, items: list, sampler, constrained: bool, duration_s:
                 errors += 1
             else:
                 toks = ev.result.tokens
+                lengths.setdefault(item_of[ev.request_id]["name"], []).append(len(toks))
                 judge(tally, item_of[ev.request_id], model.tokenizer.decode(toks), ev.finish_reason, len(toks),
                       checker)
             submit()
@@ -238,7 +252,17 @@ def lane_run(ladder, model, items: list, sampler, constrained: bool, duration_s:
             "tokens_per_cycle": tokens / running.cycles if running.cycles else None,
             "ms_per_step": running.cycle_s / running.cycles * 1e3 if running.cycles else None,
             "host_ms_per_step": running.host_s / running.cycles * 1e3 if running.cycles else None,
-            "prefill_s": running.prefill_s, "prefill_share": running.prefill_s / wall}
+            "prefill_s": running.prefill_s, "prefill_share": running.prefill_s / wall, "lengths": lengths}
+
+
+def matched_budgets(lengths: dict) -> dict:
+    """Each item's budget for the matched arm: the median tokens its constrained rows returned."""
+    return {name: max(1, int(round(statistics.median(ns)))) for name, ns in lengths.items() if ns}
+
+
+def _pool(into: dict, lengths: dict) -> None:
+    for name, ns in lengths.items():
+        into.setdefault(name, []).extend(ns)
 
 
 def sampler_configs() -> dict:
@@ -262,17 +286,22 @@ def bench_structured_lane(model, rounds: int = 3, duration_s: float = DURATION_S
     items, samplers, checker = prepared_items(model), sampler_configs(), format_checker()
     log(f"structured: B{width} ladder installed in {install_s:.1f} s (greedy depths {ladder.greedy_depths}, "
         f"sampled depth {ladder.sampled_depth}); BLAS threads {threads}")
+    lengths: dict = {name: {} for name in samplers}     # constrained rows' lengths per sampler and item
     for name, sampler in samplers.items():   # first traces, masks and spans: not measured
         for arm in ARMS:
-            lane_run(ladder, model, items, sampler, arm == "constrained", warmup_s, max_tokens, width, checker)
+            run = lane_run(ladder, model, items, sampler, arm == "constrained", warmup_s, max_tokens, width, checker)
+            if arm == "constrained":
+                _pool(lengths[name], run["lengths"])
     per_round = []
     for r in range(rounds):
         rnd: dict = {}
         for turn, (name, sampler) in enumerate(samplers.items()):
             rnd[name] = {}
-            for arm in arm_order(r, turn):
+            for arm in arm_order(r, turn) + (MATCHED,):
                 run = lane_run(ladder, model, items, sampler, arm == "constrained", duration_s, max_tokens, width,
-                               checker)
+                               checker, budgets=matched_budgets(lengths[name]) if arm == MATCHED else None)
+                if arm == "constrained":
+                    _pool(lengths[name], run["lengths"])
                 rnd[name][arm] = run
                 log(f"structured round {r + 1}/{rounds} {name} {arm}: {run['tok_s']:.1f} tok/s, "
                     f"{run['rows']} rows ended ({run['stop']} stop, {run['length']} length, {run['valid']} valid), "
@@ -471,9 +500,11 @@ def _met(ok: bool) -> str:
 
 def _arm_rows(label: str, summary: dict) -> List[str]:
     rows = []
-    for arm in ARMS:
+    for arm in [a for a in ALL_ARMS if a in summary]:
         a = summary[arm]
         ratio = f"{_f(summary['ratio'], 3)} ({_met(summary['targets']['ratio'])})" if arm == "constrained" else ""
+        if arm == "constrained" and summary.get("ratio_matched") is not None:
+            ratio += f"; {_f(summary['ratio_matched'], 3)} against matched"
         valid = f"{a['valid']}/{a['valid'] + a['invalid']}" + (f" ({_f(a['validity'], 1, pct=True)})"
                                                                if a["validity"] is not None else "")
         rows.append(f"| {label} | {arm} | {_f(a['tok_s'])} | {ratio} | {_f(a['acceptance'], 3)} "
@@ -493,7 +524,9 @@ def _targets_line(where: str, summaries: dict) -> str:
     parts = []
     for label, s in summaries.items():
         c = s["constrained"]
-        parts.append(f"{label}: ratio {_f(s['ratio'], 3)} ({_met(s['targets']['ratio'])}), "
+        matched = (f", against the length-matched free rows {_f(s['ratio_matched'], 3)}"
+                   if s.get("ratio_matched") is not None else "")
+        parts.append(f"{label}: ratio {_f(s['ratio'], 3)} ({_met(s['targets']['ratio'])}){matched}, "
                      f"validity {_f(c['validity'], 1, pct=True)} of {c['valid'] + c['invalid']} "
                      f"({_met(s['targets']['validity'])}), {c['length']} ended on max_tokens")
     return f"Targets {where} (ratio >= {TARGET_RATIO}, 100% of completed constrained outputs valid): " + \
@@ -533,7 +566,10 @@ def render_structured(record: dict, image: str) -> str:
                       "cycle or AR step) and of it the host's (draws, grammar masks, accept tests); prefill: share of "
                       "the wall time in new rows' prefills. Constrained rows end sooner, so more of their time goes "
                       "to prefills; the unconstrained rows of this tiny model often fall into loops its head "
-                      "predicts well (see acceptance).",
+                      "predicts well (see acceptance). A third arm, matched, runs the same rows free with each "
+                      "row's budget its item's median constrained length (so as many rows, prefills and tokens a "
+                      "row as the constrained arm; it runs after the other two in each turn): against it the "
+                      "ratio is the grammar's own cost.",
                   "", *[ln.format(what="sampler") for ln in TABLE_HEAD],
                   *[r for name, summ in record["lane"].items() for r in _arm_rows(name, summ)],
                   "", _targets_line("in process", record["lane"])]
