@@ -253,7 +253,10 @@ class RowGrammar:
                         else [])
         self._think_bytes: list = []           # bytes of each thinking token
         self._kinds: list = []                 # per token: "think", "grammar" (the matcher has it) or "after"
-        self._mask_cache: Optional[tuple] = None
+        # masks by how many tokens they follow; those after unwound tokens wait in `_unwound` as
+        # (token, mask after it), in case the row emits those tokens again (a kept draft)
+        self._masks: dict = {}
+        self._unwound: list = []
 
     # state
 
@@ -275,11 +278,9 @@ class RowGrammar:
 
     def allowed(self) -> Optional[np.ndarray]:
         n = len(self.tokens)
-        if self._mask_cache is not None and self._mask_cache[0] == n:
-            return self._mask_cache[1]
-        mask = self._thinking_mask(n) if self.thinking else self._grammar_mask()
-        self._mask_cache = (n, mask)
-        return mask
+        if n not in self._masks:
+            self._masks[n] = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+        return self._masks[n]
 
     def _thinking_mask(self, n: int) -> Optional[np.ndarray]:
         budget = self.constraint.think_budget
@@ -311,6 +312,12 @@ class RowGrammar:
     def speculate(self, token: int) -> None:
         token = int(token)
         self.tokens.append(token)
+        if self._unwound and self._unwound[0][0] == token:
+            _, mask = self._unwound.pop(0)
+            if mask is not None:
+                self._masks[len(self.tokens)] = mask
+        else:
+            self._unwound = []
         if self.thinking:
             self._kinds.append("think")
             self._think_bytes.append(self.tokenizer.decode_bytes([token]))
@@ -331,7 +338,9 @@ class RowGrammar:
             self.matcher.rollback(tail.count("grammar"))
         if tail.count("think"):
             del self._think_bytes[-tail.count("think"):]
+        self._unwound = [(t, self._masks.pop(self.committed + 1 + i, None))
+                         for i, t in enumerate(self.tokens[self.committed:])]
+        self._masks = {n: m for n, m in self._masks.items() if n <= self.committed}
         del self.tokens[self.committed:], self._kinds[self.committed:]
         if self.answer_at is not None and self.answer_at > self.committed:
             self.answer_at = None
-        self._mask_cache = None

@@ -557,6 +557,11 @@ class RunningLane(LaneShape, LaneAdmission):
         H, L, L_host = self._read_verify(step, *verify)
         self.proposer.settle(step.proposal, step.d_host, check=self.inject_drafts is None)
         t_host = time.perf_counter()
+        for b, masks in (step.allowed or {}).items():    # a sampled constrained row's bonus position
+            depth = int(step.row_depth[b])
+            if depth:
+                self.rows[b].grammar.speculate(int(step.d_host[b, depth - 1]))
+                masks.append(self.rows[b].grammar.allowed())
         self._unwind(step)
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):

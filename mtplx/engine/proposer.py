@@ -5,10 +5,10 @@ comes from: the head's argmax for a greedy draft sampler (q a point mass, no dra
 draw from the row's own draft distribution q with its own RNG, on the device (no wait between
 the head and the verify) or on the host (after a wait, from the whole q; always for a draft
 sampler with penalties, whose token counts live on the host). A constrained row's draft j comes
-from q restricted to what its grammar allows after its primary and drafts 0..j-1: a greedy
-draft is the head's argmax when the grammar allows it, else the argmax over what it allows; a
-drawn one is drawn on the host under the grammar's mask. The host learns a constrained row's
-drafts one at a time (its grammar speculates each before the next is drafted)."""
+from q restricted to what its grammar allows after its primary and drafts 0..j-1: its head
+logits are masked on the device before the argmax or the draw. Its first draft's mask is known
+before the head runs (its primary is on the host); a chained draft's needs the drafts before it
+on the host, one wait per chained draft in a lane holding a constrained row."""
 
 from __future__ import annotations
 
@@ -51,21 +51,22 @@ class Proposer:
         """The drafts of every row [W, depth]: row b drafts its first `row_depth[b]` (0: it does not
         draft); past them a row's entries are whatever the head gave, never judged, and make no
         draws. The head forward also writes each row's owed history entries. `allowed`: each
-        sampled constrained row's masks so far ([after its primary]); each of its drafts is drawn
-        under the last, and the mask after it appended."""
-        self._allowed = allowed or {}
+        sampled constrained row's masks so far ([after its primary]); the mask each of its chained
+        drafts is drawn under is appended (the lane appends the last, after the verify)."""
+        allowed = allowed or {}
+        constrained = [b for b, r in enumerate(rows) if r is not None and r.grammar is not None and row_depth[b] > 0]
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
         q_logits, g = forwards.draft(history.hidden, h_last, mx.array(history.tokens, dtype=mx.uint32), x0,
                                      mx.array(owed.astype(np.int32)))        # [W, V], [W, 1, H]
         commit_rows(forwards.mtp_caches, D + 1, np.where(keep_history, 1 + owed, 0))
-        drafts = [self._constrained(q_logits, self._draws(q_logits, rows, row_depth > 0, greedy, proposal, 0),
-                                    rows, row_depth > 0)]
+        drafts = [self._draws(self._masked(q_logits, rows, constrained, row_depth, 0, None, allowed),
+                              rows, row_depth > 0, greedy, proposal, 0)]
         for j in range(1, depth):
             q_logits, g = forwards.chain(g, drafts[-1])
             commit_rows(forwards.mtp_caches, 1, np.zeros(W, dtype=np.int64))
-            drafts.append(self._constrained(q_logits, self._draws(q_logits, rows, row_depth > j, greedy, proposal, j),
-                                            rows, row_depth > j))
+            q_logits = self._masked(q_logits, rows, constrained, row_depth, j, drafts[-1], allowed)
+            drafts.append(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j))
         proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
         if greedy:
             t_device = time.perf_counter()
@@ -81,8 +82,8 @@ class Proposer:
         coupled = np.array([drafting[b] and r.greedy_draft for b, r in enumerate(rows)])
         drawn = drafting & ~coupled
         on_device = drawn & (self.draft_draw == "device") & np.array(
-            [r is not None and draws_on_device(r.draft_sampler) and r.grammar is None for r in rows])
-        d = mx.array(self._host_draws(q_logits, rows, drawn & ~on_device, proposal.q[j], j), dtype=mx.uint32)
+            [r is not None and draws_on_device(r.draft_sampler) for r in rows])
+        d = mx.array(self._host_draws(q_logits, rows, drawn & ~on_device, proposal.q[j]), dtype=mx.uint32)
         t_host = time.perf_counter()
         device_draw = None
         if on_device.any():
@@ -98,9 +99,8 @@ class Proposer:
         self.host_s += time.perf_counter() - t_host
         return d
 
-    def _host_draws(self, q_logits: mx.array, rows, on_host: np.ndarray, q: list, j: int) -> np.ndarray:
-        """Drafts drawn on the host from each row's whole q (after a wait for the head); a
-        constrained row's q is restricted by its j-th mask, and its grammar speculates the draft."""
+    def _host_draws(self, q_logits: mx.array, rows, on_host: np.ndarray, q: list) -> np.ndarray:
+        """Drafts drawn on the host from each row's whole q (after a wait for the head)."""
         d_host = np.zeros(len(rows), dtype=np.int64)
         if not on_host.any():
             return d_host
@@ -109,38 +109,36 @@ class Proposer:
         t_host = time.perf_counter()
         self.wait_s += t_host - t_wait
         for b in np.flatnonzero(on_host):
-            masks = self._allowed.get(b)
-            q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler, None if masks is None else masks[j])
+            q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
             d_host[b] = sample(q[b], rows[b].rng)
         self.host_s += time.perf_counter() - t_host
         return d_host
 
-    def _constrained(self, q_logits: mx.array, d: mx.array, rows, drafting: np.ndarray) -> mx.array:
-        """Constrained drafting rows' drafts, read on the host: a greedy one the argmax over what
-        its grammar allows; each speculated by its grammar (and a sampled row's next mask kept)."""
-        constrained = [b for b in np.flatnonzero(drafting) if rows[b].grammar is not None]
-        if not constrained:
-            return d
-        t_wait = time.perf_counter()
-        d_host = np.array(d)              # the wait for the head
+    def _masked(self, q_logits: mx.array, rows, constrained: list, row_depth: np.ndarray, j: int,
+                previous: Optional[mx.array], allowed: dict) -> mx.array:
+        """The head's logits for draft j with each constrained drafting row's masked to what its
+        grammar allows after its primary and drafts 0..j-1 (the previous draft read on the host and
+        speculated first: the wait); a sampled row's mask joins its list."""
+        drafting = [b for b in constrained if row_depth[b] > j]
+        if not drafting:
+            return q_logits
+        if previous is not None:
+            t_wait = time.perf_counter()
+            previous = np.array(previous)          # the wait for the drafts before
+            self.wait_s += time.perf_counter() - t_wait
         t_host = time.perf_counter()
-        self.wait_s += t_host - t_wait
-        q_host = []                       # the head's logits on the host, read once if a grammar asks
-
-        def q_row(b):
-            if not q_host:
-                q_host.append(to_host(q_logits))
-            return q_host[0][b]
-
-        for b in constrained:
-            row = rows[b]
-            if row.greedy_draft:
-                d_host[b] = row.constrained_argmax(int(d_host[b]), lambda: q_row(b))
-            row.grammar.speculate(int(d_host[b]))
-            if b in self._allowed:
-                self._allowed[b].append(row.grammar.allowed())
+        mask = np.ones(q_logits.shape, dtype=bool)
+        for b in drafting:
+            grammar = rows[b].grammar
+            if previous is not None:
+                grammar.speculate(int(previous[b]))
+            allowed_b = grammar.allowed()
+            if allowed_b is not None:
+                mask[b] = allowed_b
+            if b in allowed and j > 0:
+                allowed[b].append(allowed_b)
         self.host_s += time.perf_counter() - t_host
-        return mx.array(d_host, dtype=mx.uint32)
+        return mx.where(mx.array(mask), q_logits, mx.array(-np.inf, dtype=q_logits.dtype))
 
     def settle(self, proposal: Proposal, d_host: np.ndarray, check: bool = True) -> None:
         """After the cycle's one wait: each device-drawn draft's exact q, from its candidates and
