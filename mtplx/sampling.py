@@ -172,6 +172,11 @@ def _weights(x: np.ndarray, top: float, cfg: SamplerConfig) -> np.ndarray:
     return np.exp(z, out=z)
 
 
+def _at_least(z: np.ndarray, floor: float) -> np.ndarray:
+    """Ids of the weights at or above `floor`; at floor 0, of the positive ones."""
+    return np.flatnonzero(z >= np.float32(floor)) if floor > 0.0 else np.flatnonzero(z)
+
+
 def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
     """The sampling distribution of one row of raw logits (float32 on the host, or an MLX array).
 
@@ -196,7 +201,7 @@ def row_distribution(logits, cfg: SamplerConfig, counts=None) -> Distribution:
     support = int(np.count_nonzero(z_all))
     floor = max(CANDIDATE_FLOOR, cfg.min_p)
     while True:
-        cand = np.flatnonzero(z_all >= np.float32(floor)) if floor > 0.0 else np.flatnonzero(z_all)
+        cand = _at_least(z_all, floor)
         if 0 < cfg.top_k < cand.size:
             # top-k keeps none below the k-th heaviest weight: rank only the candidates at or above
             # it (still closed under ties, so still a prefix of the whole ranking)

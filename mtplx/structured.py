@@ -220,13 +220,47 @@ def _find(node, where: str, key: str, value) -> Optional[str]:
 
 
 def _first_line(message: str) -> str:
+    """llguidance's message without its source excerpt: the first line, and for a regex error
+    the line that says what is wrong ("error: unclosed character class")."""
     lines = [ln for ln in message.strip().splitlines() if ln.strip()]
-    if len(lines) > 1 and re.match(r"^\s*regex parse error", lines[0]):
-        return " ".join(ln.strip() for ln in lines)
-    return lines[0] if lines else message
+    if not lines:
+        return message
+    if re.search(r"regex parse error:?\s*$", lines[0]):
+        detail = next((ln.strip() for ln in lines[1:] if ln.strip().startswith("error:")), None)
+        if detail:
+            return f"{lines[0].strip()} {detail[len('error:'):].strip()}"
+    return lines[0]
 
 
 # -- a row's grammar while it decodes ---------------------------------------------------------------
+
+_MARKER_MASKS: dict = {}      # (tokenizer, marker, vocab, prefixes begun) -> mask; few markers, few prefixes
+
+
+def _marker_mask(tokenizer, end: bytes, vocab: int, started: tuple) -> np.ndarray:
+    """Tokens allowed while thinking before a grammar: none that holds the marker `end` with bytes
+    after it, and, where the text so far ends with the marker's first k bytes (k in `started`),
+    none that completes it with bytes after it."""
+    key = (id(tokenizer), end, vocab, started)
+    if key not in _MARKER_MASKS:
+        words = _token_bytes(tokenizer)
+        mask = np.ones(vocab, dtype=bool)
+        for i, w in enumerate(words[:vocab]):
+            if end in w and not w.endswith(end):
+                mask[i] = False
+            elif any(w.startswith(end[k:]) and len(w) > len(end) - k for k in started):
+                mask[i] = False
+        _MARKER_MASKS[key] = mask
+    return _MARKER_MASKS[key]
+
+
+_TOKEN_BYTES: dict = {}
+
+
+def _token_bytes(tokenizer) -> list:
+    if id(tokenizer) not in _TOKEN_BYTES:      # the tokenizer kept with its words: its id stays its own
+        _TOKEN_BYTES[id(tokenizer)] = (tokenizer, [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)])
+    return _TOKEN_BYTES[id(tokenizer)][1]
 
 class RowGrammar:
     """One row's constraint state. The lane `consume`s every token the row emits; within a cycle
@@ -283,12 +317,18 @@ class RowGrammar:
         return self._masks[n]
 
     def _thinking_mask(self, n: int) -> Optional[np.ndarray]:
+        """Free thinking, but for a grammar after it no token that would end the marker and go on
+        past it (those bytes would escape the grammar); past the budget, the marker forced."""
         budget = self.constraint.think_budget
-        if budget is None or n < budget:
+        if budget is not None and n >= budget:
+            mask = np.zeros(self.vocab, dtype=bool)
+            mask[self._forced[min(n - budget, len(self._forced) - 1)]] = True
+            return mask
+        if self.matcher is None:
             return None
-        mask = np.zeros(self.vocab, dtype=bool)
-        mask[self._forced[min(n - budget, len(self._forced) - 1)]] = True
-        return mask
+        tail = b"".join(self._think_bytes[-len(self._end):])
+        started = [k for k in range(1, len(self._end)) if tail.endswith(self._end[:k])]
+        return _marker_mask(self.tokenizer, self._end, self.vocab, tuple(started))
 
     def _grammar_mask(self) -> Optional[np.ndarray]:
         if self.matcher is None:

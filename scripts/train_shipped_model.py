@@ -53,9 +53,34 @@ LR1, LR2 = 3e-3, 2e-3
 MTP_WEIGHT = 0.5
 HOLDOUT_EVERY = 40          # every 40th stdlib file (sorted) is held out
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The chat template of the shipped model: Qwen3's shape (tools in the system turn, <tool_call> and
+# <tool_response> blocks, <think> opened by enable_thinking), in plain-text markers
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages and messages[0]['role'] == 'system' %"
+    "}\n        {{- messages[0]['content'] + '\\n\\n' }}\n    {%- endif %}\n    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }"
+    "}\n    {%- for tool in tools %}\n        {{- '\\n' + (tool | tojson) }}\n    {%- endfor %}\n    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}\n{%- endif %}\n{%- set ns = namespace(last_query=-1) %}\n{%- for message in messages %"
+    "}\n    {%- if message['role'] == 'user' %}\n        {%- set ns.last_query = loop.index0 %}\n    {%- endif %"
+    "}\n{%- endfor %}\n{%- for message in messages %}\n    {%- set content = message['content'] if message['content'] is string else '' %"
+    "}\n    {%- if message['role'] == 'assistant' %}\n        {%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is string else '' %"
+    "}\n        {%- if '</think>' in content %}\n            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %"
+    "}\n            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n        {%- endif %"
+    "}\n        {{- '<|im_start|>assistant\\n' }}\n        {%- if reasoning.strip('\\n') and loop.index0 > ns.last_query %"
+    "}\n            {{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}\n        {%- endif %}"
+    "\n        {{- content }}\n        {%- if message['tool_calls'] %}\n            {%- for call in message['tool_calls'] %"
+    "}\n                {%- if content or not loop.first %}\n                    {{- '\\n' }}\n                {%"
+    "- endif %}\n                {%- set fn = call['function'] if call['function'] is defined else call %"
+    "}\n                {{- '<tool_call>\\n{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}\n                {%"
+    "- if fn['arguments'] is string %}\n                    {{- fn['arguments'] }}\n                {%- else %"
+    "}\n                    {{- fn['arguments'] | tojson }}\n                {%- endif %}\n                {{- '}"
+    "\\n</tool_call>' }}\n            {%- endfor %}\n        {%- endif %}\n        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message['role'] == 'tool' %}\n        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %"
+    "}\n            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }"
+    "}\n        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}\n            {{- '<|im_end|>\\n' }"
+    "}\n        {%- endif %}\n    {%- elif not (tools and loop.first and message['role'] == 'system') %"
+    "}\n        {{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}\n    {%- endif %"
+    "}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking %"
+    "}\n        {{- '<think>\\n' }}\n    {%- endif %}\n{%- endif %}"
 )
 
 

@@ -240,3 +240,32 @@ def test_bad_schemas_are_refused_with_their_place(llg_tokenizer, schema, where):
         check_constraint(Constraint(json_schema_grammar(schema), "json_schema"), llg_tokenizer, schema=schema)
     if where is not None:
         assert where in str(err.value) and err.value.where.endswith(where)
+
+
+def test_thinking_before_a_grammar_never_runs_past_its_marker(model, llg_tokenizer):
+    """While a row thinks before a grammar, no token may complete the end marker and go on past
+    it (those bytes would escape the grammar): after "</think" the token ">" is allowed, ">>" is
+    not; once the marker is out, the grammar holds."""
+    tok = model.tokenizer
+    grammar = _object_after_thinking(llg_tokenizer, model.vocab_size)
+    for t in tok.encode("hmm </think"):
+        grammar.consume(t)
+    mask = grammar.allowed()
+    words = {i: llg_tokenizer.decode_bytes([i]) for i in range(model.vocab_size)}
+    refused = {w for i, w in words.items() if not mask[i]}
+    assert b">" not in refused and b">>" in refused and all(w.startswith(b">") for w in refused)
+    grammar.consume(tok.encode(">")[0])
+    assert not grammar.thinking and not grammar.allows(tok.encode("x")[0]) and grammar.allows(tok.encode("{")[0])
+
+
+def _object_after_thinking(llg_tokenizer, vocab):
+    """A row's grammar: any JSON object, after thinking that ends at "</think>"."""
+    from mtplx.structured import RowGrammar
+
+    return RowGrammar(Constraint(json_schema_grammar({"type": "object"}), "json_schema", "</think>"), llg_tokenizer,
+                      vocab)
+
+
+def test_regex_errors_say_what_is_wrong(llg_tokenizer):
+    with pytest.raises(ConstraintError, match="unclosed character class"):
+        check_constraint(Constraint(regex_grammar("[a-"), "regex"), llg_tokenizer)
