@@ -24,8 +24,9 @@ rows per cycle, ms per step, and the ended rows: mean tokens, how many ended "st
 validating against the schema, formats checked, numbers as decimals), "length" (incomplete: not
 judged, counted).
 
-Served (`bench_structured_served`, `--served`): our app started as `bench load` starts it (`serve
-run` of serve_configs/config.yaml on a free port), closed loops of 1 and 8 clients for `duration_s`
+Served (`bench_structured_served`, `--served`, with its matched arm too: each free request's
+`max_tokens` its schema's median constrained completion so far): our app started as `bench load`
+starts it (`serve run` of serve_configs/config.yaml on a free port), closed loops of 1 and 8 clients for `duration_s`
 each (requests still in flight at the end are awaited and counted; the wall time includes them, so
 the longer unconstrained rows pay a slightly longer tail: small against 20 s arms), non-streaming
 `/v1/completions` with `response_format` json_schema (strict) against the same requests without it;
@@ -390,16 +391,17 @@ async def served_loop(base_url: str, path: str, make_body: Callable[[int], dict]
 
 def served_run(replies: list, wall: float, items: list, checker=None) -> dict:
     """One served arm's figures from its replies (pure)."""
-    tally, tokens, errors, first_error = new_tally(), 0, 0, None
+    tally, tokens, errors, first_error, lengths = new_tally(), 0, 0, None, {}
     for i, reply in sorted(replies, key=lambda x: x[0]):
         if reply.get("error"):
             errors += 1
             first_error = first_error or reply["error"]
             continue
         tokens += reply["tokens"]
+        lengths.setdefault(items[i % len(items)]["name"], []).append(reply["tokens"])
         judge(tally, items[i % len(items)], reply["text"], reply["finish"], reply["tokens"], checker)
     return {"tok_s": tokens / wall if wall > 0 else None, "tokens": tokens, "wall_s": wall, "requests": len(replies),
-            "errors": errors, "first_error": first_error, **tally}
+            "errors": errors, "first_error": first_error, "lengths": lengths, **tally}
 
 
 def lane_deltas(before: Optional[dict], after: Optional[dict]) -> dict:
@@ -452,9 +454,14 @@ def bench_structured_served(model_dir: Optional[str] = None, rounds: int = 3, du
         try:
             probe = check_structured_server(server.url, endpoint, server.model)
 
-            def bodies(name, arm):
-                return lambda i: request_body(SCHEMAS[i % len(SCHEMAS)], i, name, arm == "constrained", endpoint,
-                                              max_tokens, server.model)
+            lengths: dict = {}        # (clients, sampler) -> item name -> constrained completion lengths
+
+            def bodies(name, arm, budgets=None):
+                def body(i):
+                    item = SCHEMAS[i % len(SCHEMAS)]
+                    return request_body(item, i, name, arm == "constrained", endpoint,
+                                        (budgets or {}).get(item["name"], max_tokens), server.model)
+                return body
 
             for name in SAMPLERS:   # the grammars' and lanes' first uses: not measured
                 for arm in ARMS:
@@ -465,13 +472,18 @@ def bench_structured_served(model_dir: Optional[str] = None, rounds: int = 3, du
             for r in range(rounds):
                 rnd: dict = {}
                 for turn, (n, name) in enumerate(turns):
-                    for arm in arm_order(r, turn):
-                        make_body = bodies(name, arm)
+                    for arm in arm_order(r, turn) + (MATCHED,):
+                        pooled = lengths.setdefault((n, name), {})
+                        make_body = bodies(name, arm, matched_budgets(pooled) if arm == MATCHED else None)
                         before = snapshot(server.url)
                         replies, wall = asyncio.run(served_loop(server.url, endpoint_path(endpoint), make_body,
                                                                 n, duration_s))
                         run = {**served_run(replies, wall, SCHEMAS, checker),
                                **lane_deltas(before, snapshot(server.url))}
+                        if arm == "constrained":
+                            _pool(pooled, run.pop("lengths"))
+                        else:
+                            run.pop("lengths")
                         rnd.setdefault(f"c{n}", {}).setdefault(name, {})[arm] = run
                         log(f"structured served round {r + 1}/{rounds} c{n} {name} {arm}: "
                             f"{run['tok_s'] or 0:.1f} tok/s, {run['requests']} requests ({run['errors']} errors), "
@@ -584,7 +596,9 @@ def render_structured(record: dict, image: str) -> str:
                       f"constrained requests with `response_format` json_schema (strict); closed loops of "
                       f"{', '.join(map(str, s['clients']))} client(s), {s['duration_s']:.0f} s per arm, {s['rounds']} "
                       "round(s); tok/s: usage completion tokens / wall time; acceptance and rows/cycle from the "
-                      "replicas' snapshot around each arm.",
+                      "replicas' snapshot around each arm. Matched: the free requests with each one's `max_tokens` "
+                      "its schema's median constrained completion so far (as many requests and tokens a request "
+                      "as the constrained arm).",
                   "", *[ln.format(what="clients, sampler") for ln in TABLE_HEAD],
                   *[r for c, per in served.items() for name, summ in per.items()
                     for r in _arm_rows(f"{c[1:]}, {name}", summ)],

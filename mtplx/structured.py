@@ -11,6 +11,7 @@ constraint without a grammar is a thinking budget alone.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -174,17 +175,32 @@ def check_constraint(constraint: Constraint, tokenizer, where: Optional[str] = N
     if len(constraint.grammar) > MAX_GRAMMAR_CHARS:
         raise ConstraintError(f"the grammar is {len(constraint.grammar)} characters; at most "
                               f"{MAX_GRAMMAR_CHARS} are allowed", where)
-    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(constraint.grammar, tokenizer,
-                                                                         limits=parser_limits())
-    if is_error:
-        message = _first_line(messages[0] if messages else "the grammar does not compile")
+    message = _grammar_error(tokenizer, constraint.grammar)
+    if message is not None:
         place = _place(schema, message) if schema is not None else None
         if place is not None:
             message, where = f"{message} (at {place or '/'})", (f"{where}:" if where else "") + (place or "/")
         raise ConstraintError(f"{constraint.kind} cannot be enforced: {message}", where)
-    matcher = _llg().LLMatcher(tokenizer, constraint.grammar, log_level=0, limits=parser_limits())
-    if matcher.is_error():
-        raise ConstraintError(f"{constraint.kind} cannot be enforced: {_first_line(matcher.get_error())}", where)
+
+
+# Clients send the same schemas again and again: a grammar is compiled once per tokenizer (a check
+# and a matcher take about a millisecond each), and each row's matcher is a copy of its template.
+GRAMMAR_CACHE = 256
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE)
+def _grammar_error(tokenizer, grammar: str) -> Optional[str]:
+    """Why `grammar` does not compile for `tokenizer` within the bounds (None: it does)."""
+    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
+    if is_error:
+        return _first_line(messages[0] if messages else "the grammar does not compile")
+    matcher = _llg().LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    return _first_line(matcher.get_error()) if matcher.is_error() else None
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE)
+def _template_matcher(tokenizer, grammar: str):
+    return _llg().LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
 
 
 def _place(schema, message: str) -> Optional[str]:
@@ -272,10 +288,9 @@ class RowGrammar:
     stops there."""
 
     def __init__(self, constraint: Constraint, tokenizer, vocab: int):
-        llg = _llg()
         self.constraint, self.tokenizer, self.vocab = constraint, tokenizer, vocab
-        self.matcher = None if constraint.grammar is None else llg.LLMatcher(
-            tokenizer, constraint.grammar, log_level=0, limits=parser_limits())
+        self.matcher = (None if constraint.grammar is None
+                        else _template_matcher(tokenizer, constraint.grammar).deep_copy())
         if self.matcher is not None and self.matcher.is_error():
             raise ConstraintError(f"{constraint.kind} cannot be enforced: {_first_line(self.matcher.get_error())}")
         self._bits = np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32)
