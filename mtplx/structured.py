@@ -278,6 +278,7 @@ def _token_bytes(tokenizer) -> list:
         _TOKEN_BYTES[id(tokenizer)] = (tokenizer, [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)])
     return _TOKEN_BYTES[id(tokenizer)][1]
 
+
 class RowGrammar:
     """One row's constraint state. The lane `consume`s every token the row emits; within a cycle
     it `speculate`s the primary and the drafts it judges (each draft's and each verified
@@ -363,6 +364,9 @@ class RowGrammar:
         """A token the row emitted (after `unwind`)."""
         self.speculate(token)
         self.committed = len(self.tokens)
+        # masks before the committed position are never read again (at a 248k vocabulary a
+        # mask is 248 KB: a long row would keep hundreds of megabytes)
+        self._masks = {n: m for n, m in self._masks.items() if n >= self.committed}
 
     def speculate(self, token: int) -> None:
         token = int(token)

@@ -269,3 +269,17 @@ def _object_after_thinking(llg_tokenizer, vocab):
 def test_regex_errors_say_what_is_wrong(llg_tokenizer):
     with pytest.raises(ConstraintError, match="unclosed character class"):
         check_constraint(Constraint(regex_grammar("[a-"), "regex"), llg_tokenizer)
+
+
+def test_a_rows_grammar_keeps_no_mask_behind_it(model, llg_tokenizer):
+    """Masks are kept by position only from the committed one on: a long row does not pile up
+    one vocabulary-sized mask per token."""
+    from mtplx.structured import RowGrammar
+
+    grammar = RowGrammar(Constraint(json_schema_grammar(SCHEMAS[0]), "json_schema"), llg_tokenizer,
+                         model.vocab_size)
+    for t in model.tokenizer.encode('{"name":"ab","age":7,"tags":["a","bb"]}'):
+        assert grammar.allowed()[t]
+        grammar.consume(t)
+        assert len(grammar._masks) <= 1
+    assert grammar.ended
