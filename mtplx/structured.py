@@ -162,8 +162,7 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: Optional[int] = None):
 
 
 def parser_limits():
-    limits = _llg().LLParserLimits(step_lexer_fuel=PARSER_FUEL, initial_lexer_fuel=PARSER_FUEL)
-    return limits
+    return _llg().LLParserLimits(step_lexer_fuel=PARSER_FUEL, initial_lexer_fuel=PARSER_FUEL)
 
 
 def check_constraint(constraint: Constraint, tokenizer, where: Optional[str] = None, schema=None) -> None:
@@ -194,7 +193,7 @@ def _grammar_error(tokenizer, grammar: str) -> Optional[str]:
     is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
     if is_error:
         return _first_line(messages[0] if messages else "the grammar does not compile")
-    matcher = _llg().LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    matcher = _template_matcher(tokenizer, grammar)
     return _first_line(matcher.get_error()) if matcher.is_error() else None
 
 
@@ -250,33 +249,23 @@ def _first_line(message: str) -> str:
 
 # -- a row's grammar while it decodes ---------------------------------------------------------------
 
-_MARKER_MASKS: dict = {}      # (tokenizer, marker, vocab, prefixes begun) -> mask; few markers, few prefixes
-
-
+@functools.lru_cache(maxsize=GRAMMAR_CACHE)      # few markers, few prefixes begun
 def _marker_mask(tokenizer, end: bytes, vocab: int, started: tuple) -> np.ndarray:
     """Tokens allowed while thinking before a grammar: none that holds the marker `end` with bytes
     after it, and, where the text so far ends with the marker's first k bytes (k in `started`),
     none that completes it with bytes after it."""
-    key = (id(tokenizer), end, vocab, started)
-    if key not in _MARKER_MASKS:
-        words = _token_bytes(tokenizer)
-        mask = np.ones(vocab, dtype=bool)
-        for i, w in enumerate(words[:vocab]):
-            if end in w and not w.endswith(end):
-                mask[i] = False
-            elif any(w.startswith(end[k:]) and len(w) > len(end) - k for k in started):
-                mask[i] = False
-        _MARKER_MASKS[key] = mask
-    return _MARKER_MASKS[key]
+    mask = np.ones(vocab, dtype=bool)
+    for i, w in enumerate(_token_bytes(tokenizer)[:vocab]):
+        if end in w and not w.endswith(end):
+            mask[i] = False
+        elif any(w.startswith(end[k:]) and len(w) > len(end) - k for k in started):
+            mask[i] = False
+    return mask
 
 
-_TOKEN_BYTES: dict = {}
-
-
+@functools.lru_cache(maxsize=4)
 def _token_bytes(tokenizer) -> list:
-    if id(tokenizer) not in _TOKEN_BYTES:      # the tokenizer kept with its words: its id stays its own
-        _TOKEN_BYTES[id(tokenizer)] = (tokenizer, [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)])
-    return _TOKEN_BYTES[id(tokenizer)][1]
+    return [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
 
 
 class RowGrammar:

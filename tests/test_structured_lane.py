@@ -5,6 +5,7 @@ completed outputs validate; sampled constrained rows keep the restricted target 
 (chi-square with a power check); the thinking gate and budget; bad constraints refused."""
 
 import json
+from collections import Counter
 
 import jsonschema
 import mlx.core as mx
@@ -189,9 +190,7 @@ def test_sampled_constrained_rows_keep_the_restricted_joint(model, llg_tokenizer
             running.step()
     while running.has_work:
         running.step()
-    counts: dict = {}
-    for st in streams:
-        counts[tuple(st.tokens)] = counts.get(tuple(st.tokens), 0) + 1
+    counts = Counter(tuple(st.tokens) for st in streams)
     assert running.peak_rows == 8 and sum(st.accepted_drafts for st in streams) > 100
     assert max(st.mtp_depth for st in streams) == 2
     p_value, df = chi2_test(counts, joint)

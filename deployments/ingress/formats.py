@@ -138,9 +138,7 @@ class ChatFormat(_OpenAIFormat):
     def _body(self, text, result, logprobs):
         run, extra = self.run, None
         if self.parser is not None:
-            self.parser.push(text)
-            self.parser.flush()
-            text, extra = openai_message_fields(self.parser.result())
+            text, extra = openai_message_fields(self.parser.parse(text))
         finish_reason, stats = self._finish(result)
         return oa.chat_response(run.rid, run.created, run.model, text, finish_reason, self.usage(result),
                                 stats, result.stop_reason, logprobs, extra)
@@ -214,11 +212,7 @@ class AnthropicFormat:
         text = await run.text()
         r = run.result()
         usage = anthropic.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens if self.cache_split else 0)
-        parsed = None
-        if self.parser is not None:
-            self.parser.push(text)
-            self.parser.flush()
-            parsed = self.parser.result()
+        parsed = self.parser.parse(text) if self.parser is not None else None
         return anthropic.message_response(run.rid, run.model, text, r.finish_reason, r.stop_string, usage, r.stats,
                                           parsed)
 

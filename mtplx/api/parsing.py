@@ -304,6 +304,12 @@ class OutputParser:
                 self._content.append(ev[1])
         return events
 
+    def parse(self, text: str) -> "ParsedAnswer":
+        """A whole answer at once (a response that is not streamed)."""
+        self.push(text)
+        self.flush()
+        return self.result()
+
     @property
     def calls(self) -> List[ToolCall]:
         return self.tools.calls if self.tools is not None else []
