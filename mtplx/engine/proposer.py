@@ -62,17 +62,22 @@ class Proposer:
         commit_rows(forwards.mtp_caches, D + 1, np.where(keep_history, 1 + owed, 0))
         drafts = [self._draws(self._masked(q_logits, rows, constrained, row_depth, 0, None, allowed),
                               rows, row_depth > 0, greedy, proposal, 0)]
+        self._start(drafts[-1])
         for j in range(1, depth):
             q_logits, g = forwards.chain(g, drafts[-1])
             commit_rows(forwards.mtp_caches, 1, np.zeros(W, dtype=np.int64))
             q_logits = self._masked(q_logits, rows, constrained, row_depth, j, drafts[-1], allowed)
             drafts.append(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j))
+            self._start(drafts[-1])
         proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
-        if greedy:
-            t_device = time.perf_counter()
-            mx.async_eval(proposal.drafts)        # the drafts compute while the verify's graph is built
-            self.wait_s += time.perf_counter() - t_device
         return proposal
+
+    def _start(self, draft: mx.array) -> None:
+        """Set a draft computing as soon as its graph is built: the device works through the head
+        while the host builds the next chained draft's graph and the verify's."""
+        t_device = time.perf_counter()
+        mx.async_eval(draft)
+        self.wait_s += time.perf_counter() - t_device
 
     def _draws(self, q_logits: mx.array, rows, drafting: np.ndarray, greedy: bool, proposal: Proposal,
                j: int) -> mx.array:
