@@ -762,6 +762,85 @@ def test_a_sampled_row_that_stopped_drafting_leaves_its_greedy_neighbours_their_
     assert greedy_stream.tokens == greedy_ar(model, prompts[0], 120)
 
 
+class _Costed:
+    def __init__(self, mtp):
+        self.step_costs = {"mtp": mtp, "ar": 1.0}
+
+
+def test_lane_depth_is_the_most_tokens_a_second_for_all_its_rows():
+    """`lane_depth`: greedy rows alone go as deep as their acceptance pays for; beside sampled rows
+    at depth 2 the lane goes deeper only when the greedy rows' gain pays every row's dearer cycle;
+    the current depth stays within the hysteresis; unmeasured costs leave the choice to the ladder."""
+    from mtplx.engine.policy import chain_tokens, lane_depth
+
+    at = {1: _Costed(1.0), 2: _Costed(1.25), 3: _Costed(1.5)}
+    assert chain_tokens(0.5, 2) == 1.75
+    assert lane_depth(at, [], 8, None, lambda: 0.95) == 3     # 3.71/1.5 against 2.85/1.25 and 1.95
+    assert lane_depth(at, [], 8, None, lambda: 0.5) == 1      # 1.5 against 1.4 and 1.25
+    assert lane_depth(at, [2] * 6, 2, None, lambda: 0.95) == 2   # 18.2 against 16.4 a second
+    assert lane_depth(at, [2], 7, None, lambda: 0.95) == 3       # 20.0 against 18.2
+    assert lane_depth(at, [2, 3], 1, None, lambda: 0.1) == 3     # a sampled row's own depth first
+    # within 5% of the best, the current depth stays (rate at 2: 2.28, at 3: 2.47)
+    assert lane_depth({2: _Costed(1.25), 3: _Costed(1.45)}, [], 8, 2, lambda: 0.95) == 3
+    assert lane_depth({2: _Costed(1.25), 3: _Costed(1.55)}, [], 8, 2, lambda: 0.95) == 2
+    assert lane_depth({1: _Costed(1.0), 2: _Costed(1.25), 3: _Costed(1.6)}, [], 8, 2, lambda: 0.95) == 2
+    assert lane_depth({1: _Costed(1.0), 3: _Costed(None)}, [], 8, None, lambda: 0.95) is None
+
+
+def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(model, lanes):
+    """With `depth_ladders` a running lane chooses greedy rows' depth from its lanes' cycle costs
+    and its greedy rows' measured acceptance: a lane whose greedy rows keep few drafts runs
+    shallow, one whose rows keep them runs deep, and a lane of sampled rows at depth 2 does not
+    follow a greedy row to depth 3. Whatever the depth, greedy rows equal plain greedy decoding
+    and a seeded sampled row equals itself decoded alone."""
+    from mtplx.engine.installed import solo_lane
+
+    deep = {d: install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=d) for d in (2, 3)}
+    ladders = [[solo_lane(model, d), deep[d]] for d in (2, 3)]
+    costs = {1: 1.0, 2: 1.25, 3: 1.5}
+    ladder = [solo_lane(model), lanes[3]]
+    saved = {d: dict(ln.step_costs) for d, ln in ((1, lanes[3]), (2, deep[2]), (3, deep[3]))}
+    try:
+        for d, ln in ((1, lanes[3]), (2, deep[2]), (3, deep[3])):
+            ln.step_costs.update(mtp=costs[d], ar=1.0)
+        prompts = _prompts(model, 3)
+        depths = {}
+        for acceptance, kept in (("low", 0), ("high", 10 ** 6)):
+            running = lane_mod.RunningLane(ladder, sampled_ladder=[solo_lane(model, 2), deep[2]],
+                                           depth_ladders=ladders)
+            running.greedy_first_drafts, running.greedy_first_kept = 10 ** 6, kept
+            streams = [running.add(_req(f"{acceptance}{i}", prompts[i], 40)) for i in range(2)]
+            seen = set()
+            while running.has_work:
+                running.step()
+                seen.add(running.lane.depth)
+            depths[acceptance] = seen
+            for i, s in enumerate(streams):
+                assert s.tokens == greedy_ar(model, prompts[i], 40), (acceptance, i)
+        assert depths == {"low": {1}, "high": {3}}
+        hot = SamplerConfig(temperature=0.8)
+        alone = lane_mod.RunningLane(solo_lane(model, 2))
+        ref = alone.add(_req("s", prompts[2], 40, sampler=hot, seed=5))
+        _drain(alone)
+        running = lane_mod.RunningLane(ladder, sampled_ladder=[solo_lane(model, 2), deep[2]],
+                                       depth_ladders=ladders)
+        running.greedy_first_drafts = running.greedy_first_kept = 10 ** 6
+        sampled = [running.add(_req(f"s{i}", prompts[2], 40, sampler=hot, seed=5)) for i in range(2)]
+        greedy_stream = running.add(_req("g", prompts[0], 90))
+        beside = set()            # depths while the sampled rows are live
+        while running.has_work:
+            running.step()
+            if any(s.finish_reason is None for s in sampled):
+                beside.add(running.lane.depth)
+        assert beside == {2}       # (2 x 2.85 + 3.71) / 1.5 = 6.3 against 3 x 2.85 / 1.25 = 6.8
+        assert all(s.tokens == ref.tokens for s in sampled)
+        assert greedy_stream.tokens == greedy_ar(model, prompts[0], 90)
+    finally:
+        for d, ln in ((1, lanes[3]), (2, deep[2]), (3, deep[3])):
+            ln.step_costs.clear()
+            ln.step_costs.update(saved[d])
+
+
 def test_the_lane_returns_data_insert_step_remove(model, lanes):
     """The engine's data API: `insert` rows, each `step()` returns what it did to each row
     (`RowEvent`s), `remove` cancels rows. A row's events, joined, are its tokens and entries in

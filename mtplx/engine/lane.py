@@ -37,6 +37,7 @@ from mtplx.structured import grammar_tokenizer
 
 PRIOR_TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively."""\n'
 PRIOR_TOKENS = 48
+ACCEPTANCE_PRIOR_WEIGHT = 32     # drafts' worth of the prior in a lane's greedy acceptance
 
 
 class RunningLane(LaneShape, LaneAdmission):
@@ -66,12 +67,16 @@ class RunningLane(LaneShape, LaneAdmission):
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
                  draft_draw: Optional[str] = None, greedy_ladder=None, sampled_ladder=None,
-                 repetition_limits: Optional[RepetitionLimits] = None, overlap: Optional[bool] = None):
+                 repetition_limits: Optional[RepetitionLimits] = None, overlap: Optional[bool] = None,
+                 depth_ladders: Optional[list] = None):
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted_ladder(ladder)
         self._lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
-            self.ladder, greedy_ladder, sampled_ladder)
+            self.ladder, greedy_ladder, sampled_ladder, depth_ladders or ())
+        # greedy rows' depth chosen by cost as the lane runs, at their acceptance here (`lane_depth`)
+        self.depth_by_cost = depth_ladders is not None
+        self.greedy_first_drafts = self.greedy_first_kept = 0     # greedy rows' first drafts, kept
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -183,6 +188,12 @@ class RunningLane(LaneShape, LaneAdmission):
     @property
     def has_work(self) -> bool:
         return self.demand > 0
+
+    def _greedy_acceptance(self) -> float:
+        """Greedy rows' draft acceptance in this lane: their first drafts' outcomes, after
+        ACCEPTANCE_PRIOR_WEIGHT drafts' worth of the head's acceptance on a fixed prompt."""
+        n = ACCEPTANCE_PRIOR_WEIGHT
+        return (n * draft_acceptance_prior(self.model) + self.greedy_first_kept) / (n + self.greedy_first_drafts)
 
     def _all_rows(self) -> list:
         return list(self.waiting) + [a.row for a in self.admitting] + [r for r in self.rows if r is not None]
@@ -617,6 +628,9 @@ class RunningLane(LaneShape, LaneAdmission):
         r = row.result
         if j == 0:
             row.drafted(kept)           # its policy reads its first draft's outcome
+            if row.greedy:
+                self.greedy_first_drafts += 1
+                self.greedy_first_kept += int(kept)
             r.mtp_depth = max(r.mtp_depth, int(step.row_depth[b]))
             self.draft_proposals += 1
             self.draft_tokens += int(step.row_depth[b])

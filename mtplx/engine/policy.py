@@ -1,15 +1,17 @@
 """When a lane runs an MTP cycle and when a plain AR step (`StepPolicy`), from the costs of each
-kind measured at its width, kept current by `StepCostMeter`."""
+kind measured at its width, kept current by `StepCostMeter`; how deep a lane holding greedy rows
+chains (`lane_depth`)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from mtplx.engine.installed import DEPTH
 
 NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hysteresis)
 STEP_COST_EMA = 0.25         # weight of a pair of steps' measured times in their kinds' costs
 COST_PAIR_WITHIN = 3         # steps apart a counted step of each kind may be to make a pair
+DEPTH_HYSTERESIS = 0.05      # a shared lane keeps its depth while within this of the best rate
 
 
 class StepPolicy:
@@ -78,6 +80,41 @@ class StepPolicy:
                 "mtp_cycle_s": None if costs.get("mtp") is None else round(costs["mtp"], 6),
                 "ar_step_s": None if costs.get("ar") is None else round(costs["ar"], 6),
                 "mtp_gain": None if self.last_gain is None else round(self.last_gain, 4)}
+
+
+def chain_tokens(acceptance: float, depth: int) -> float:
+    """Tokens a drafting row expects from a cycle chaining `depth` drafts: 1 + a + ... + a^depth
+    (the chain's j-th draft is kept only with every one before it)."""
+    return sum(acceptance ** j for j in range(depth + 1))
+
+
+def lane_depth(lanes_by_depth: dict, sampled: list, greedy_rows: int, current: Optional[int],
+               acceptance: Callable[[], float]) -> Optional[int]:
+    """The depth, chosen by cost, of a lane holding `greedy_rows` drafting greedy rows (which chain
+    the lane's depth) and drafting sampled rows (each chaining its own, `sampled`): of the
+    installed depths at least the deepest sampled row's, the one with the most tokens a second for
+    all its rows (a cycle's tokens at the greedy rows' measured `acceptance()` over the lane's
+    measured cycle cost, `step_costs["mtp"]`), the `current` one while it is within
+    DEPTH_HYSTERESIS of the best (a move costs a head forward). Only the rate depends on it: a
+    sampled row chains its own depth in any of them, and a greedy row's tokens are the same at any
+    depth. None where a candidate's cost is not measured. Why: the head's acceptance at install
+    (a fixed prompt) is not the traffic's, and a few greedy rows that take a lane of sampled rows
+    one draft deeper make every row pay for the deeper verify and head (in process, B8, 2 greedy
+    rows among 6 sampled ones at depth 2: 1.02-1.14x the tok/s at depth 2 than at 3)."""
+    need = max(sampled, default=1)
+    depths = sorted(lanes_by_depth)
+    floor = min((d for d in depths if d >= need), default=depths[-1])
+    candidates = [d for d in depths if d >= floor]
+    costs = {d: lanes_by_depth[d].step_costs.get("mtp") for d in candidates}
+    if not all(costs.values()):
+        return None
+    a = acceptance()
+    fixed = sum(chain_tokens(a, s) for s in sampled)
+    rate = {d: (fixed + greedy_rows * chain_tokens(a, d)) / costs[d] for d in candidates}
+    best = max(rate, key=lambda d: (rate[d], -d))
+    if current in rate and rate[current] >= (1 - DEPTH_HYSTERESIS) * rate[best]:
+        return current
+    return best
 
 
 class StepCostMeter:

@@ -10,17 +10,23 @@ import mlx.core as mx
 
 from mtplx.engine.commit import HISTORY_FLUSH_AT
 from mtplx.engine.installed import VERIFY_T, InstalledA3BMTPBatchLane, sorted_ladder
+from mtplx.engine.policy import lane_depth
 from mtplx.models.cache import RaggedKVCache
 
 
-def lanes_by_depth(ladder: list, greedy_ladder=None, sampled_ladder=None) -> tuple:
+def lanes_by_depth(ladder: list, greedy_ladder=None, sampled_ladder=None, depth_ladders=()) -> tuple:
     """A running lane's installed lanes by width and depth ({width: {depth: lane}}), greedy rows'
     depth by width (`greedy_ladder`'s, else the ladder's) and sampled rows' one depth
-    (`sampled_ladder`'s, else the ladder's shallowest). Every ladder has the same widths."""
+    (`sampled_ladder`'s, else the ladder's shallowest). `depth_ladders`: more ladders (lanes of
+    other depths) to choose from. Every ladder has the same widths."""
     widths = [ln.width for ln in ladder]
     at: dict = {}
-    extra = {"greedy_ladder": greedy_ladder, "sampled_ladder": sampled_ladder}
-    for name, lanes in [("ladder", ladder)] + [(k, sorted_ladder(v)) for k, v in extra.items() if v is not None]:
+    named = {"ladder": ladder, "greedy_ladder": greedy_ladder, "sampled_ladder": sampled_ladder,
+             **{f"depth_ladders[{i}]": v for i, v in enumerate(depth_ladders)}}
+    for name, lanes in named.items():
+        if lanes is None:
+            continue
+        lanes = sorted_ladder(lanes)
         if [ln.width for ln in lanes] != widths:
             raise ValueError(f"{name} widths {[ln.width for ln in lanes]} differ from the ladder's {widths}")
         for ln in lanes:
@@ -38,16 +44,28 @@ class LaneShape:
     def _lane_at(self, width: int) -> InstalledA3BMTPBatchLane:
         """The installed lane of this width for the rows live or queued: deep enough for every
         sampled row that drafts in its next cycle, and for greedy rows that draft, their depth
-        here (`greedy_ladder`); the shallowest such lane installed (else the deepest). With no row
+        here (`greedy_ladder`; with `depth_by_cost`, the depth with the most tokens a second for
+        all its rows); the shallowest such lane installed (else the deepest). With no row
         drafting the depth stays (a row that does not draft makes the same draws at any depth)."""
         at = self._lanes_at[width]
         rows = [r for r in chain(self.rows, (a.row for a in self.admitting), self.waiting)
                 if r is not None and r.wants_draft()]
-        greedy = [self.greedy_depths[width]] if any(r.greedy for r in rows) else []
-        need = max([r.chain_depth for r in rows if not r.greedy] + greedy, default=0)
+        sampled = [r.chain_depth for r in rows if not r.greedy]
+        greedy_rows = len(rows) - len(sampled)
+        need = self._greedy_need(width, sampled, greedy_rows) if greedy_rows else max(sampled, default=0)
         if not need:
             need = self.lane.depth if self.lane is not None else self.ladder[0].depth
         return at[min((d for d in at if d >= need), default=max(at))]
+
+    def _greedy_need(self, width: int, sampled: list, greedy_rows: int) -> int:
+        """The depth a lane of this width holding drafting greedy rows (and sampled rows chaining
+        `sampled`) runs at: by cost where it chooses so and can, else the greedy rows' own there."""
+        if self.depth_by_cost:
+            current = self.lane.depth if self.lane is not None and self.lane.width == width else None
+            chosen = lane_depth(self._lanes_at[width], sampled, greedy_rows, current, self._greedy_acceptance)
+            if chosen is not None:
+                return chosen
+        return max(sampled + [self.greedy_depths[width]])
 
     def _resize(self) -> None:
         """Pick the narrowest installed width that fits the demand: widen at once, narrow after

@@ -182,7 +182,8 @@ def choose_depth(lanes_by_depth: dict, model) -> int:
     its measured cost (`step_costs["mtp"]`). Whether drafting pays at all (depth 0) the lane's
     StepPolicy decides as it runs."""
     from mtplx.engine.lane import draft_acceptance_prior
+    from mtplx.engine.policy import chain_tokens
 
     a = draft_acceptance_prior(model)
-    rate = {d: sum(a ** j for j in range(d + 1)) / ln.step_costs["mtp"] for d, ln in lanes_by_depth.items()}
+    rate = {d: chain_tokens(a, d) / ln.step_costs["mtp"] for d, ln in lanes_by_depth.items()}
     return max(rate, key=lambda d: (rate[d], -d))

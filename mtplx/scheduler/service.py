@@ -403,12 +403,15 @@ class MTPBatchGenerationService(ModelOwnerThread):
         job.emit_prefill({"phase": "queued", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
 
     def _start_lane(self, key) -> _KeyLane:
+        from mtplx.engine.installed import DEPTHS
         from mtplx.engine.lane import RunningLane
 
+        # greedy depths chosen by cost: the running lane keeps choosing them, at its rows' acceptance
+        by_cost = [self.ladder.ladder(d) for d in DEPTHS] if self.ladder.choose_greedy_depths else None
         running = (self._running_lane_cls or RunningLane)(
             self.ladder.ladder(), greedy_ladder=self.ladder.greedy_ladder(),
             sampled_ladder=self.ladder.ladder(self.ladder.sampled_depth), draft_draw=self.draft_draw,
-            repetition_limits=self.repetition_limits, overlap=self.overlap)
+            repetition_limits=self.repetition_limits, overlap=self.overlap, depth_ladders=by_cost)
         with self._cond:
             self._stats["lanes_started"] += 1
             lane = self._running[key] = _KeyLane(key, running, serial=self._stats["lanes_started"])
