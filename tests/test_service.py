@@ -717,6 +717,31 @@ def test_greedy_keys_chain_deeper_drafts_where_configured_sampled_keys_do_not(mo
     assert snap["draft_proposals"] < snap["draft_tokens"] <= 3 * snap["draft_proposals"]
 
 
+def test_greedy_depths_by_cost_keep_being_chosen_as_the_lane_runs(model, make_service, prompts):
+    """greedy_depths "cost" (the app's null): a key's running lane gets every installed depth to
+    choose from and chooses greedy rows' depth at their acceptance in it, which it measures; their
+    tokens equal plain greedy decoding."""
+    from mtplx.engine.lane import RunningLane
+
+    made = []
+
+    class Recorded(RunningLane):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    service = make_service(greedy_depths="cost", running_lane_cls=Recorded)
+    service.install_lanes([3]).result(TIMEOUT)
+    three = run_held(service, [job(prompts[i], max_tokens=30, seed=i, rid=f"g{i}") for i in (1, 2, 3)])
+    for i, r in zip((1, 2, 3), three):
+        assert r["tokens"] == greedy_ar(model, prompts[i], 30)
+        assert r["stats"]["mtp_depth"] in (1, 2, 3) and r["stats"]["mtp_batch_fixed_width"] == 3
+    assert made and all(running.depth_by_cost for running in made)
+    running = made[-1]
+    assert set(running._lanes_at[3]) == {1, 2, 3}
+    assert running.greedy_first_drafts > 0 and 0.0 < running.greedy_acceptance() <= 1.0
+
+
 @pytest.mark.parametrize("depths", [{3: 4}, {0: 2}, {3: True}, {64: 1}])
 def test_greedy_depths_are_checked(make_service, depths):
     with pytest.raises(ValueError, match="greedy_depths"):

@@ -189,7 +189,7 @@ class RunningLane(LaneShape, LaneAdmission):
     def has_work(self) -> bool:
         return self.demand > 0
 
-    def _greedy_acceptance(self) -> float:
+    def greedy_acceptance(self) -> float:
         """Greedy rows' draft acceptance in this lane: their first drafts' outcomes, after
         ACCEPTANCE_PRIOR_WEIGHT drafts' worth of the head's acceptance on a fixed prompt."""
         n = ACCEPTANCE_PRIOR_WEIGHT

@@ -62,7 +62,7 @@ class LaneShape:
         `sampled`) runs at: by cost where it chooses so and can, else the greedy rows' own there."""
         if self.depth_by_cost:
             current = self.lane.depth if self.lane is not None and self.lane.width == width else None
-            chosen = lane_depth(self._lanes_at[width], sampled, greedy_rows, current, self._greedy_acceptance)
+            chosen = lane_depth(self._lanes_at[width], sampled, greedy_rows, current, self.greedy_acceptance)
             if chosen is not None:
                 return chosen
         return max(sampled + [self.greedy_depths[width]])

@@ -201,6 +201,9 @@ def lane_snapshot(key, serial: int, running) -> dict:
             "route": lane_route(running.live_rows, running.greedy_rows),
             "depth": installed.depth if installed is not None else None,
             "greedy_rows": running.greedy_rows, "depth_switches": running.depth_switches,
+            # greedy rows' depth chosen as it runs (`lane_depth`), at their acceptance in this lane
+            "depth_by_cost": running.depth_by_cost,
+            "greedy_acceptance": round(running.greedy_acceptance(), 4) if running.depth_by_cost else None,
             "live_rows": running.live_rows, "prefilling_rows": len(running.admitting),
             "waiting_rows": len(running.waiting), "cycles": running.cycles,
             "mean_occupancy": round(running.row_cycles / max(running.cycles, 1), 3),
