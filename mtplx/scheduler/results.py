@@ -202,8 +202,10 @@ def lane_snapshot(key, serial: int, running) -> dict:
             "depth": installed.depth if installed is not None else None,
             "greedy_rows": running.greedy_rows, "depth_switches": running.depth_switches,
             # greedy rows' depth chosen as it runs (`lane_depth`), at their acceptance in this lane
+            # (their first drafts kept, as counted here: no model call off the owner thread)
             "depth_by_cost": running.depth_by_cost,
-            "greedy_acceptance": round(running.greedy_acceptance(), 4) if running.depth_by_cost else None,
+            "greedy_first_drafts_kept": round(running.greedy_first_kept / running.greedy_first_drafts, 4)
+            if running.greedy_first_drafts else None,
             "live_rows": running.live_rows, "prefilling_rows": len(running.admitting),
             "waiting_rows": len(running.waiting), "cycles": running.cycles,
             "mean_occupancy": round(running.row_cycles / max(running.cycles, 1), 3),
