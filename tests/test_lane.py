@@ -799,9 +799,10 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
     ladders = [[solo_lane(model, d), deep[d]] for d in (2, 3)]
     costs = {1: 1.0, 2: 1.25, 3: 1.5}
     ladder = [solo_lane(model), lanes[3]]
-    saved = {d: dict(ln.step_costs) for d, ln in ((1, lanes[3]), (2, deep[2]), (3, deep[3]))}
+    at3 = {1: lanes[3], **deep}
+    saved = {d: dict(ln.step_costs) for d, ln in at3.items()}
     try:
-        for d, ln in ((1, lanes[3]), (2, deep[2]), (3, deep[3])):
+        for d, ln in at3.items():
             ln.step_costs.update(mtp=costs[d], ar=1.0)
         prompts = _prompts(model, 3)
         depths = {}
@@ -836,7 +837,7 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
         assert all(s.tokens == ref.tokens for s in sampled)
         assert greedy_stream.tokens == greedy_ar(model, prompts[0], 90)
     finally:
-        for d, ln in ((1, lanes[3]), (2, deep[2]), (3, deep[3])):
+        for d, ln in at3.items():
             ln.step_costs.clear()
             ln.step_costs.update(saved[d])
 
