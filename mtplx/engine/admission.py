@@ -88,6 +88,10 @@ class _RowOf:
     """Row i of a batched cache layer, read as a per-row cache is (`keys`, `values`, `offset`)."""
 
     def __init__(self, layer: RaggedKVCache, i: int):
+        if layer.keys is None:        # nothing written yet (the head's history of one-token prompts)
+            self.keys = self.values = None
+            self.offset = 0
+            return
         self.keys, self.values, self.offset = layer.keys[i:i + 1], layer.values[i:i + 1], int(layer.lengths[i])
 
 
