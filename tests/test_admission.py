@@ -96,6 +96,82 @@ def test_a_long_prompt_and_a_banked_prefix_in_the_line(model, lane8):
         assert streams[i].tokens == ref.tokens, f"row {i}"
 
 
+def test_one_token_prompts_admitted_together(model, lane8):
+    """Rows whose prompts are one token each, admitted at one boundary, prefill together (their
+    head has no history entry yet) and each decodes to plain greedy."""
+    prompts = [model.tokenizer.encode(t) for t in ("x", "(", "x")]
+    assert all(len(p) == 1 for p in prompts)
+    running = RunningLane(lane8)
+    streams = [running.add(_req(i, p, 24)) for i, p in enumerate(prompts)]
+    while running.has_work:
+        running.step()
+    assert running.batched_prefills == 1
+    for p, s in zip(prompts, streams):
+        assert s.tokens == greedy_ar(model, p, 24)
+
+
+def _lengths_settled(running) -> bool:
+    """Every ragged layer's host lengths equal its device offsets (the lane's caches and head's)."""
+    layers = (running.caches or []) + (running.mtp_caches or [])
+    return all(np.array_equal(c.lengths, np.array(c.offset)) for c in layers if c.keys is not None)
+
+
+def test_a_lane_running_ahead_decodes_greedy_rows_as_without(model):
+    """With `run_ahead`, a lane of greedy rows launches each MTP cycle from the last one's verify
+    before the host reads it (the keep, the next primaries and the commit on the device). Rows
+    that stop at a stop token, on `max_tokens`, on a repetition, that omit the bonus, that do not
+    draft, that are cancelled or join mid-flight come out token for token as without running
+    ahead and as plain greedy, at depth 3 and depth 1; between steps the host's lengths equal
+    the device's offsets; while a sampled row is live the lane does not run ahead."""
+    prompts = [model.tokenizer.encode(t) for t in TEXTS]
+    hot = SamplerConfig(temperature=0.7, top_p=0.9, top_k=0)
+    solo = [greedy_ar(model, p, 60) for p in prompts]
+
+    def run(depth, run_ahead):
+        running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=depth),
+                              run_ahead=run_ahead)
+        reqs = [_req(0, prompts[0], 60, stop_token_ids=frozenset({solo[0][23]})),
+                _req(1, prompts[1], 37, omit_speculative_bonus=True),
+                _req(2, prompts[0], 60, speculative=False),
+                _req(3, prompts[3], 60, repetition_stop=True),
+                _req(4, prompts[4], 1),
+                _req(5, prompts[5], 60)]
+        streams = [running.add(r) for r in reqs]
+        sampled_steps = []
+        for n in range(60):
+            if n == 5:
+                running.remove(["5"])
+                streams.append(running.add(_req(6, prompts[0], 45)))
+            if n == 12:
+                streams.append(running.add(_req(7, prompts[1], 6, sampler=hot, seed=7)))
+            before = running.ahead_cycles
+            running.step()
+            assert _lengths_settled(running), f"step {n}"
+            if not streams[-1].finish_reason and len(streams) == 8 and n > 12:
+                sampled_steps.append(running.ahead_cycles - before)
+            if not running.has_work:
+                break
+        assert not running.has_work
+        return running, streams, sampled_steps
+
+    for depth in (3, 1):
+        serial, expected, _ = run(depth, False)
+        ahead, got, sampled_steps = run(depth, True)
+        assert serial.ahead_cycles == 0 and ahead.ahead_cycles > 15, depth
+        assert sampled_steps and not any(sampled_steps[1:]), "a lane holding a sampled row ran ahead"
+        # the cancelled row leaves at the boundary after the cycle launched ahead: its tokens go on to there
+        assert got[5].finish_reason == expected[5].finish_reason == "cancelled"
+        assert got[5].tokens[:len(expected[5].tokens)] == expected[5].tokens == solo[5][:len(expected[5].tokens)]
+        for i, (g, e) in enumerate(zip(got, expected)):
+            if i != 5:
+                assert (g.tokens, g.finish_reason) == (e.tokens, e.finish_reason), f"depth {depth} row {i}"
+        for i in (0, 1, 2, 4, 6):
+            ref = solo[{2: 0, 6: 0}.get(i, i)]
+            assert got[i].tokens == ref[:len(got[i].tokens)], f"depth {depth} row {i}"
+        assert got[0].finish_reason == "stop" and got[0].tokens == solo[0][:solo[0].index(solo[0][23]) + 1]
+        assert got[1].tokens == solo[1][:37] and got[4].tokens == solo[4][:1] and got[2].tokens == solo[0]
+
+
 def test_overlapped_cycles_decode_every_row_as_without(model, lane8):
     """With `overlap`, a step whose next boundary has nothing to do launches the next MTP cycle
     before returning; rows joining, cancelled and finishing meanwhile wait for it. Greedy,

@@ -305,10 +305,13 @@ def test_rows_admitted_mid_flight_equal_solo_ar_including_a_long_prompt(model, l
     assert streams[2].cycles < streams[1].cycles and streams[2].real_width == 3
 
 
-def test_admission_into_a_slot_freed_by_a_cancel(model, lanes):
+@pytest.mark.parametrize("run_ahead, admitted_at", [(False, 5), (True, 6)])
+def test_admission_into_a_slot_freed_by_a_cancel(model, lanes, run_ahead, admitted_at):
+    """A row cancelled between steps leaves at the next boundary and a waiting row takes its slot:
+    there when the lane runs ahead, the boundary after the cycle that was launched ahead."""
     prompts = _prompts(model, 4)
     flag = threading.Event()
-    running = lane_mod.RunningLane(lanes[3])
+    running = lane_mod.RunningLane(lanes[3], run_ahead=run_ahead)
     streams = [running.add(_req(i, p, 60, cancelled=(flag.is_set if i == 1 else row_mod._never)))
                for i, p in enumerate(prompts[:3])]
     _steps(running, 5)
@@ -316,7 +319,8 @@ def test_admission_into_a_slot_freed_by_a_cancel(model, lanes):
     streams.append(running.add(_req(3, prompts[3], 50)))
     _drain(running)
     assert streams[1].finish_reason == "cancelled" and len(streams[1].tokens) < 60
-    assert running.width == 3 and streams[3].admitted_at_cycle == 5 and running.widenings == 0
+    assert running.width == 3 and streams[3].admitted_at_cycle == admitted_at and running.widenings == 0
+    assert (running.ahead_cycles > 0) == run_ahead
     for i in (0, 2, 3):
         n = 50 if i == 3 else 60
         assert streams[i].tokens == greedy_ar(model, prompts[i], n), f"row {i}"

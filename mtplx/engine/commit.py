@@ -13,12 +13,13 @@ from mtplx.models.cache import commit_rows
 HISTORY_FLUSH_AT = 16        # AR steps of owed MTP history a lane holds before writing it into the head's KV
 
 
-def commit_positions(caches, H, L, keep: np.ndarray, T: int) -> tuple:
-    """Keep `keep[b]` of the T verify positions of row b (0: the row's state does not move) and
-    return each row's last kept hidden [W, 1, Hd] and logits [W, V] (a row that kept none: its
-    first position's, never read)."""
+def commit_positions(caches, H, L, keep, T: int) -> tuple:
+    """Keep `keep[b]` of the T verify positions of row b (0: the row's state does not move; `keep`
+    on the host, or on the device: `commit_rows`) and return each row's last kept hidden
+    [W, 1, Hd] and logits [W, V] (a row that kept none: its first position's, never read)."""
     commit_rows(caches, T, keep)
-    sel = mx.array(np.maximum(keep - 1, 0).astype(np.int32))[:, None, None]
+    last = mx.maximum(keep - 1, 0) if isinstance(keep, mx.array) else mx.array(np.maximum(keep - 1, 0))
+    sel = last.astype(mx.int32)[:, None, None]
     return mx.take_along_axis(H, sel, axis=1), mx.take_along_axis(L, sel, axis=1)[:, 0]
 
 
@@ -32,7 +33,7 @@ class HeadHistory:
 
     def __init__(self, width: int, depth: int, like: mx.array):
         self.hidden = mx.zeros((width, depth) + like.shape[2:], like.dtype)
-        self.tokens = np.zeros((width, depth), dtype=np.int64)
+        self.tokens = mx.zeros((width, depth), mx.uint32)
         self.columns: list = []
 
     @property
@@ -48,7 +49,7 @@ class HeadHistory:
         may_draft = np.array([r is not None and r.req.speculative for r in rows])
         owed = np.array([r.owed if r is not None else 0 for r in rows]) * may_draft
         for j in range(int(owed.max(initial=0))):      # oldest first
-            self.owe(self.hidden[:, j:j + 1], mx.array(self.tokens[:, j], dtype=mx.uint32), owed > j)
+            self.owe(self.hidden[:, j:j + 1], self.tokens[:, j], owed > j)
         for row in rows:
             if row is not None:
                 row.owed = 0
@@ -74,16 +75,18 @@ class HeadHistory:
         model.draft_hidden(h, t, mtp_caches)     # lazy: only the layer's keys and values are used
         commit_rows(mtp_caches, n, counts)
 
-    def record(self, H: mx.array, drafts: np.ndarray) -> None:
-        """A cycle's verify hiddens and drafts: the entries its rows' accepted drafts owe."""
+    def record(self, H: mx.array, drafts: mx.array) -> None:
+        """A cycle's verify hiddens and drafts [W, n] (n <= depth): the entries its rows' accepted
+        drafts owe."""
         self.hidden = H[:, :self.hidden.shape[1]]
-        self.tokens[:, :drafts.shape[1]] = drafts
+        n = drafts.shape[1]
+        self.tokens = drafts if n == self.tokens.shape[1] else mx.concatenate([drafts, self.tokens[:, n:]], axis=1)
 
     def redepth(self, depth: int) -> None:
         """The lane moves to chains of `depth` drafts (rows have settled what they owed: `owe_rows`)."""
         width = self.tokens.shape[0]
         self.hidden = mx.zeros((width, depth) + self.hidden.shape[2:], self.hidden.dtype)
-        self.tokens = np.zeros((width, depth), dtype=np.int64)
+        self.tokens = mx.zeros((width, depth), mx.uint32)
 
     def clear_slot(self, b: int) -> None:
         """A new row takes slot b: what the slot owed was its previous row's."""
@@ -94,5 +97,5 @@ class HeadHistory:
     def take(self, index: list) -> None:
         """Rows move to new slots (`index[i]`: the old slot of new slot i; owed columns are
         written before any move)."""
-        self.hidden = self.hidden[mx.array(index, dtype=mx.int32)]
-        self.tokens = self.tokens[np.array(index)]
+        index = mx.array(index, dtype=mx.int32)
+        self.hidden, self.tokens = self.hidden[index], self.tokens[index]

@@ -103,6 +103,15 @@ def default_overlap() -> bool:
     return mx.default_device() == mx.gpu
 
 
+def default_run_ahead() -> bool:
+    """Whether running lanes of greedy rows launch each MTP cycle before the host reads the last
+    one's verify (its keep and next primaries computed on the device), unless MTPLX_RUN_AHEAD
+    says: on by default, on the CPU and on a GPU alike (BENCHMARKS.md, "Measurements behind the
+    engine's constants")."""
+    env = os.environ.get("MTPLX_RUN_AHEAD", "").strip().lower()
+    return env not in ("0", "off", "false", "no")
+
+
 def _span_bucket(model, width: int) -> Optional[int]:
     """Wide lanes of attention-only models attend over a span rounded up to SPAN_BUCKET (a compiled
     graph has fixed shapes, and one over the whole buffer, sized for the rows' whole lives, was

@@ -21,8 +21,8 @@ from mtplx.engine.acceptor import Targets, accept_chain
 from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane,
-                                    default_draft_draw, default_overlap, solo_lane, sorted_ladder)
+from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane, default_draft_draw,
+                                    default_overlap, default_run_ahead, solo_lane, sorted_ladder)
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
@@ -31,7 +31,7 @@ from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchS
                               host_logprob, validate_request)
 from mtplx.engine.shape import LaneShape, lanes_by_depth
 from mtplx.engine.step import Step
-from mtplx.models.cache import commit_rows
+from mtplx.models.cache import RaggedKVCache, commit_rows, settle_rows
 from mtplx.sampling import sample, to_host
 from mtplx.structured import grammar_tokenizer
 
@@ -61,14 +61,16 @@ class RunningLane(LaneShape, LaneAdmission):
     adaptive rows) the `StepPolicy` may run a plain AR step instead: one target forward [W, 1],
     no head forward, the head's history entries owed (`HeadHistory`). With `overlap`, a step
     whose next boundary has nothing to do launches the next MTP cycle before returning its
-    events (`decode`).
+    events (`decode`). With `run_ahead`, a lane of greedy rows launches each MTP cycle before the
+    host reads the last one's verify, from that verify's outcome computed on the device
+    (`_launch_ahead`): the device never waits for the host's decisions.
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
                  draft_draw: Optional[str] = None, greedy_ladder=None, sampled_ladder=None,
                  repetition_limits: Optional[RepetitionLimits] = None, overlap: Optional[bool] = None,
-                 depth_ladders: Optional[list] = None):
+                 depth_ladders: Optional[list] = None, run_ahead: Optional[bool] = None):
         if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
             raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
         self.ladder = sorted_ladder(ladder)
@@ -124,6 +126,8 @@ class RunningLane(LaneShape, LaneAdmission):
         self.overlapped_cycles = 0                     # cycles launched at the step before theirs
         self._launch_s = 0.0
         self._next_kind: Optional[str] = None
+        self.run_ahead = default_run_ahead() if run_ahead is None else bool(run_ahead)
+        self.ahead_cycles = 0                          # cycles launched before the last one's verify was read
         self._step_costs = StepCostMeter()
         # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step
         self.step_plan: Optional[Callable[[int], str]] = None
@@ -271,29 +275,62 @@ class RunningLane(LaneShape, LaneAdmission):
 
     def decode(self) -> list[RowEvent]:
         """One MTP cycle or plain AR step for the live rows (the one launched at the last step's
-        end, then the boundary that waited for it, if any). With `overlap`, when the next boundary
-        has nothing to do, the next MTP cycle is launched before this step's events go out: the
-        device computes it while the caller streams them."""
+        end, then the boundary that waited for it, if any). With `run_ahead`, where the next
+        cycle may launch before this one's verify is read (`_ahead_ok`), it does, and stays
+        launched when this step returns. With `overlap`, when the next boundary has nothing to
+        do, the next MTP cycle is launched before this step's events go out: the device computes
+        it while the caller streams them."""
         self._reporting += self._all_rows()
         if self._launched is not None:
             launched, self._launched = self._launched, None
-            t1, previous = time.perf_counter(), self.last_step
+            t1, previous, launch_s = time.perf_counter(), self.last_step, self._launch_s
+            self._launch_s = 0.0
             self.mtp_cycles += 1
             self.overlapped_cycles += 1
-            self._finish_cycle(launched)
-            self.last_step = "mtp"
-            self._observe_step(previous, time.perf_counter() - t1 + self._launch_s)
-            if not self._boundary_idle():
+            self._finish_launched(launched)
+            # a cycle run ahead launched the next: this step's time is the period between cycles
+            self._observe_step(previous, time.perf_counter() - t1 + launch_s)
+            if self._launched is None and not self._boundary_idle():
                 self._boundary()
         elif self.live_rows:
             t1 = time.perf_counter()
             kind, previous = self._next_kind or self._choose_step(), self.last_step
             self._next_kind = None
-            self._run_step(kind)
-            self._observe_step(previous, time.perf_counter() - t1)
-        if self.overlap and self._boundary_idle():
+            ahead_s = 0.0
+            if kind == "mtp" and self._ahead_ok():
+                self.mtp_cycles += 1
+                ahead_s = self._finish_launched(self._launch_cycle())
+            else:
+                self._run_step(kind)
+            self._observe_step(previous, time.perf_counter() - t1 - ahead_s)
+        if self.overlap and self._launched is None and self._boundary_idle():
             self._launch_next()
         return self.drain_events()
+
+    def _finish_launched(self, launched: tuple) -> float:
+        """Finish a launched MTP cycle, first launching the next from it where that may run ahead
+        (`_ahead_ok`). Returns the time the next cycle's launch took."""
+        t0 = time.perf_counter()
+        if self._ahead_ok():
+            self._launched = self._launch_ahead(launched)
+        ahead_s = time.perf_counter() - t0
+        self._finish_cycle(launched)
+        self.last_step = "mtp"
+        return ahead_s
+
+    def _ahead_ok(self) -> bool:
+        """Whether the next MTP cycle may launch before the host reads this one's verify: with
+        `run_ahead`, the boundary idle, every row greedy, unconstrained and without
+        log-probabilities (what a row keeps then follows from the verify alone), the lane's
+        caches all ragged KV (their commit can move on the device), and an MTP cycle next."""
+        if not self.run_ahead or not self._boundary_idle():
+            return False
+        rows = [r for r in self.rows if r is not None]
+        if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None for r in rows):
+            return False
+        if not all(isinstance(c, RaggedKVCache) for c in self.caches + self.mtp_caches):
+            return False
+        return any(r.wants_draft() for r in rows) and self._choose_step() == "mtp"
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
         self.cycle_s += dt
@@ -541,18 +578,23 @@ class RunningLane(LaneShape, LaneAdmission):
         (and the bonus when it keeps every draft), and the commit keeps each row's positions."""
         self._finish_cycle(self._launch_cycle())
 
-    def _launch_cycle(self) -> tuple:
-        """A cycle up to its verify, set computing: (step, verify)."""
+    def _launch_cycle(self, ahead: Optional[tuple] = None) -> tuple:
+        """A cycle up to its verify, set computing: (step, verify). `ahead`: (the step, its rows'
+        owed head-history entries [W]) of a cycle launched before the last one's verify was read,
+        its primaries and owed entries on the device (`_launch_ahead`)."""
         self._forwards()
         self.history.write(self.model, self.mtp_caches)     # what AR steps owed, first
         drafting = np.array([r is not None and r.wants_draft() for r in self.rows])
-        step = self._primaries()
-        self._speculate_primaries(step)
+        if ahead is None:
+            step = self._primaries()
+            self._speculate_primaries(step)
+            owed = np.array([r.owed if r is not None else 0 for r in self.rows])
+        else:
+            step, owed = ahead
         step.drafting = drafting
         step.depth = self.lane.depth if self.inject_drafts is None else 1   # the self-check injects single drafts
         step.row_depth = np.array([min(r.chain_depth or step.depth, step.depth) if drafting[b] else 0
                                    for b, r in enumerate(self.rows)], dtype=np.int64)
-        owed = np.array([r.owed if r is not None else 0 for r in self.rows])
         step.proposal = self.proposer.propose(self.forwards, self.history, self.h_last, step.x0, self.rows,
                                               step.row_depth, owed, step.active, step.greedy, step.depth,
                                               step.allowed)
@@ -561,11 +603,60 @@ class RunningLane(LaneShape, LaneAdmission):
             drafts = mx.array(self._injected(np.array(drafts[:, 0]), step), dtype=mx.uint32)[:, None]
         return step, self._launch_verify(step, mx.concatenate([step.x0[:, None], drafts], axis=1))
 
+    def _launch_ahead(self, launched: tuple) -> tuple:
+        """The next MTP cycle, launched from `launched`'s verify before the host reads it. Its rows
+        are all greedy, so what each keeps follows from the verify alone: its drafts' longest
+        prefix equal to the target's argmax, then the target's token there (its next primary).
+        The device computes that keep and commits it (the caches' offsets, the last hidden and
+        logits, the head's history and the entries rows owe it); when the host reads the verify,
+        it checks its own decisions against that keep and settles its lengths (`_settle`)."""
+        step, (tokens, H, L, read) = launched
+        ids, depth = read[1], step.depth
+        drafts = tokens[:, 1:]
+        judged = mx.arange(depth)[None] < mx.array(step.row_depth)[:, None]
+        kept = mx.cumprod(((drafts == ids[:, :depth]) & judged).astype(mx.int32), axis=1).sum(axis=1)
+        keep = mx.where(mx.array(step.active), 1 + kept, 0)
+        mx.async_eval(keep)             # queued ahead of the next cycle: the host reads it with this verify
+        self.h_last, self.logits_last = commit_positions(self.caches, H, L, keep, 1 + depth)
+        self.logits_host = None
+        self.history.record(H, drafts)
+        # the next cycle's head keeps, for each row, its owed entries and its draft entry: 1 + kept again
+        step.device_keep = keep
+        step.settles = [(self.caches, 1 + depth), (self.mtp_caches, self.history.hidden.shape[1] + 1)]
+        x0 = mx.take_along_axis(ids, kept[:, None], axis=1)[:, 0]
+        self.ahead_cycles += 1
+        return self._launch_cycle((Step(step.active.copy(), step.active.copy(), True, x0, ahead=True), kept))
+
+    def _settle(self, step: Step) -> None:
+        """A step committed on the device (`_launch_ahead`), read: each live row's decisions kept
+        what the device did (a row that finished on the way kept its positions there, unread),
+        and the host lengths follow the device's keep."""
+        keep = np.array(step.device_keep)
+        live = np.array([r is not None for r in self.rows])
+        if not np.array_equal(keep[live], step.keep[live]):
+            raise RuntimeError(f"the device kept {keep[live].tolist()} positions of the live rows' verify, "
+                               f"their decisions {step.keep[live].tolist()}")
+        for caches, written in step.settles:
+            settle_rows(caches, written, keep)
+
+    def _ahead_primaries(self, step: Step) -> None:
+        """A step launched ahead, now that the last step's decisions are made: the rows still live,
+        and which of its primaries they emitted then (their pending tokens, which its primaries,
+        from the device, must equal)."""
+        step.active &= np.array([r is not None for r in self.rows])
+        step.has_pending = np.array([r is not None and r.pending is not None for r in self.rows])
+        for b in np.flatnonzero(step.has_pending):
+            if self.rows[b].pending != int(step.x0_host[b]):
+                raise RuntimeError(f"row {b}'s primary from the device ({int(step.x0_host[b])}) is not the "
+                                   f"token its last decisions left pending ({self.rows[b].pending})")
+
     def _finish_cycle(self, launched: tuple) -> None:
         """The rest of a launched cycle: the wait, each row's decisions, the commit."""
         step, verify = launched
         self._count_step()
         H, L, L_host = self._read_verify(step, *verify)
+        if step.ahead:
+            self._ahead_primaries(step)
         self.proposer.settle(step.proposal, step.d_host, check=self.inject_drafts is None)
         t_host = time.perf_counter()
         for b, masks in (step.allowed or {}).items():    # a sampled constrained row's bonus position
@@ -580,8 +671,11 @@ class RunningLane(LaneShape, LaneAdmission):
         self._end_decisions(step)
         self.policy.observe(step.drafted, step.accepted)
         self._host_s += time.perf_counter() - t_host
+        if step.device_keep is not None:      # the next cycle, launched ahead, committed this one
+            self._settle(step)
+            return
         T = 1 + step.depth
-        self.history.record(H, step.d_host)
+        self.history.record(H, verify[0][:, 1:])
         self.h_last, self.logits_last = commit_positions(self.caches, H, L, step.keep, T)
         self.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
 

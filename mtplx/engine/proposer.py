@@ -46,20 +46,23 @@ class Proposer:
         self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
         self.wait_s = 0.0                 # time in MLX's evaluation of the head (its drafts)
 
-    def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed: np.ndarray,
+    def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed,
                 keep_history: np.ndarray, greedy: bool, depth: int, allowed: Optional[dict] = None) -> Proposal:
         """The drafts of every row [W, depth]: row b drafts its first `row_depth[b]` (0: it does not
         draft); past them a row's entries are whatever the head gave, never judged, and make no
-        draws. The head forward also writes each row's owed history entries. `allowed`: each
+        draws. The head forward also writes each row's owed history entries (`owed` [W]: on the
+        host, or on the device when the last cycle's verify is not read yet). `allowed`: each
         sampled constrained row's masks so far ([after its primary]); the mask each of its chained
         drafts is drawn under is appended (the lane appends the last, after the verify)."""
         allowed = allowed or {}
         constrained = [b for b, r in enumerate(rows) if r is not None and r.grammar is not None and row_depth[b] > 0]
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
-        q_logits, g = forwards.draft(history.hidden, h_last, mx.array(history.tokens, dtype=mx.uint32), x0,
-                                     mx.array(owed.astype(np.int32)))        # [W, V], [W, 1, H]
-        commit_rows(forwards.mtp_caches, D + 1, np.where(keep_history, 1 + owed, 0))
+        on_device = isinstance(owed, mx.array)          # a cycle launched before the last one was read
+        q_logits, g = forwards.draft(history.hidden, h_last, history.tokens, x0,
+                                     owed if on_device else mx.array(owed.astype(np.int32)))   # [W, V], [W, 1, H]
+        commit_rows(forwards.mtp_caches, D + 1, mx.where(mx.array(keep_history), 1 + owed, 0) if on_device
+                    else np.where(keep_history, 1 + owed, 0))
         drafts = [self._draws(self._masked(q_logits, rows, constrained, row_depth, 0, None, allowed),
                               rows, row_depth > 0, greedy, proposal, 0)]
         self._start(drafts[-1])

@@ -31,7 +31,7 @@ STEP = 256
 class RaggedKVCache:
     def __init__(self, keys: mx.array, values: mx.array, lengths: Sequence[int]):
         self.keys, self.values = keys, values          # [B, H, capacity, D]
-        self.lengths = np.asarray(lengths, dtype=np.int64).copy()  # host truth, per row
+        self.lengths = np.asarray(lengths, dtype=np.int64).copy()  # per row: host truth, an upper bound while a device commit is unsettled
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         self.full_span = False    # traced: attend over the whole buffer, keep no host state
         self.reserved = 0         # capacity asked for before the buffer exists
@@ -133,13 +133,15 @@ class RaggedKVCache:
         mask = mx.arange(span, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None]
         return mask[:, None]
 
-    def advance(self, delta: np.ndarray, offset: Optional[mx.array] = None) -> None:
-        """Move each row's offset by delta (negative to drop the positions just written).
-        `offset` may pass the resulting device offsets when a sibling layer already built them."""
-        delta = np.asarray(delta, dtype=np.int64)
-        if delta.any():
+    def advance(self, delta, offset: Optional[mx.array] = None) -> None:
+        """Move each row's offset by delta (negative to drop the positions just written). A host
+        delta moves the host lengths too; a device one (an `mx.array`) only the device offsets,
+        the host lengths staying an upper bound until `settle_rows`. `offset`: the resulting
+        device offsets, when a sibling layer sharing this one's already built them."""
+        if not isinstance(delta, mx.array):
+            delta = np.asarray(delta, dtype=np.int64)
             self.lengths = self.lengths + delta
-            self.offset = offset if offset is not None else mx.array(self.lengths, dtype=mx.int32)
+        self.offset = offset if offset is not None else self.offset + mx.array(delta, dtype=mx.int32)
 
     # ---- the compiled-cycle protocol (`mtplx.engine.forwards.CycleForwards`): a cache enters an
     # `mx.compile`d forward as plain arrays, runs there as a traced view, and takes back its outputs
@@ -198,21 +200,38 @@ def snapshot_nbytes(snap) -> int:
     return snap.nbytes if hasattr(snap, "nbytes") else sum(a.nbytes for a in snap)
 
 
-def commit_rows(caches: Sequence[RaggedKVCache], written: int, keep: np.ndarray) -> None:
-    """After a forward that wrote `written` positions per row, keep `keep[b]` of them."""
-    delta = np.asarray(keep, dtype=np.int64) - written
-    offset = lengths = None   # a cohort's attention layers hold the same lengths: one device array
+def commit_rows(caches: Sequence[RaggedKVCache], written: int, keep) -> None:
+    """After a forward that wrote `written` positions per row, keep `keep[b]` of them. `keep` on
+    the device (an `mx.array`: a cycle launched before the host read the last one's verify)
+    moves the rows' device offsets now and leaves their host lengths as they are, an upper bound
+    that `settle_rows` corrects once the host reads `keep` (ragged KV layers only)."""
+    on_device = isinstance(keep, mx.array)
+    if on_device:
+        delta = (keep - written).astype(mx.int32)
+    else:
+        delta = np.asarray(keep, dtype=np.int64) - written
+        if not delta.any():
+            return
+    moved: dict = {}          # a cohort's attention layers share one offset array: moved once
     grouped: dict = {}        # other layer types that commit all their layers at once
     for c in caches:
-        if not isinstance(c, RaggedKVCache):
-            if hasattr(type(c), "advance_all"):
-                grouped.setdefault(type(c), []).append(c)
-            else:
-                c.advance(delta)
-            continue
-        same = lengths is not None and np.array_equal(c.lengths + delta, lengths)
-        c.advance(delta, offset if same else None)
-        if not same:
-            offset, lengths = c.offset, c.lengths
+        if isinstance(c, RaggedKVCache):
+            shared = id(c.offset)
+            c.advance(delta, moved.get(shared))
+            moved[shared] = c.offset
+        elif on_device:
+            raise TypeError(f"a {type(c).__name__} layer cannot commit on the device")
+        elif hasattr(type(c), "advance_all"):
+            grouped.setdefault(type(c), []).append(c)
+        else:
+            c.advance(delta)
     for kind, group in grouped.items():
         kind.advance_all(group, delta)
+
+
+def settle_rows(caches: Sequence[RaggedKVCache], written: int, keep: np.ndarray) -> None:
+    """The host lengths of a commit made on the device (`commit_rows` with `keep` on the device),
+    now that the host has read `keep`."""
+    delta = np.asarray(keep, dtype=np.int64) - written
+    for c in caches:
+        c.lengths = c.lengths + delta
