@@ -323,14 +323,14 @@ class RunningLane(LaneShape, LaneAdmission):
         `run_ahead`, the boundary idle, every row greedy, unconstrained and without
         log-probabilities (what a row keeps then follows from the verify alone), the lane's
         caches all ragged KV (their commit can move on the device), and an MTP cycle next."""
-        if not self.run_ahead or not self._boundary_idle():
+        if not self.run_ahead:
             return False
         rows = [r for r in self.rows if r is not None]
         if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None for r in rows):
             return False
         if not all(isinstance(c, RaggedKVCache) for c in self.caches + self.mtp_caches):
             return False
-        return any(r.wants_draft() for r in rows) and self._choose_step() == "mtp"
+        return any(r.wants_draft() for r in rows) and self._boundary_idle() and self._choose_step() == "mtp"
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
         self.cycle_s += dt
