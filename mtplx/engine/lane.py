@@ -287,9 +287,10 @@ class RunningLane(LaneShape, LaneAdmission):
             self._launch_s = 0.0
             self.mtp_cycles += 1
             self.overlapped_cycles += 1
-            self._finish_launched(launched)
-            # a cycle run ahead launched the next: this step's time is the period between cycles
-            self._observe_step(previous, time.perf_counter() - t1 + launch_s)
+            ahead_s = self._finish_launched(launched)
+            # a cycle's time is its launch's and its finish's (the next one's launch counts with it)
+            self._observe_step(previous, time.perf_counter() - t1 - ahead_s + launch_s)
+            self._launch_s = ahead_s
             if self._launched is None and not self._boundary_idle():
                 self._boundary()
         elif self.live_rows:
@@ -303,6 +304,7 @@ class RunningLane(LaneShape, LaneAdmission):
             else:
                 self._run_step(kind)
             self._observe_step(previous, time.perf_counter() - t1 - ahead_s)
+            self._launch_s = ahead_s
         if self.overlap and self._launched is None and self._boundary_idle():
             self._launch_next()
         return self.drain_events()

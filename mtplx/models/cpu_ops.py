@@ -45,10 +45,13 @@ def _exp2_parts(x):
     the Taylor series of exp(f ln 2), f in [0, 1). Below 2^-126 the result is 2^-126 * 2^f
     (attention weights that small round away against a row sum of at least 1)."""
     t = mx.maximum(x * _LOG2E, -126.0)
-    n = mx.floor(t)
-    y = (t - n) * _LN2
+    # floor(t) for t <= 0 from the cast's truncation (toward zero): one fused kernel, where
+    # MLX's CPU floor ran as an op of its own (this exp 15% faster at [128, 576])
+    ceil = t.astype(mx.int32)
+    n = ceil - (ceil.astype(mx.float32) > t).astype(mx.int32)
+    y = (t - n.astype(mx.float32)) * _LN2
     p = 1 + y * (1 + y * (1 / 2 + y * (1 / 6 + y * (1 / 24 + y * (1 / 120 + y * (1 / 720 + y / 5040))))))
-    return p, (n.astype(mx.int32) + 127) << 23
+    return p, (n + 127) << 23
 
 
 _exp2_parts_compiled = mx.compile(_exp2_parts, shapeless=True)
