@@ -215,6 +215,7 @@ def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n
         assert r["tokens"] == greedy_ar(model, prompts[i], 6 + 3 * i)
     snap = settle(service)
     assert snap["lanes_started"] == 1 and snap["admissions"] == n and snap["lanes"] == []
+    assert 0 < snap["ahead_cycles"] <= snap["mtp_cycles"]      # a greedy lane runs ahead between boundaries
     assert snap["last_fixed_width"] == fixed
     assert snap["last_route_id"] == lanes[fixed].route_id
     assert set(snap["fixed_width_histogram"]) == {str(fixed)}

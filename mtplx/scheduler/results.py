@@ -129,7 +129,7 @@ def new_service_stats(max_depth: int) -> dict:
         "fixed_width_histogram": {},
         "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
         "draft_proposals": 0, "draft_tokens": 0, "accepted_by_position": [0] * max_depth,
-        "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "device_drafts": 0,
+        "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "ahead_cycles": 0, "device_drafts": 0,
         "batched_prefills": 0, "cycle_s": 0.0, "device_s": 0.0, "host_s": 0.0, "delivery_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
         "widenings": 0, "narrowings": 0, "depth_switches": 0,
         "solo_runs": 0, "driver_errors": 0,
@@ -145,7 +145,8 @@ LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycle
                  "admitted": "admissions", "shared_prefills": "shared_prefills", "batched_prefills": "batched_prefills", "widenings": "widenings",
                  "narrowings": "narrowings", "depth_switches": "depth_switches",
                  "cycle_s": "cycle_s", "device_s": "device_s", "host_s": "host_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
-                 "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "device_drafts": "device_drafts",
+                 "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "ahead_cycles": "ahead_cycles",
+                 "device_drafts": "device_drafts",
                  "draft_proposals": "draft_proposals", "draft_tokens": "draft_tokens"}
 
 
@@ -215,6 +216,7 @@ def lane_snapshot(key, serial: int, running) -> dict:
             # its step choice: the kind of its last step, counts by kind, the cost model at its
             # width and its acceptance estimate (StepPolicy)
             "step": running.last_step, "mtp_cycles": running.mtp_cycles, "ar_steps": running.ar_steps,
+            "ahead_cycles": running.ahead_cycles,
             "step_policy": running.policy.snapshot(installed.step_costs if installed is not None else {})}
 
 
@@ -284,6 +286,8 @@ def counters_snapshot(s: dict) -> dict:
         # of the lanes' cycles: MTP cycles and plain AR steps (generation_mode "auto", AR rows)
         "mtp_cycles": s["mtp_cycles"],
         "ar_steps": s["ar_steps"],
+        # of the MTP cycles: launched before the host read the last one's verify (greedy lanes run ahead)
+        "ahead_cycles": s["ahead_cycles"],
         "device_drafts": s["device_drafts"],
         "accepted_draft_tokens": s["accepted_draft_tokens"],
         "rejected_draft_tokens": s["rejected_draft_tokens"],
