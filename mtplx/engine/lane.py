@@ -19,6 +19,7 @@ import numpy as np
 
 from mtplx.engine.acceptor import Targets, accept_chain
 from mtplx.engine.admission import LaneAdmission
+from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane, default_draft_draw,
@@ -31,7 +32,7 @@ from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchS
                               host_logprob, validate_request)
 from mtplx.engine.shape import LaneShape, lanes_by_depth
 from mtplx.engine.step import Step
-from mtplx.models.cache import RaggedKVCache, commit_rows, settle_rows
+from mtplx.models.cache import commit_rows
 from mtplx.sampling import sample, to_host
 from mtplx.structured import grammar_tokenizer
 
@@ -40,7 +41,7 @@ PRIOR_TOKENS = 48
 ACCEPTANCE_PRIOR_WEIGHT = 32     # drafts' worth of the prior in a lane's greedy acceptance
 
 
-class RunningLane(LaneShape, LaneAdmission):
+class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     """A fixed-width lane that keeps running while rows come and go (continuous admission),
     shaped after mlx-lm's `BatchGenerator`: `insert` rows, `step()` returns what each row did
     (`RowEvent`s), `remove` rows. `ladder` is the installed lanes it may run as: when more rows
@@ -309,31 +310,6 @@ class RunningLane(LaneShape, LaneAdmission):
             self._launch_next()
         return self.drain_events()
 
-    def _finish_launched(self, launched: tuple) -> float:
-        """Finish a launched MTP cycle, first launching the next from it where that may run ahead
-        (`_ahead_ok`). Returns the time the next cycle's launch took."""
-        t0 = time.perf_counter()
-        if self._ahead_ok():
-            self._launched = self._launch_ahead(launched)
-        ahead_s = time.perf_counter() - t0
-        self._finish_cycle(launched)
-        self.last_step = "mtp"
-        return ahead_s
-
-    def _ahead_ok(self) -> bool:
-        """Whether the next MTP cycle may launch before the host reads this one's verify: with
-        `run_ahead`, the boundary idle, every row greedy, unconstrained and without
-        log-probabilities (what a row keeps then follows from the verify alone), the lane's
-        caches all ragged KV (their commit can move on the device), and an MTP cycle next."""
-        if not self.run_ahead:
-            return False
-        rows = [r for r in self.rows if r is not None]
-        if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None for r in rows):
-            return False
-        if not all(isinstance(c, RaggedKVCache) for c in self.caches + self.mtp_caches):
-            return False
-        return any(r.wants_draft() for r in rows) and self._boundary_idle() and self._choose_step() == "mtp"
-
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
         self.cycle_s += dt
         self._step_costs.observe(self.lane, self.last_step, previous, dt, self.cycles)
@@ -347,16 +323,6 @@ class RunningLane(LaneShape, LaneAdmission):
             return False
         fit = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
         return fit == self.width and self._lane_at(self.width) is self.lane and self.inject_drafts is None
-
-    def _launch_next(self) -> None:
-        """The next step's choice, and if it is an MTP cycle its launch (`_launch_cycle`)."""
-        kind = self._choose_step()
-        if kind != "mtp" or not any(r is not None and r.wants_draft() for r in self.rows):
-            self._next_kind = kind
-            return
-        t0 = time.perf_counter()
-        self._launched = self._launch_cycle()
-        self._launch_s = time.perf_counter() - t0
 
     def drain_events(self) -> list[RowEvent]:
         """Each row's news not yet returned, for the rows the lane held when its last step (or
@@ -604,53 +570,6 @@ class RunningLane(LaneShape, LaneAdmission):
         if self.inject_drafts is not None:
             drafts = mx.array(self._injected(np.array(drafts[:, 0]), step), dtype=mx.uint32)[:, None]
         return step, self._launch_verify(step, mx.concatenate([step.x0[:, None], drafts], axis=1))
-
-    def _launch_ahead(self, launched: tuple) -> tuple:
-        """The next MTP cycle, launched from `launched`'s verify before the host reads it. Its rows
-        are all greedy, so what each keeps follows from the verify alone: its drafts' longest
-        prefix equal to the target's argmax, then the target's token there (its next primary).
-        The device computes that keep and commits it (the caches' offsets, the last hidden and
-        logits, the head's history and the entries rows owe it); when the host reads the verify,
-        it checks its own decisions against that keep and settles its lengths (`_settle`)."""
-        step, (tokens, H, L, read) = launched
-        ids, depth = read[1], step.depth
-        drafts = tokens[:, 1:]
-        judged = mx.arange(depth)[None] < mx.array(step.row_depth)[:, None]
-        kept = mx.cumprod(((drafts == ids[:, :depth]) & judged).astype(mx.int32), axis=1).sum(axis=1)
-        keep = mx.where(mx.array(step.active), 1 + kept, 0)
-        mx.async_eval(keep)             # queued ahead of the next cycle: the host reads it with this verify
-        self.h_last, self.logits_last = commit_positions(self.caches, H, L, keep, 1 + depth)
-        self.logits_host = None
-        self.history.record(H, drafts)
-        # the next cycle's head keeps, for each row, its owed entries and its draft entry: 1 + kept again
-        step.device_keep = keep
-        step.settles = [(self.caches, 1 + depth), (self.mtp_caches, self.history.hidden.shape[1] + 1)]
-        x0 = mx.take_along_axis(ids, kept[:, None], axis=1)[:, 0]
-        self.ahead_cycles += 1
-        return self._launch_cycle((Step(step.active.copy(), step.active.copy(), True, x0, ahead=True), kept))
-
-    def _settle(self, step: Step) -> None:
-        """A step committed on the device (`_launch_ahead`), read: each live row's decisions kept
-        what the device did (a row that finished on the way kept its positions there, unread),
-        and the host lengths follow the device's keep."""
-        keep = np.array(step.device_keep)
-        live = np.array([r is not None for r in self.rows])
-        if not np.array_equal(keep[live], step.keep[live]):
-            raise RuntimeError(f"the device kept {keep[live].tolist()} positions of the live rows' verify, "
-                               f"their decisions {step.keep[live].tolist()}")
-        for caches, written in step.settles:
-            settle_rows(caches, written, keep)
-
-    def _ahead_primaries(self, step: Step) -> None:
-        """A step launched ahead, now that the last step's decisions are made: the rows still live,
-        and which of its primaries they emitted then (their pending tokens, which its primaries,
-        from the device, must equal)."""
-        step.active &= np.array([r is not None for r in self.rows])
-        step.has_pending = np.array([r is not None and r.pending is not None for r in self.rows])
-        for b in np.flatnonzero(step.has_pending):
-            if self.rows[b].pending != int(step.x0_host[b]):
-                raise RuntimeError(f"row {b}'s primary from the device ({int(step.x0_host[b])}) is not the "
-                                   f"token its last decisions left pending ({self.rows[b].pending})")
 
     def _finish_cycle(self, launched: tuple) -> None:
         """The rest of a launched cycle: the wait, each row's decisions, the commit."""

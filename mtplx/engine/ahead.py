@@ -1,0 +1,104 @@
+"""Cycles launched early. With `overlap`, the next MTP cycle launches once a step's decisions are
+made, before its events go out (`_launch_next`). Running ahead goes further: a lane of greedy
+rows launches each MTP cycle from the last one's verify before the host reads it. What a greedy,
+unconstrained row keeps follows from the verify alone, so the device computes it (the accept
+test), the next primaries and the commit; the host, reading the verify a cycle later, makes its
+decisions as before, checks them against the device's keep and settles its cache lengths (upper
+bounds meanwhile)."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx.engine.commit import commit_positions
+from mtplx.engine.step import Step
+from mtplx.models.cache import RaggedKVCache, settle_rows
+
+
+class LaneAhead:
+    """`RunningLane`'s cycles launched early (its rows, caches and cycles are the lane's own)."""
+
+    def _launch_next(self) -> None:
+        """The next step's choice, and if it is an MTP cycle its launch (`_launch_cycle`)."""
+        kind = self._choose_step()
+        if kind != "mtp" or not any(r is not None and r.wants_draft() for r in self.rows):
+            self._next_kind = kind
+            return
+        t0 = time.perf_counter()
+        self._launched = self._launch_cycle()
+        self._launch_s = time.perf_counter() - t0
+
+    def _finish_launched(self, launched: tuple) -> float:
+        """Finish a launched MTP cycle, first launching the next from it where that may run ahead
+        (`_ahead_ok`). Returns the time the next cycle's launch took."""
+        t0 = time.perf_counter()
+        if self._ahead_ok():
+            self._launched = self._launch_ahead(launched)
+        ahead_s = time.perf_counter() - t0
+        self._finish_cycle(launched)
+        self.last_step = "mtp"
+        return ahead_s
+
+    def _ahead_ok(self) -> bool:
+        """Whether the next MTP cycle may launch before the host reads this one's verify: with
+        `run_ahead`, the boundary idle, every row greedy, unconstrained and without
+        log-probabilities (what a row keeps then follows from the verify alone), the lane's
+        caches all ragged KV (their commit can move on the device), and an MTP cycle next."""
+        if not self.run_ahead:
+            return False
+        rows = [r for r in self.rows if r is not None]
+        if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None for r in rows):
+            return False
+        if not all(isinstance(c, RaggedKVCache) for c in self.caches + self.mtp_caches):
+            return False
+        return any(r.wants_draft() for r in rows) and self._boundary_idle() and self._choose_step() == "mtp"
+
+    def _launch_ahead(self, launched: tuple) -> tuple:
+        """The next MTP cycle, launched from `launched`'s verify before the host reads it. Its rows
+        are all greedy, so what each keeps follows from the verify alone: its drafts' longest
+        prefix equal to the target's argmax, then the target's token there (its next primary).
+        The device computes that keep and commits it (the caches' offsets, the last hidden and
+        logits, the head's history and the entries rows owe it); when the host reads the verify,
+        it checks its own decisions against that keep and settles its lengths (`_settle`)."""
+        step, (tokens, H, L, read) = launched
+        ids, depth = read[1], step.depth
+        drafts = tokens[:, 1:]
+        judged = mx.arange(depth)[None] < mx.array(step.row_depth)[:, None]
+        kept = mx.cumprod(((drafts == ids[:, :depth]) & judged).astype(mx.int32), axis=1).sum(axis=1)
+        keep = mx.where(mx.array(step.active), 1 + kept, 0)
+        mx.async_eval(keep)             # queued ahead of the next cycle: the host reads it with this verify
+        self.h_last, self.logits_last = commit_positions(self.caches, H, L, keep, 1 + depth)
+        self.logits_host = None
+        self.history.record(H, drafts)
+        # the next cycle's head keeps, for each row, its owed entries and its draft entry: 1 + kept again
+        step.device_keep = keep
+        step.settles = [(self.caches, 1 + depth), (self.mtp_caches, self.history.hidden.shape[1] + 1)]
+        x0 = mx.take_along_axis(ids, kept[:, None], axis=1)[:, 0]
+        self.ahead_cycles += 1
+        return self._launch_cycle((Step(step.active.copy(), step.active.copy(), True, x0, ahead=True), kept))
+
+    def _settle(self, step: Step) -> None:
+        """A step committed on the device (`_launch_ahead`), read: each live row's decisions kept
+        what the device did (a row that finished on the way kept its positions there, unread),
+        and the host lengths follow the device's keep."""
+        keep = np.array(step.device_keep)
+        live = np.array([r is not None for r in self.rows])
+        if not np.array_equal(keep[live], step.keep[live]):
+            raise RuntimeError(f"the device kept {keep[live].tolist()} positions of the live rows' verify, "
+                               f"their decisions {step.keep[live].tolist()}")
+        for caches, written in step.settles:
+            settle_rows(caches, written, keep)
+
+    def _ahead_primaries(self, step: Step) -> None:
+        """A step launched ahead, now that the last step's decisions are made: the rows still live,
+        and which of its primaries they emitted then (their pending tokens, which its primaries,
+        from the device, must equal)."""
+        step.active &= np.array([r is not None for r in self.rows])
+        step.has_pending = np.array([r is not None and r.pending is not None for r in self.rows])
+        for b in np.flatnonzero(step.has_pending):
+            if self.rows[b].pending != int(step.x0_host[b]):
+                raise RuntimeError(f"row {b}'s primary from the device ({int(step.x0_host[b])}) is not the "
+                                   f"token its last decisions left pending ({self.rows[b].pending})")
