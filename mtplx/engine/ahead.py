@@ -31,11 +31,11 @@ class LaneAhead:
         self._launched = self._launch_cycle()
         self._launch_s = time.perf_counter() - t0
 
-    def _finish_launched(self, launched: tuple) -> float:
-        """Finish a launched MTP cycle, first launching the next from it where that may run ahead
+    def _finish_launched(self, launched: tuple, ahead: bool) -> float:
+        """Finish a launched MTP cycle, first launching the next from it when it runs `ahead`
         (`_ahead_ok`). Returns the time the next cycle's launch took."""
         t0 = time.perf_counter()
-        if self._ahead_ok():
+        if ahead:
             self._launched = self._launch_ahead(launched)
         ahead_s = time.perf_counter() - t0
         self._finish_cycle(launched)
@@ -73,9 +73,7 @@ class LaneAhead:
         self.h_last, self.logits_last = commit_positions(self.caches, H, L, keep, 1 + depth)
         self.logits_host = None
         self.history.record(H, drafts)
-        # the next cycle's head keeps, for each row, its owed entries and its draft entry: 1 + kept again
         step.device_keep = keep
-        step.settles = [(self.caches, 1 + depth), (self.mtp_caches, self.history.hidden.shape[1] + 1)]
         x0 = mx.take_along_axis(ids, kept[:, None], axis=1)[:, 0]
         self.ahead_cycles += 1
         return self._launch_cycle((Step(step.active.copy(), step.active.copy(), True, x0, ahead=True), kept))
@@ -83,22 +81,26 @@ class LaneAhead:
     def _settle(self, step: Step) -> None:
         """A step committed on the device (`_launch_ahead`), read: each live row's decisions kept
         what the device did (a row that finished on the way kept its positions there, unread),
-        and the host lengths follow the device's keep."""
+        and the host lengths follow the device's keep: the target's caches for this step's verify,
+        the head's for the next cycle's head forward (its owed entries and draft entry: 1 + kept
+        again, the same keep)."""
         keep = np.array(step.device_keep)
         live = np.array([r is not None for r in self.rows])
         if not np.array_equal(keep[live], step.keep[live]):
             raise RuntimeError(f"the device kept {keep[live].tolist()} positions of the live rows' verify, "
                                f"their decisions {step.keep[live].tolist()}")
-        for caches, written in step.settles:
-            settle_rows(caches, written, keep)
+        settle_rows(self.caches, 1 + step.depth, keep)
+        settle_rows(self.mtp_caches, self.history.hidden.shape[1] + 1, keep)
 
     def _ahead_primaries(self, step: Step) -> None:
         """A step launched ahead, now that the last step's decisions are made: the rows still live,
         and which of its primaries they emitted then (their pending tokens, which its primaries,
         from the device, must equal)."""
         step.active &= np.array([r is not None for r in self.rows])
-        step.has_pending = np.array([r is not None and r.pending is not None for r in self.rows])
-        for b in np.flatnonzero(step.has_pending):
-            if self.rows[b].pending != int(step.x0_host[b]):
-                raise RuntimeError(f"row {b}'s primary from the device ({int(step.x0_host[b])}) is not the "
-                                   f"token its last decisions left pending ({self.rows[b].pending})")
+        pending = np.array([-1 if r is None or r.pending is None else r.pending for r in self.rows])
+        step.has_pending = pending >= 0
+        wrong = np.flatnonzero(step.has_pending & (pending != step.x0_host))
+        if wrong.size:
+            b = int(wrong[0])
+            raise RuntimeError(f"row {b}'s primary from the device ({int(step.x0_host[b])}) is not the "
+                               f"token its last decisions left pending ({pending[b]})")

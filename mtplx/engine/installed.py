@@ -64,14 +64,18 @@ def new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Option
 SPAN_BUCKET = 64
 
 
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off environment setting: "0", "off", "false" or "no" turn it off, anything else on;
+    unset or blank, `default`."""
+    env = os.environ.get(name, "").strip().lower()
+    return env not in ("0", "off", "false", "no") if env else default
+
+
 def _default_compile() -> bool:
     """Cycle graphs are compiled (`mx.compile`) unless MTPLX_MTP_BATCH_COMPILE=0 (faster on the
     shipped model: BENCHMARKS.md, "Measurements behind the engine's constants"). Each graph's
     first run at a span and shape is checked against its eager forward (`CycleForwards._checked`)."""
-    env = os.environ.get("MTPLX_MTP_BATCH_COMPILE")
-    if env is not None and env.strip():
-        return env.strip().lower() not in ("0", "off", "false", "no")
-    return True
+    return _env_switch("MTPLX_MTP_BATCH_COMPILE", True)
 
 
 def default_draft_draw() -> str:
@@ -97,10 +101,7 @@ def default_overlap() -> bool:
     "Measurements behind the engine's constants")."""
     import mlx.core as mx
 
-    env = os.environ.get("MTPLX_OVERLAP", "").strip().lower()
-    if env:
-        return env not in ("0", "off", "false", "no")
-    return mx.default_device() == mx.gpu
+    return _env_switch("MTPLX_OVERLAP", mx.default_device() == mx.gpu)
 
 
 def default_run_ahead() -> bool:
@@ -108,8 +109,7 @@ def default_run_ahead() -> bool:
     one's verify (its keep and next primaries computed on the device), unless MTPLX_RUN_AHEAD
     says: on by default, on the CPU and on a GPU alike (BENCHMARKS.md, "Measurements behind the
     engine's constants")."""
-    env = os.environ.get("MTPLX_RUN_AHEAD", "").strip().lower()
-    return env not in ("0", "off", "false", "no")
+    return _env_switch("MTPLX_RUN_AHEAD", True)
 
 
 def _span_bucket(model, width: int) -> Optional[int]:

@@ -288,7 +288,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             self._launch_s = 0.0
             self.mtp_cycles += 1
             self.overlapped_cycles += 1
-            ahead_s = self._finish_launched(launched)
+            ahead_s = self._finish_launched(launched, self._ahead_ok())
             # a cycle's time is its launch's and its finish's (the next one's launch counts with it)
             self._observe_step(previous, time.perf_counter() - t1 - ahead_s + launch_s)
             self._launch_s = ahead_s
@@ -301,7 +301,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             ahead_s = 0.0
             if kind == "mtp" and self._ahead_ok():
                 self.mtp_cycles += 1
-                ahead_s = self._finish_launched(self._launch_cycle())
+                ahead_s = self._finish_launched(self._launch_cycle(), True)
             else:
                 self._run_step(kind)
             self._observe_step(previous, time.perf_counter() - t1 - ahead_s)

@@ -36,10 +36,8 @@ class Step:
     accepted: int = 0
     # a step launched before the host read the last one's verify (`RunningLane._launch_ahead`)
     ahead: bool = False
-    # this step's commit made on the device when the next step launched ahead: each row's keep
-    # [W], and the (caches, positions written) whose host lengths it settles once read
+    # this step's commit made on the device when the next step launched ahead: each row's keep [W]
     device_keep: Optional[mx.array] = None
-    settles: Optional[list] = None
 
     def entry(self, row: LaneRow, b: int, j: int, token: int) -> Optional[tuple]:
         """Row b's log-probability entry for `token` at verify position j (None: not asked for)."""

@@ -139,9 +139,10 @@ class RaggedKVCache:
         the host lengths staying an upper bound until `settle_rows`. `offset`: the resulting
         device offsets, when a sibling layer sharing this one's already built them."""
         if not isinstance(delta, mx.array):
-            delta = np.asarray(delta, dtype=np.int64)
-            self.lengths = self.lengths + delta
-        self.offset = offset if offset is not None else self.offset + mx.array(delta, dtype=mx.int32)
+            self.lengths = self.lengths + np.asarray(delta, dtype=np.int64)
+        if offset is None:
+            offset = self.offset + (delta if isinstance(delta, mx.array) else mx.array(delta, dtype=mx.int32))
+        self.offset = offset
 
     # ---- the compiled-cycle protocol (`mtplx.engine.forwards.CycleForwards`): a cache enters an
     # `mx.compile`d forward as plain arrays, runs there as a traced view, and takes back its outputs
