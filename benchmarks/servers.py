@@ -128,6 +128,7 @@ class ServerProcess:
         import httpx
 
         deadline = time.monotonic() + timeout_s
+        last = ""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log_tail()}")
@@ -137,8 +138,10 @@ class ServerProcess:
                     return r.json()
             except httpx.HTTPError:
                 pass
+            except ValueError:      # a 200 that is not JSON: not our server's answer (yet)
+                last = f" (last answer: {r.text[:200]!r})"
             time.sleep(1.0)
-        raise TimeoutError(f"{self.kind} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.kind} not ready after {timeout_s:.0f} s{last}:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -420,3 +420,38 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
                  "wall_share": {"cycles": 0.9, "prefill": 0.045, "delivery": 0.009}}
     assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0, "cycle_breakdown": breakdown}
     assert summary_mod.cycle_breakdown({"replicas": {"a": {"lane_cycles": 1}}}, None, 1.0) is None  # older servers
+
+
+_NOT_JSON_FIRST = """
+import http.server, sys
+answers = {"n": 0}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        answers["n"] += 1
+        body = b"<html>busy</html>" if answers["n"] <= int(sys.argv[2]) else b'{"ready": true}'
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("not_json", [2, 1000])
+def test_wait_ready_takes_a_200_that_is_not_json_for_not_ready(tmp_path, not_json):
+    """A port answering 200 with a page that is not JSON (another server, or one starting) is
+    not ready yet: polled again, and named in the error if it never becomes ready."""
+    import sys
+
+    port = servers.free_port()
+    proc = servers.ServerProcess("fake", [sys.executable, "-c", _NOT_JSON_FIRST, str(port), str(not_json)], {},
+                                 tmp_path / "fake.log", f"http://127.0.0.1:{port}", "m", 15)
+    try:
+        if not_json == 2:
+            assert proc.wait_ready("/health", 30) == {"ready": True}
+        else:
+            with pytest.raises(TimeoutError, match="last answer: '<html>busy</html>'"):
+                proc.wait_ready("/health", 4)
+    finally:
+        proc.proc.kill()
+        proc.proc.wait()

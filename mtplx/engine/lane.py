@@ -240,6 +240,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
 
     def cancel_all(self, reason: str = "cancelled") -> None:
         self._launched = self._next_kind = None
+        self._launch_s = 0.0                # the dropped cycle's launch is no step's cost
         self._reporting += self._all_rows()
         for row in self._all_rows():
             row.finish(reason)
