@@ -286,7 +286,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         if self._launched is not None:
             launched, self._launched = self._launched, None
             t1, previous, launch_s = time.perf_counter(), self.last_step, self._launch_s
-            self._launch_s = 0.0
             self.mtp_cycles += 1
             self.overlapped_cycles += 1
             ahead_s = self._finish_launched(launched, self._ahead_ok())
