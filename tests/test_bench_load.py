@@ -398,7 +398,8 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
     def counters(rows, cycles, seconds):
         return {"lane_row_cycles": rows, "lane_cycles": cycles, "cycle_seconds_total": seconds,
                 "cycle_device_seconds_total": 0.6 * seconds, "cycle_host_seconds_total": 0.1 * seconds,
-                "prefill_seconds_total": 0.05 * seconds, "delivery_seconds_total": 0.01 * seconds}
+                "prefill_seconds_total": 0.05 * seconds, "delivery_seconds_total": 0.01 * seconds,
+                "draft_proposals": rows, "draft_tokens": 2 * rows, "accepted_draft_tokens": rows // 2 * 3}
 
     snaps = iter([{"replicas": {"a": counters(0, 0, 0.0)}}, {"replicas": {"a": counters(90, 30, 0.9)}}])
     monkeypatch.setattr(arms, "snapshot", lambda url: next(snaps))
@@ -416,10 +417,17 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
     server = types.SimpleNamespace(url="http://x", kind="ours")
     summary, _ = arms._timed_arm(server, run)
     # where the replicas' time went over the arm (1 s of wall): 30 cycles of 30 ms
+    # and how deep the rows drafted: 90 drafting row-cycles, 180 drafts, 135 of them accepted
+    drafting = {"drafts_per_row_cycle": 2.0, "accepted_share": 0.75}
     breakdown = {"cycle_ms": {"device": 18.0, "host": 3.0, "cycles": 30.0, "graphs_and_books": 9.0},
-                 "wall_share": {"cycles": 0.9, "prefill": 0.045, "delivery": 0.009}}
-    assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0, "cycle_breakdown": breakdown}
+                 "wall_share": {"cycles": 0.9, "prefill": 0.045, "delivery": 0.009}, "drafting": drafting}
+    assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0, "cycle_breakdown": breakdown, **drafting}
+    assert "drafts/row-cycle 2.00, accepted 75%" in arms._brief({**summary, "tok_s": 1.0, "ttft_p95_s": None,
+                                                                 "itl_p50_s": None, "errors": 0})
     assert summary_mod.cycle_breakdown({"replicas": {"a": {"lane_cycles": 1}}}, None, 1.0) is None  # older servers
+    # a server without the drafting counters still gets its breakdown, without "drafting"
+    old = [{"replicas": {"a": {k: v for k, v in counters(*c).items() if "draft" not in k}}} for c in ((0, 0, 0.0), (90, 30, 0.9))]
+    assert summary_mod.cycle_breakdown(*old, 1.0) == {k: v for k, v in breakdown.items() if k != "drafting"}
 
 
 _NOT_JSON_FIRST = """

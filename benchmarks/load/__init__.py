@@ -38,7 +38,9 @@ Per server and arm: completion tok/s (usage completion tokens / arm wall time), 
 (completion tokens - 1), so a chunk holding several tokens counts per token; raw chunk-gap
 p50/p95 are in the JSON too), end-to-end p95, errors, and for ours the mean live rows per decode
 cycle (delta `lane_row_cycles` / delta `lane_cycles`, summed over replicas, from
-`/v1/mtplx/snapshot` around the arm; null when the counters are absent). Greedy arms also count
+`/v1/mtplx/snapshot` around the arm; null when the counters are absent), the drafts per drafting
+row-cycle (delta `draft_tokens` / delta `draft_proposals`: the lanes' depth mix as the arm met it)
+and the share of those drafts accepted (delta `accepted_draft_tokens` / delta `draft_tokens`). Greedy arms also count
 identical completion texts between the servers per request index, and so does the mixed arm over
 its temperature-0 requests only. The mixed arm's closed loops add, in a table of their own (JSON
 `mixed`), mixed/shared: the median of the per-run ratios of ours' mixed-arm tok/s over ours'

@@ -152,6 +152,8 @@ def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
         summary["lane_occupancy"] = lane_occupancy(before, after)
         summary["steady_lane_occupancy"] = lane_occupancy(before, drained.get("snapshot"))
         summary["cycle_breakdown"] = cycle_breakdown(before, after, wall)
+        # top level, so that the runs' medians carry them into the table
+        summary.update((summary["cycle_breakdown"] or {}).get("drafting") or {})
     return summary, rows
 
 
@@ -164,5 +166,7 @@ def _brief(s: dict) -> str:
         f"  cycle {cb['cycle_ms']['cycles']:.1f} ms (device {cb['cycle_ms']['device']:.1f}, host "
         f"{cb['cycle_ms']['host']:.1f}, graphs+books {cb['cycle_ms']['graphs_and_books']:.1f}); wall: cycles "
         f"{cb['wall_share']['cycles']:.0%}, prefill {cb['wall_share']['prefill']:.0%}, delivery {cb['wall_share']['delivery']:.0%}")
+    if s.get("drafts_per_row_cycle") is not None:
+        where += f"; drafts/row-cycle {s['drafts_per_row_cycle']:.2f}, accepted {s['accepted_share'] or 0:.0%}"
     return (f"{s['tok_s'] or 0:7.1f} tok/s  TTFT p95 {ms(s['ttft_p95_s'])} ms  ITL p50 {ms(s['itl_p50_s'])} ms"
             f"  errors {s['errors']}{where}")

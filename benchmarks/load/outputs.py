@@ -19,19 +19,21 @@ def _fmt(v, scale: float = 1.0, digits: int = 0) -> str:
 def format_table(record: dict) -> str:
     """The markdown table of the summary: one row per arm and server."""
     lines = ["| arm | server | tok/s | ours/peer | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms "
-             "| E2E p95 s | errors | lane rows/cycle | greedy identical |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| E2E p95 s | errors | lane rows/cycle | drafts/row-cycle | drafts accepted % | greedy identical |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, entry in record["summary"].items():
         for side in ("ours", "peer"):
             s = entry[side]
             ratio = _fmt(entry["tok_s_ratio"], digits=2) if side == "ours" else ""
             same = entry.get("greedy_identical")
             same_txt = f"{same['identical']}/{same['compared']}" if same and side == "ours" else ""
-            occ = _fmt(s.get("lane_occupancy"), digits=2) if side == "ours" else ""
+            occ, depth, accepted = ((_fmt(s.get("lane_occupancy"), digits=2), _fmt(s.get("drafts_per_row_cycle"), digits=2),
+                                     _fmt(s.get("accepted_share"), 100, 0)) if side == "ours" else ("", "", ""))
             lines.append(f"| {key} | {side} | {_fmt(s['tok_s'], digits=1)} | {ratio} | {_fmt(s['ttft_p50_s'], 1000)} "
                          f"| {_fmt(s['ttft_p95_s'], 1000)} | {_fmt(s['itl_p50_s'], 1000, 1)} "
                          f"| {_fmt(s['itl_p95_s'], 1000, 1)} | {_fmt(s['e2e_p95_s'], digits=2)} "
-                         f"| {_fmt(s['errors'])} | {occ} | {same_txt} |")
+                         f"| {_fmt(s['errors'])} | {occ} | {depth} | {accepted} "
+                         f"| {same_txt} |")
     return "\n".join(lines)
 
 
@@ -143,7 +145,9 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
         "",
         "Figures are medians over runs (errors summed); ours/peer is the median of the per-run tok/s ratios.",
         "ITL: per request, (last chunk - first chunk) / (completion tokens - 1). Lane rows/cycle: mean live",
-        "rows per decode cycle of our lanes during the arm (- when the server does not report it). Greedy",
+        "rows per decode cycle of our lanes during the arm (- when the server does not report it);",
+        "drafts/row-cycle: drafts per drafting row and cycle (the lanes' depth mix), and the share of them",
+        "accepted. Greedy",
         "identical: same completion text on both servers for the same request index, summed over runs",
         "(one leading space ignored: mlx-lm's streaming detokenizer drops it); in the mixed arm over its",
         "temperature-0 requests only.",

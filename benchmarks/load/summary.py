@@ -43,27 +43,24 @@ def summarize_arm(rows: List[dict], wall_s: float) -> dict:
     }
 
 
-def lane_counters(snapshot: Optional[dict]) -> Optional[tuple]:
-    """(sum lane_row_cycles, sum lane_cycles) over the snapshot's replicas; None when any replica
-    lacks them (older servers) or the snapshot failed."""
-    replicas = (snapshot or {}).get("replicas") or {}
-    if not replicas:
+def _sum_counters(snapshot: Optional[dict], names: Dict[str, str]) -> Optional[dict]:
+    """Each counter `names` maps to, summed over the snapshot's replicas; None when any replica
+    lacks one (older servers) or the snapshot failed."""
+    reps = [r for r in ((snapshot or {}).get("replicas") or {}).values() if isinstance(r, dict)]
+    if not reps or any(k not in r for r in reps for k in names.values()):
         return None
-    rows = cycles = 0
-    for rep in replicas.values():
-        if not isinstance(rep, dict) or "lane_row_cycles" not in rep or "lane_cycles" not in rep:
-            return None
-        rows += rep["lane_row_cycles"]
-        cycles += rep["lane_cycles"]
-    return rows, cycles
+    return {name: sum(r[k] for r in reps) for name, k in names.items()}
+
+
+OCCUPANCY = {"rows": "lane_row_cycles", "cycles": "lane_cycles"}
 
 
 def lane_occupancy(before: Optional[dict], after: Optional[dict]) -> Optional[float]:
     """Mean live rows per decode cycle between two snapshots; None without counters or cycles."""
-    a, b = lane_counters(before), lane_counters(after)
-    if a is None or b is None or b[1] - a[1] <= 0:
+    a, b = _sum_counters(before, OCCUPANCY), _sum_counters(after, OCCUPANCY)
+    if a is None or b is None or b["cycles"] <= a["cycles"]:
         return None
-    return (b[0] - a[0]) / (b[1] - a[1])
+    return (b["rows"] - a["rows"]) / (b["cycles"] - a["cycles"])
 
 
 BREAKDOWN = {"device": "cycle_device_seconds_total", "host": "cycle_host_seconds_total",
@@ -78,20 +75,33 @@ def cycle_breakdown(before: Optional[dict], after: Optional[dict], wall_s: float
     graphs in Python, commits, rows' books); and as shares of the arm's wall time, the cycles,
     admissions' prefill and handing each step's events to the jobs (streaming). None without the
     counters (older servers)."""
-    def sums(snap):
-        reps = [r for r in ((snap or {}).get("replicas") or {}).values() if isinstance(r, dict)]
-        if not reps or any(k not in r for r in reps for k in BREAKDOWN.values()):
-            return None
-        return {name: sum(r[k] for r in reps) for name, k in BREAKDOWN.items()}
-
-    a, b = sums(before), sums(after)
+    a, b = _sum_counters(before, BREAKDOWN), _sum_counters(after, BREAKDOWN)
     if a is None or b is None or b["cycle_count"] <= a["cycle_count"] or wall_s <= 0:
         return None
     d = {k: b[k] - a[k] for k in BREAKDOWN}
     per_cycle = {k: round(1000 * d[k] / d["cycle_count"], 3) for k in ("device", "host", "cycles")}
     per_cycle["graphs_and_books"] = round(per_cycle["cycles"] - per_cycle["device"] - per_cycle["host"], 3)
-    return {"cycle_ms": per_cycle,
-            "wall_share": {k: round(d[k] / wall_s, 4) for k in ("cycles", "prefill", "delivery")}}
+    out = {"cycle_ms": per_cycle,
+           "wall_share": {k: round(d[k] / wall_s, 4) for k in ("cycles", "prefill", "delivery")}}
+    drafting = _drafting(before, after)
+    if drafting is not None:
+        out["drafting"] = drafting
+    return out
+
+
+DRAFTING = {"proposals": "draft_proposals", "drafts": "draft_tokens", "accepted": "accepted_draft_tokens"}
+
+
+def _drafting(before: dict, after: dict) -> Optional[dict]:
+    """How deep the rows drafted between two snapshots (drafts per drafting row-cycle: the lanes'
+    depth mix, as the arm met it) and the share of those drafts accepted; None without drafts or
+    the counters."""
+    a, b = (_sum_counters(s, DRAFTING) for s in (before, after))
+    if a is None or b is None or b["proposals"] <= a["proposals"]:
+        return None
+    d = {k: b[k] - a[k] for k in DRAFTING}
+    return {"drafts_per_row_cycle": round(d["drafts"] / d["proposals"], 3),
+            "accepted_share": round(d["accepted"] / d["drafts"], 3) if d["drafts"] else None}
 
 
 def comparable_text(text: str) -> str:
