@@ -246,43 +246,6 @@ def test_step_costs_move_in_pairs_measured_under_one_load(model):
     assert lane.step_costs["ar"] > 1.0 and lane.step_costs["mtp"] / lane.step_costs["ar"] == pytest.approx(1.3)
 
 
-def test_depth_costs_move_in_pairs_of_one_widths_depths(model):
-    """MTP cycles at two depths of one width pair like MTP and AR steps: steady cycles at one
-    depth alone move nothing, a probe's counted cycle at the other depth moves both toward what
-    they measured; the first cycle after a switch of depth is not counted, nor does a cycle of
-    another width pair with them."""
-    from mtplx.engine.policy import StepCostMeter
-
-    d2, d3 = (install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=d) for d in (2, 3))
-    other_width = install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2)
-    d2.step_costs.update({"mtp": 1.0, "ar": 0.8})
-    d3.step_costs.update({"mtp": 1.04, "ar": 0.8})      # as measured at install: depth 3 looks cheap
-    other_width.step_costs.update({"mtp": 0.5, "ar": 0.4})
-    meter, last = StepCostMeter(), {"kind": None, "steps": 0}
-
-    def step(lane, seconds):
-        previous, last["kind"] = last["kind"], "mtp"
-        last["steps"] += 1
-        meter.observe(lane, "mtp", previous, seconds, last["steps"])
-
-    for _ in range(20):
-        step(d3, 1.3)                            # the lane's spans: depth 3 costs 1.3x depth 2
-    assert d3.step_costs["mtp"] == 1.04
-    step(other_width, 0.7)                        # another width between them pairs with neither
-    step(other_width, 0.7)
-    step(d3, 1.3)                                # back at depth 3: uncounted, then counted
-    step(d3, 1.3)
-    step(d2, 1.0)                                # a probe: its first cycle pays the switch, uncounted
-    assert (d2.step_costs["mtp"], d3.step_costs["mtp"]) == (1.0, 1.04)
-    step(d2, 1.0)                                # counted: pairs with depth 3's last counted cycle
-    assert d3.step_costs["mtp"] == pytest.approx(1.04 + 0.25 * (1.3 - 1.04)) and d2.step_costs["mtp"] == 1.0
-    assert other_width.step_costs == {"mtp": 0.5, "ar": 0.4} and d2.step_costs["ar"] == d3.step_costs["ar"] == 0.8
-    for _ in range(8):                            # probes (switch, counted; back, counted) converge
-        for lane, seconds in ((d3, 1.3), (d3, 1.3), (d2, 1.0), (d2, 1.0)):
-            step(lane, seconds)
-    assert d3.step_costs["mtp"] / d2.step_costs["mtp"] == pytest.approx(1.3, rel=0.02)
-
-
 def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
     reqs = _greedy_reqs(model, (80, 80, 80), adaptive=True)
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)

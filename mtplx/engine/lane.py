@@ -24,7 +24,7 @@ from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane, default_draft_draw,
                                     default_overlap, default_run_ahead, solo_lane, sorted_ladder)
-from mtplx.engine.policy import DEPTH_PROBE_FIRST, NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
+from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.repetition import RepetitionLimits
@@ -115,8 +115,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._host_s = 0.0                             # host work in cycles besides the proposer's
         self._wait_s = 0.0                             # cycles' waits for the device besides the proposer's
         self._low_demand = 0
-        self._held_depth: dict = {}                    # width -> depth chosen by cost outside probes
-        self._depth_probes = (DEPTH_PROBE_FIRST, DEPTH_PROBE_FIRST)   # the next depth probe's cycle, interval
         self.keep_log = [] if keep_log else None
         self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
         self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)

@@ -12,11 +12,6 @@ NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hyste
 STEP_COST_EMA = 0.25         # weight of a pair of steps' measured times in their kinds' costs
 COST_PAIR_WITHIN = 3         # steps apart a counted step of each kind may be to make a pair
 DEPTH_HYSTERESIS = 0.05      # a shared lane keeps its depth while within this of the best rate
-# a running lane's depth probes (`lane_depth(probe=True)`): the first after DEPTH_PROBE_FIRST
-# cycles, each next one twice as far, up to DEPTH_PROBE_MAX; DEPTH_PROBE_CYCLES cycles at the
-# runner-up depth each (the first pays the switch: the other depth's graphs traced at the lane's
-# span, ~80 ms a switch measured in process at B8, so probes every 64 cycles cost 4-7%)
-DEPTH_PROBE_FIRST, DEPTH_PROBE_MAX, DEPTH_PROBE_CYCLES = 16, 512, 2
 
 
 class StepPolicy:
@@ -94,7 +89,7 @@ def chain_tokens(acceptance: float, depth: int) -> float:
 
 
 def lane_depth(lanes_by_depth: dict, sampled: list, greedy_rows: int, current: Optional[int],
-               acceptance: Callable[[], float], probe: bool = False) -> Optional[int]:
+               acceptance: Callable[[], float]) -> Optional[int]:
     """The depth, chosen by cost, of a lane holding `greedy_rows` drafting greedy rows (which chain
     the lane's depth) and drafting sampled rows (each chaining its own, `sampled`): of the
     installed depths at least the deepest sampled row's, the one with the most tokens a second for
@@ -105,13 +100,7 @@ def lane_depth(lanes_by_depth: dict, sampled: list, greedy_rows: int, current: O
     depth. None where a candidate's cost is not measured. Why: the head's acceptance at install
     (a fixed prompt) is not the traffic's, and a few greedy rows that take a lane of sampled rows
     one draft deeper make every row pay for the deeper verify and head (in process, B8, 2 greedy
-    rows among 6 sampled ones at depth 2: 1.02-1.14x the tok/s at depth 2 than at 3).
-
-    `probe`: the best candidate other than `current` instead, so that the lane runs it for a few
-    cycles and `StepCostMeter` measures both depths' cycles under one load and at the lane's own
-    spans. Why: the costs measured at install (short prompts, an idle machine) put depth 3 at
-    1.04x depth 2's cost at B16, where a lane of the bench's mixed-settings rows measured 1.3x; it
-    ran at depth 3 for ~3 greedy rows among 16 at 0.76-0.89x the tok/s of depth 2."""
+    rows among 6 sampled ones at depth 2: 1.02-1.14x the tok/s at depth 2 than at 3)."""
     need = max(sampled, default=1)
     depths = sorted(lanes_by_depth)
     floor = min((d for d in depths if d >= need), default=depths[-1])
@@ -122,57 +111,36 @@ def lane_depth(lanes_by_depth: dict, sampled: list, greedy_rows: int, current: O
     a = acceptance()
     fixed = sum(chain_tokens(a, s) for s in sampled)
     rate = {d: (fixed + greedy_rows * chain_tokens(a, d)) / costs[d] for d in candidates}
-    return _pick_depth(rate, current, probe)
-
-
-def _pick_depth(rate: dict, current: Optional[int], probe: bool) -> int:
-    """Of depths by tokens a second, the best (ties: the shallower), `current` while within
-    DEPTH_HYSTERESIS of it; for a probe the best other than `current`."""
-    if probe and current in rate and len(rate) > 1:
-        rate = {d: r for d, r in rate.items() if d != current}
     best = max(rate, key=lambda d: (rate[d], -d))
-    if not probe and current in rate and rate[current] >= (1 - DEPTH_HYSTERESIS) * rate[best]:
+    if current in rate and rate[current] >= (1 - DEPTH_HYSTERESIS) * rate[best]:
         return current
     return best
 
 
 class StepCostMeter:
     """Keeps a lane width's step costs (`InstalledA3BMTPBatchLane.step_costs`) current from the
-    running lane's own steps: steady-state steps only (the first step after a switch of kind or of
-    installed lane also pays for the switch), and in pairs: a counted step pairs with one within
-    COST_PAIR_WITHIN steps of the other kind on the same installed lane (an MTP cycle and an AR
-    step, which `StepPolicy` compares), or with an MTP cycle of a lane of the same width chaining
-    another depth (which `lane_depth` compares; its probes run them), and the pair updates both
-    costs at once, so that a ratio compared is measured under one load (kept current only while
-    its kind runs, each cost drifts with the machine's load while the other's stays stale). One
-    slow step (a retrace, a pause) moves a cost by at most half its weight."""
+    running lane's own steps: steady-state steps only (the first step after a switch also pays for
+    the switch), and in pairs: a counted step of each kind within COST_PAIR_WITHIN steps updates
+    both costs at once, so the ratio the StepPolicy compares is measured under one load (kept
+    current only while its kind runs, each cost drifts with the machine's load while the other's
+    stays stale). One slow step (a retrace, a pause) moves a cost by at most half its weight."""
 
     def __init__(self):
-        self._counted: dict = {}    # (id(lane), kind) -> (step index, seconds, lane): counted, not yet in a pair
-        self._last_lane = None
+        self._counted: dict = {}    # kind -> (step index, seconds, lane) of its last counted step not yet in a pair
 
     def observe(self, lane, kind: str, previous: Optional[str], dt: float, step_index: int) -> None:
-        steady = kind == previous and lane is self._last_lane
-        self._last_lane = lane
-        if kind not in lane.step_costs:
-            lane.step_costs[kind] = dt
+        costs = lane.step_costs
+        other = "ar" if kind == "mtp" else "mtp"
+        if kind not in costs:
+            costs[kind] = dt
             return
-        if not steady:
+        if kind != previous:
             return
-        partner = next((key for key, (i, _, other) in self._counted.items()
-                        if step_index - i <= COST_PAIR_WITHIN and _paired(lane, kind, other, key[1])), None)
-        if partner is None:
-            self._counted[(id(lane), kind)] = (step_index, dt, lane)
+        seen = self._counted.pop(other, None)
+        if seen is None or seen[2] is not lane or step_index - seen[0] > COST_PAIR_WITHIN:
+            self._counted[kind] = (step_index, dt, lane)
             return
-        _, seen_dt, other = self._counted.pop(partner)
-        self._counted.pop((id(lane), kind), None)
-        for ln, k, t in ((lane, kind, dt), (other, partner[1], seen_dt)):
-            est = ln.step_costs[k]
-            ln.step_costs[k] = est + STEP_COST_EMA * (min(max(t, est / 1.5), 1.5 * est) - est)
-
-
-def _paired(lane, kind: str, other, other_kind: str) -> bool:
-    """Whether steps of these two kinds on these installed lanes measure a ratio a policy compares."""
-    if lane is other:
-        return kind != other_kind
-    return lane.width == other.width and kind == other_kind == "mtp"
+        self._counted.pop(kind, None)
+        for k, t in ((kind, dt), (other, seen[1])):
+            est = costs[k]
+            costs[k] = est + STEP_COST_EMA * (min(max(t, est / 1.5), 1.5 * est) - est)

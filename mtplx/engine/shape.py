@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from mtplx.engine.commit import HISTORY_FLUSH_AT
 from mtplx.engine.installed import VERIFY_T, InstalledA3BMTPBatchLane, sorted_ladder
-from mtplx.engine.policy import DEPTH_PROBE_CYCLES, DEPTH_PROBE_FIRST, DEPTH_PROBE_MAX, lane_depth
+from mtplx.engine.policy import lane_depth
 from mtplx.models.cache import RaggedKVCache
 
 
@@ -62,27 +62,10 @@ class LaneShape:
         `sampled`) runs at: by cost where it chooses so and can, else the greedy rows' own there."""
         if self.depth_by_cost:
             current = self.lane.depth if self.lane is not None and self.lane.width == width else None
-            if current is not None:         # a probe's depth does not hold the lane: the one chosen before it does
-                current = self._held_depth.get(width, current)
-            # probes where sampled rows draft beside greedy ones (`lane_depth`); a lane of greedy
-            # rows alone keeps the choice without them (in process, B16: depths 1 and 3 within the
-            # noise of each other, and probing between them 0.86-1.04x a fixed depth)
-            probe = current is not None and bool(sampled) and self._depth_probe_due()
-            chosen = lane_depth(self._lanes_at[width], sampled, greedy_rows, current, self.greedy_acceptance, probe)
+            chosen = lane_depth(self._lanes_at[width], sampled, greedy_rows, current, self.greedy_acceptance)
             if chosen is not None:
-                if not probe:
-                    self._held_depth[width] = chosen
                 return chosen
         return max(sampled + [self.greedy_depths[width]])
-
-    def _depth_probe_due(self) -> bool:
-        """Whether this cycle is one of a depth probe's (see DEPTH_PROBE_FIRST)."""
-        start, every = self._depth_probes
-        while self.cycles >= start + DEPTH_PROBE_CYCLES:
-            every = min(2 * every, DEPTH_PROBE_MAX)
-            start += every
-        self._depth_probes = (start, every)
-        return self.cycles >= start
 
     def _resize(self) -> None:
         """Pick the narrowest installed width that fits the demand: widen at once, narrow after
