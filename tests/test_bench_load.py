@@ -126,6 +126,17 @@ def test_summarize_runs_medians_ratio_and_summed_errors():
     assert s["greedy_identical"] == {"identical": 9, "compared": 12, "fraction": 0.75}
 
 
+def test_the_table_gives_every_row_as_many_cells_as_its_header():
+    figures = {"tok_s": 200.0, "ttft_p50_s": 0.1, "ttft_p95_s": 0.2, "itl_p50_s": 0.02, "itl_p95_s": 0.03,
+               "e2e_p95_s": 4.0, "errors": 0}
+    ours = dict(figures, lane_occupancy=7.5, drafts_per_row_cycle=2.16, accepted_share=0.667)
+    record = {"summary": {"mixed/closed-8": {"ours": ours, "peer": figures, "tok_s_ratio": 1.5,
+                                             "greedy_identical": {"identical": 3, "compared": 3}}}}
+    lines = outputs.format_table(record).splitlines()
+    assert len({line.count("|") for line in lines}) == 1
+    assert "| 7.50 | 2.16 | 67 | 3/3 |" in lines[2] and lines[3].endswith("| 0 |  |  |  |  |")
+
+
 def test_replace_section_keeps_other_sections():
     text = "# Benchmarks\n\nintro\n\n<!-- bench:solo -->\nsolo v1\n<!-- /bench:solo -->\n\ntail\n"
     once = report.replace_section(text, "load", "load v1")
@@ -420,14 +431,14 @@ def test_a_closed_loop_marks_when_its_first_client_runs_out_of_requests(monkeypa
     # and how deep the rows drafted: 90 drafting row-cycles, 180 drafts, 135 of them accepted
     drafting = {"drafts_per_row_cycle": 2.0, "accepted_share": 0.75}
     breakdown = {"cycle_ms": {"device": 18.0, "host": 3.0, "cycles": 30.0, "graphs_and_books": 9.0},
-                 "wall_share": {"cycles": 0.9, "prefill": 0.045, "delivery": 0.009}, "drafting": drafting}
+                 "wall_share": {"cycles": 0.9, "prefill": 0.045, "delivery": 0.009}}
     assert summary == {"lane_occupancy": 3.0, "steady_lane_occupancy": 8.0, "cycle_breakdown": breakdown, **drafting}
     assert "drafts/row-cycle 2.00, accepted 75%" in arms._brief({**summary, "tok_s": 1.0, "ttft_p95_s": None,
                                                                  "itl_p50_s": None, "errors": 0})
     assert summary_mod.cycle_breakdown({"replicas": {"a": {"lane_cycles": 1}}}, None, 1.0) is None  # older servers
-    # a server without the drafting counters still gets its breakdown, without "drafting"
+    # a server without the drafting counters still gets its breakdown, and no drafting figures
     old = [{"replicas": {"a": {k: v for k, v in counters(*c).items() if "draft" not in k}}} for c in ((0, 0, 0.0), (90, 30, 0.9))]
-    assert summary_mod.cycle_breakdown(*old, 1.0) == {k: v for k, v in breakdown.items() if k != "drafting"}
+    assert summary_mod.cycle_breakdown(*old, 1.0) == breakdown and summary_mod.drafting(*old) is None
 
 
 _NOT_JSON_FIRST = """

@@ -7,7 +7,7 @@ import asyncio
 from typing import Callable, Dict, List, Optional
 
 from benchmarks.load.clients import closed_loop, open_loop
-from benchmarks.load.summary import cycle_breakdown, lane_occupancy, summarize_arm
+from benchmarks.load.summary import cycle_breakdown, drafting, lane_occupancy, summarize_arm
 from benchmarks.load.workload import (LONG_EVERY, OPEN_LOOP_LOAD, Arm, arm_label, closed_loop_requests,
                                       poisson_arrivals, request_body)
 from benchmarks.servers import ServerProcess, snapshot, snapshot_with
@@ -152,8 +152,7 @@ def _timed_arm(server: ServerProcess, run: Callable) -> tuple:
         summary["lane_occupancy"] = lane_occupancy(before, after)
         summary["steady_lane_occupancy"] = lane_occupancy(before, drained.get("snapshot"))
         summary["cycle_breakdown"] = cycle_breakdown(before, after, wall)
-        # top level, so that the runs' medians carry them into the table
-        summary.update((summary["cycle_breakdown"] or {}).get("drafting") or {})
+        summary.update(drafting(before, after) or {})    # numbers at the top: the runs' medians reach the table
     return summary, rows
 
 

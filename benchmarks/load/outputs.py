@@ -27,13 +27,12 @@ def format_table(record: dict) -> str:
             ratio = _fmt(entry["tok_s_ratio"], digits=2) if side == "ours" else ""
             same = entry.get("greedy_identical")
             same_txt = f"{same['identical']}/{same['compared']}" if same and side == "ours" else ""
-            occ, depth, accepted = ((_fmt(s.get("lane_occupancy"), digits=2), _fmt(s.get("drafts_per_row_cycle"), digits=2),
-                                     _fmt(s.get("accepted_share"), 100, 0)) if side == "ours" else ("", "", ""))
+            lane = (f"{_fmt(s.get('lane_occupancy'), digits=2)} | {_fmt(s.get('drafts_per_row_cycle'), digits=2)} "
+                    f"| {_fmt(s.get('accepted_share'), 100)}") if side == "ours" else " |  | "
             lines.append(f"| {key} | {side} | {_fmt(s['tok_s'], digits=1)} | {ratio} | {_fmt(s['ttft_p50_s'], 1000)} "
                          f"| {_fmt(s['ttft_p95_s'], 1000)} | {_fmt(s['itl_p50_s'], 1000, 1)} "
                          f"| {_fmt(s['itl_p95_s'], 1000, 1)} | {_fmt(s['e2e_p95_s'], digits=2)} "
-                         f"| {_fmt(s['errors'])} | {occ} | {depth} | {accepted} "
-                         f"| {same_txt} |")
+                         f"| {_fmt(s['errors'])} | {lane} | {same_txt} |")
     return "\n".join(lines)
 
 

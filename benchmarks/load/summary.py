@@ -81,22 +81,18 @@ def cycle_breakdown(before: Optional[dict], after: Optional[dict], wall_s: float
     d = {k: b[k] - a[k] for k in BREAKDOWN}
     per_cycle = {k: round(1000 * d[k] / d["cycle_count"], 3) for k in ("device", "host", "cycles")}
     per_cycle["graphs_and_books"] = round(per_cycle["cycles"] - per_cycle["device"] - per_cycle["host"], 3)
-    out = {"cycle_ms": per_cycle,
-           "wall_share": {k: round(d[k] / wall_s, 4) for k in ("cycles", "prefill", "delivery")}}
-    drafting = _drafting(before, after)
-    if drafting is not None:
-        out["drafting"] = drafting
-    return out
+    return {"cycle_ms": per_cycle,
+            "wall_share": {k: round(d[k] / wall_s, 4) for k in ("cycles", "prefill", "delivery")}}
 
 
 DRAFTING = {"proposals": "draft_proposals", "drafts": "draft_tokens", "accepted": "accepted_draft_tokens"}
 
 
-def _drafting(before: dict, after: dict) -> Optional[dict]:
+def drafting(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
     """How deep the rows drafted between two snapshots (drafts per drafting row-cycle: the lanes'
     depth mix, as the arm met it) and the share of those drafts accepted; None without drafts or
-    the counters."""
-    a, b = (_sum_counters(s, DRAFTING) for s in (before, after))
+    the counters (older servers)."""
+    a, b = _sum_counters(before, DRAFTING), _sum_counters(after, DRAFTING)
     if a is None or b is None or b["proposals"] <= a["proposals"]:
         return None
     d = {k: b[k] - a[k] for k in DRAFTING}
