@@ -771,31 +771,27 @@ class _Costed:
         self.step_costs = {"mtp": mtp, "ar": 1.0}
 
 
-def test_lane_depth_is_the_most_tokens_a_second_for_all_its_rows():
-    """`lane_depth`: greedy rows alone go as deep as their acceptance pays for; beside sampled rows
-    at depth 2 the lane goes deeper only when the greedy rows' gain pays every row's dearer cycle;
-    the current depth stays within the hysteresis; unmeasured costs leave the choice to the ladder."""
+def test_lane_depth_is_the_most_tokens_a_second_for_its_greedy_rows():
+    """`lane_depth`: greedy rows go as deep as their acceptance pays for; the current depth stays
+    within the hysteresis; unmeasured costs leave the choice to the ladder."""
     from mtplx.engine.policy import chain_tokens, lane_depth
 
     at = {1: _Costed(1.0), 2: _Costed(1.25), 3: _Costed(1.5)}
     assert chain_tokens(0.5, 2) == 1.75
-    assert lane_depth(at, [], 8, None, lambda: 0.95) == 3     # 3.71/1.5 against 2.85/1.25 and 1.95
-    assert lane_depth(at, [], 8, None, lambda: 0.5) == 1      # 1.5 against 1.4 and 1.25
-    assert lane_depth(at, [2] * 6, 2, None, lambda: 0.95) == 2   # 18.2 against 16.4 a second
-    assert lane_depth(at, [2], 7, None, lambda: 0.95) == 3       # 20.0 against 18.2
-    assert lane_depth(at, [2, 3], 1, None, lambda: 0.1) == 3     # a sampled row's own depth first
+    assert lane_depth(at, None, lambda: 0.95) == 3     # 3.71/1.5 against 2.85/1.25 and 1.95
+    assert lane_depth(at, None, lambda: 0.5) == 1      # 1.5 against 1.4 and 1.25
     # within 5% of the best, the current depth stays (rate at 2: 2.28, at 3: 2.47)
-    assert lane_depth({2: _Costed(1.25), 3: _Costed(1.45)}, [], 8, 2, lambda: 0.95) == 3
-    assert lane_depth({2: _Costed(1.25), 3: _Costed(1.55)}, [], 8, 2, lambda: 0.95) == 2
-    assert lane_depth({1: _Costed(1.0), 2: _Costed(1.25), 3: _Costed(1.6)}, [], 8, 2, lambda: 0.95) == 2
-    assert lane_depth({1: _Costed(1.0), 3: _Costed(None)}, [], 8, None, lambda: 0.95) is None
+    assert lane_depth({2: _Costed(1.25), 3: _Costed(1.45)}, 2, lambda: 0.95) == 3
+    assert lane_depth({2: _Costed(1.25), 3: _Costed(1.55)}, 2, lambda: 0.95) == 2
+    assert lane_depth({1: _Costed(1.0), 2: _Costed(1.25), 3: _Costed(1.6)}, 2, lambda: 0.95) == 2
+    assert lane_depth({1: _Costed(1.0), 3: _Costed(None)}, None, lambda: 0.95) is None
 
 
 def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(model, lanes):
     """With `depth_ladders` a running lane chooses greedy rows' depth from its lanes' cycle costs
     and its greedy rows' measured acceptance: a lane whose greedy rows keep few drafts runs
-    shallow, one whose rows keep them runs deep, and a lane of sampled rows at depth 2 does not
-    follow a greedy row to depth 3. Whatever the depth, greedy rows equal plain greedy decoding
+    shallow, one whose rows keep them runs deep, and a lane with drafting sampled rows at depth 2
+    runs at 2 beside greedy rows that alone would run at 3, until the sampled rows end. Whatever the depth, greedy rows equal plain greedy decoding
     and a seeded sampled row equals itself decoded alone."""
     from mtplx.engine.installed import solo_lane
 
@@ -832,12 +828,15 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
         running.greedy_first_drafts = running.greedy_first_kept = 10 ** 6
         sampled = [running.add(_req(f"s{i}", prompts[2], 40, sampler=hot, seed=5)) for i in range(2)]
         greedy_stream = running.add(_req("g", prompts[0], 90))
-        beside = set()            # depths while the sampled rows are live
+        beside, after = set(), []      # depths of steps the sampled rows were live at; then at width 3
         while running.has_work:
             running.step()
             if any(s.finish_reason is None for s in sampled):
                 beside.add(running.lane.depth)
-        assert beside == {2}       # (2 x 2.85 + 3.71) / 1.5 = 6.3 against 3 x 2.85 / 1.25 = 6.8
+            elif running.lane.width == 3:
+                after.append(running.lane.depth)
+        # the step they ended in ran at 2; the greedy row alone goes on at 3
+        assert beside == {2} and after[0] == 2 and set(after[1:]) == {3}, after
         assert all(s.tokens == ref.tokens for s in sampled)
         assert greedy_stream.tokens == greedy_ar(model, prompts[0], 90)
     finally:

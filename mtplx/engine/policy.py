@@ -1,6 +1,6 @@
 """When a lane runs an MTP cycle and when a plain AR step (`StepPolicy`), from the costs of each
-kind measured at its width, kept current by `StepCostMeter`; how deep a lane holding greedy rows
-chains (`lane_depth`)."""
+kind measured at its width, kept current by `StepCostMeter`; how deep a lane of drafting
+greedy rows chains (`lane_depth`)."""
 
 from __future__ import annotations
 
@@ -88,29 +88,18 @@ def chain_tokens(acceptance: float, depth: int) -> float:
     return sum(acceptance ** j for j in range(depth + 1))
 
 
-def lane_depth(lanes_by_depth: dict, sampled: list, greedy_rows: int, current: Optional[int],
-               acceptance: Callable[[], float]) -> Optional[int]:
-    """The depth, chosen by cost, of a lane holding `greedy_rows` drafting greedy rows (which chain
-    the lane's depth) and drafting sampled rows (each chaining its own, `sampled`): of the
-    installed depths at least the deepest sampled row's, the one with the most tokens a second for
-    all its rows (a cycle's tokens at the greedy rows' measured `acceptance()` over the lane's
-    measured cycle cost, `step_costs["mtp"]`), the `current` one while it is within
-    DEPTH_HYSTERESIS of the best (a move costs a head forward). Only the rate depends on it: a
-    sampled row chains its own depth in any of them, and a greedy row's tokens are the same at any
-    depth. None where a candidate's cost is not measured. Why: the head's acceptance at install
-    (a fixed prompt) is not the traffic's, and a few greedy rows that take a lane of sampled rows
-    one draft deeper make every row pay for the deeper verify and head (in process, B8, 2 greedy
-    rows among 6 sampled ones at depth 2: 1.02-1.14x the tok/s at depth 2 than at 3)."""
-    need = max(sampled, default=1)
-    depths = sorted(lanes_by_depth)
-    floor = min((d for d in depths if d >= need), default=depths[-1])
-    candidates = [d for d in depths if d >= floor]
-    costs = {d: lanes_by_depth[d].step_costs.get("mtp") for d in candidates}
+def lane_depth(lanes_by_depth: dict, current: Optional[int], acceptance: Callable[[], float]) -> Optional[int]:
+    """The depth, chosen by cost, of a lane whose drafting rows are all greedy: of the installed
+    depths, the one with the most tokens a second (a drafting row's tokens a cycle at the greedy
+    rows' measured `acceptance()` over the lane's measured cycle cost, `step_costs["mtp"]`), the
+    `current` one while it is within DEPTH_HYSTERESIS of the best (a move costs a head forward).
+    None where a cost is not measured. Why: the head's acceptance at install (a fixed prompt) is
+    not the traffic's; rows that keep few drafts pay for a deep verify and head for nothing."""
+    costs = {d: ln.step_costs.get("mtp") for d, ln in lanes_by_depth.items()}
     if not all(costs.values()):
         return None
     a = acceptance()
-    fixed = sum(chain_tokens(a, s) for s in sampled)
-    rate = {d: (fixed + greedy_rows * chain_tokens(a, d)) / costs[d] for d in candidates}
+    rate = {d: chain_tokens(a, d) / cost for d, cost in costs.items()}
     best = max(rate, key=lambda d: (rate[d], -d))
     if current in rate and rate[current] >= (1 - DEPTH_HYSTERESIS) * rate[best]:
         return current
