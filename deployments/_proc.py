@@ -6,6 +6,8 @@ import gc
 import logging
 import os
 import socket
+import threading
+import time
 from typing import Optional
 
 log = logging.getLogger("ray.serve")
@@ -133,8 +135,96 @@ def _renice_proxy(pid: int, niceness: int) -> Optional[int]:
 
 
 def _is_proxy(pid: int) -> bool:
+    return _cmdline(pid).startswith(PROXY_PROCESS)
+
+
+# A model replica, as Ray names its worker process (ray::ServeReplica:<app>:MTPReplica)
+MODEL_REPLICA_PROCESS = b"MTPReplica"
+KEEP_OFF_EVERY_S = 10.0       # how often the replica moves its node's Ray processes off its CPUs again
+
+
+def pin_replica_cpus(count: Optional[int]) -> Optional[tuple]:
+    """Every thread of this process onto the first `count` CPUs it may use (Linux; threads created
+    later inherit it), the rest left to the node's other Ray processes (`keep_node_off`). Returns
+    (its CPUs, the rest), or None where `count` is None or the platform cannot pin (logged).
+
+    Why: on a small node the model's compute shares its cores with Serve's proxy, the ingress and
+    Ray's agents, and every wake-up of theirs on the model's core stalls a cycle (README: what it
+    measured). A count, not CPU ids: the same config serves nodes with other CPU sets."""
+    if count is None:
+        return None
+    if count < 1:
+        raise ValueError(f"replica_cpus={count!r}: a replica needs at least 1 CPU (null: no pinning)")
+    if not hasattr(os, "sched_setaffinity"):
+        log.warning("mtplx: replica_cpus=%s ignored: this platform cannot pin threads to CPUs", count)
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    mine, rest = allowed[:count], allowed[count:]
+    for tid in _tids("self"):
+        try:
+            os.sched_setaffinity(tid, mine)
+        except OSError:          # the thread ended while we looked
+            pass
+    return mine, rest
+
+
+def keep_node_off(cpus: list, every_s: float = KEEP_OFF_EVERY_S) -> threading.Thread:
+    """A daemon thread that moves, now and every `every_s`, this node's Ray processes onto `cpus`:
+    this worker's raylet (its parent) and the processes under it (Serve's proxy and controller,
+    the ingress, Ray's agents), other model replicas excepted, so that those started later (a
+    restarted proxy) follow."""
+    def loop():
+        while True:
+            move_node_processes(os.getppid(), cpus)
+            time.sleep(every_s)
+
+    thread = threading.Thread(target=loop, daemon=True, name="mtplx-keep-node-off")
+    thread.start()
+    return thread
+
+
+def move_node_processes(root: int, cpus: list) -> list:
+    """`root` and the processes under it, except this one and model replicas, onto `cpus`.
+    Returns the pids moved (a process that ended or is not ours is skipped)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            parent = _parent(int(entry))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry))
+    moved, stack, me = [], [root], os.getpid()
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        if pid == me or MODEL_REPLICA_PROCESS in _cmdline(pid).split(b"\0")[0]:    # its process title
+            continue
+        try:
+            for tid in _tids(pid):
+                os.sched_setaffinity(tid, cpus)
+            moved.append(pid)
+        except OSError:
+            pass
+    return moved
+
+
+def _tids(pid) -> list:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().startswith(PROXY_PROCESS)
+            return f.read()
     except OSError:
-        return False
+        return b""

@@ -127,6 +127,10 @@ class AppArgs(BaseModel):
     replica_resources: Optional[Dict[str, float]] = Field(
         None, description='Custom resources per replica, e.g. {"mlx": 1} to land on MLX hosts')
     blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads per replica (default 1: more spin and slow the model owner on small nodes)")
+    replica_cpus: Optional[int] = Field(
+        None, ge=1, description="Linux: pin each model replica to the first this many CPUs of its node and move the "
+                                "node's other Ray processes (proxy, ingress, agents) to the rest (null: no pinning; "
+                                "one model replica per node)")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0.0)
     ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)
@@ -194,7 +198,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
         watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics,
         force_width=a.force_width, draft_draw=a.draft_draw, compiled=a.compiled, overlap=a.overlap,
-        kv_budget_gb=a.kv_budget_gb,
+        kv_budget_gb=a.kv_budget_gb, replica_cpus=a.replica_cpus,
         repetition_stop=a.repetition_stop.model_dump() if a.repetition_stop is not None else None)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
     # the rows waiting for a window, and requests it is answering 429 (so that overload gets our

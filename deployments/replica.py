@@ -220,12 +220,17 @@ class MTPReplica:
                  summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S, metrics: bool = True,
                  force_width: Optional[int] = None, draft_draw: Optional[str] = None,
                  compiled: Optional[bool] = None, kv_budget_gb: Optional[float] = None,
-                 repetition_stop: Optional[dict] = None, overlap: Optional[bool] = None):
+                 repetition_stop: Optional[dict] = None, overlap: Optional[bool] = None,
+                 replica_cpus: Optional[int] = None):
         """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: chosen by measured cost;
         `repetition_stop`: the limits every row stops within, None: off)."""
-        from ._proc import freeze_startup_objects, renice_process
+        from ._proc import freeze_startup_objects, keep_node_off, pin_replica_cpus, renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
+        pinned = pin_replica_cpus(replica_cpus)    # likewise
+        self.cpus = pinned[0] if pinned else None
+        if pinned and pinned[1]:
+            keep_node_off(pinned[1])
         # BLAS threads (CPU backend): 1 by default. OpenBLAS's extra threads spin while they wait,
         # taking the core the model owner's Python (and the ingress and proxy) needs (README: what
         # it measured); raise it on nodes with cores to spare, and measure. Set through OpenBLAS's own call:
@@ -528,7 +533,7 @@ class MTPReplica:
         return {"replica_id": self.replica_id, "model_id": self.model.model_id,
                 "ok": self._unhealthy(snap) is None,
                 "runtime": self._mtplx.runtime_info(), "blas_threads": self.blas_threads,
-                "niceness": self.niceness,
+                "niceness": self.niceness, "cpus": self.cpus,
                 "installed_widths": snap.get("installed_widths"),
                 "numerics": snap.get("numerics"), "poisoned": bool(snap.get("poisoned"))}
         # /health is open to anyone who can reach the port: no error texts here (the snapshot,

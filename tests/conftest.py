@@ -22,7 +22,8 @@ def model():
 # Backpressure: at most 4 windows of 8 rows at a replica and 24 rows waiting at the ingress.
 TEST_API_KEY = "mtplx-test-key-0123456789"
 TEST_APP_ARGS = {"batch_wait_timeout_s": 0.25, "max_concurrent_batches": 4, "default_max_tokens": 64,
-                 "max_waiting_rows": 24, "max_tokens_limit": 2000, "max_body_bytes": 256 * 1024}
+                 "max_waiting_rows": 24, "max_tokens_limit": 2000, "max_body_bytes": 256 * 1024,
+                 "replica_cpus": 1}
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 

@@ -107,8 +107,8 @@ def test_models_and_health(http):
 
 
 @RAY_MARK
-@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS and process niceness: the Linux CPU build")
-def test_linux_replica_runs_openblas_at_the_ingress_niceness(http):
+@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS, process niceness and CPU affinity: the Linux CPU build")
+def test_linux_replica_runs_openblas_at_the_ingress_niceness_on_its_own_cpu(http):
     body = http.get("/health").json()
     (rep,) = body["replicas"].values()
     # the engine loads OpenBLAS itself on Linux; the replica's thread setting is the one in effect
@@ -120,6 +120,11 @@ def test_linux_replica_runs_openblas_at_the_ingress_niceness(http):
     proxies = ingress["proxy_niceness"]
     assert proxies and all(n == ingress["niceness"] for n in proxies.values()), (proxies, ingress)
     assert rep["niceness"] == ingress["niceness"], (rep["niceness"], ingress)
+    # replica_cpus 1: the replica on the node's first CPU, Serve's proxy moved to the rest
+    allowed = sorted(os.sched_getaffinity(0))
+    assert rep["cpus"] == allowed[:1], rep["cpus"]
+    if len(allowed) > 1:
+        assert all(sorted(os.sched_getaffinity(int(pid))) == allowed[1:] for pid in proxies), proxies
 
 
 @RAY_MARK

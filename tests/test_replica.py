@@ -127,6 +127,57 @@ def test_serve_proxy_is_reniced_to_the_apps_niceness():
                 proc.wait()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
+                    reason="Linux CPU affinity, on a node of 2 CPUs or more")
+def test_a_replica_takes_its_cpus_and_moves_its_nodes_other_processes_off():
+    """`replica_cpus`: the replica's threads (and those it starts later) run on the first CPUs it
+    may use; the processes under its raylet move to the rest, other model replicas excepted; a
+    count it cannot use is refused with what to set."""
+    import os
+    import subprocess
+    import sys
+
+    from deployments._proc import MODEL_REPLICA_PROCESS, PROXY_PROCESS, move_node_processes, pin_replica_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    code = ("import os, threading; from deployments._proc import pin_replica_cpus; got = pin_replica_cpus(1); "
+            "seen = []; t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0)))); "
+            "t.start(); t.join(); print(got, sorted(os.sched_getaffinity(0)), seen[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == " ".join(map(str, (([allowed[0]], allowed[1:]), allowed[:1], allowed[:1]))).split()
+    assert pin_replica_cpus(None) is None
+    with pytest.raises(ValueError, match="at least 1 CPU"):
+        pin_replica_cpus(0)
+
+    model = f"ray::ServeReplica:mtplx:{MODEL_REPLICA_PROCESS.decode()}"
+    raylet = subprocess.Popen(["bash", "-c", '(exec -a "$P" sleep 30) & (exec -a "$M" sleep 30) & wait'],
+                              env=dict(os.environ, P=PROXY_PROCESS.decode(), M=model))
+    try:
+        deadline, kids = time.time() + 5, {}
+        while time.time() < deadline and len(kids) < 2:     # until both children run under their names
+            kids = {}
+            for e in os.listdir("/proc"):
+                try:
+                    with open(f"/proc/{e}/stat") as f:
+                        if e.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == raylet.pid:
+                            with open(f"/proc/{e}/cmdline", "rb") as g:
+                                name = g.read()
+                            if name.startswith(PROXY_PROCESS) or name.startswith(model.encode()):
+                                kids[name.split(b"\0")[0].decode()] = int(e)
+                except OSError:
+                    pass
+            time.sleep(0.02)
+        rest = allowed[1:]
+        moved = move_node_processes(raylet.pid, rest)
+        assert sorted(moved) == sorted([raylet.pid, kids[PROXY_PROCESS.decode()]])
+        assert sorted(os.sched_getaffinity(raylet.pid)) == sorted(os.sched_getaffinity(kids[PROXY_PROCESS.decode()])) == rest
+        assert sorted(os.sched_getaffinity(kids[model])) == allowed
+    finally:
+        subprocess.run(["pkill", "-P", str(raylet.pid)])
+        raylet.kill()
+        raylet.wait()
+
+
 def test_a_cycles_tokens_wait_for_the_lane_steps_end():
     """During a lane step a row's tokens past its first few wait for the step's end, so that the
     step's draft and bonus token go out as one message; a row's first tokens and tokens pushed
