@@ -70,11 +70,7 @@ def renice_process(niceness: Optional[int]) -> Optional[int]:
     """
     if niceness is None or not hasattr(os, "setpriority"):
         return None
-    tids = []
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
+    tids = _tids("self") or [0]
     failed = _set_threads_niceness(tids, niceness)
     if failed is not None:
         log.warning("mtplx: could not set niceness %s (%s); keeping %s", niceness, failed,
@@ -124,7 +120,9 @@ def renice_serve_proxy(niceness: Optional[int]) -> dict:
 def _renice_proxy(pid: int, niceness: int) -> Optional[int]:
     """Set a proxy's weaker threads to `niceness`; its weakest niceness now (None: it is gone)."""
     try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        tids = _tids(pid)
+        if not tids:
+            return None
         failed = _set_threads_niceness([t for t in tids if os.getpriority(os.PRIO_PROCESS, t) > niceness], niceness)
         if failed is not None and pid not in _PROXY_WARNED:     # once per proxy
             _PROXY_WARNED.add(pid)
@@ -140,13 +138,15 @@ def _is_proxy(pid: int) -> bool:
 
 # A model replica, as Ray names its worker process (ray::ServeReplica:<app>:MTPReplica)
 MODEL_REPLICA_PROCESS = b"MTPReplica"
-KEEP_OFF_EVERY_S = 10.0       # how often the replica moves its node's Ray processes off its CPUs again
+KEEP_OFF_EVERY_S = 10.0       # how often the replica moves its node's Ray workers off its CPUs again
 
 
 def pin_replica_cpus(count: Optional[int]) -> Optional[tuple]:
-    """Every thread of this process onto the first `count` CPUs it may use (Linux; threads created
-    later inherit it), the rest left to the node's other Ray processes (`keep_node_off`). Returns
-    (its CPUs, the rest), or None where `count` is None or the platform cannot pin (logged).
+    """Every thread of this Ray worker onto the first `count` CPUs of its node (Linux; threads
+    created later inherit it), the rest left to the node's other Ray workers (`keep_node_off`).
+    The node's CPUs are its raylet's (this process's parent, never moved): a worker that the
+    keep-off moved before it became a replica still finds them all. Returns (its CPUs, the rest),
+    or None where `count` is None or the platform cannot pin (logged).
 
     Why: on a small node the model's compute shares its cores with Serve's proxy, the ingress and
     Ray's agents, and every wake-up of theirs on the model's core stalls a cycle (README: what it
@@ -158,24 +158,36 @@ def pin_replica_cpus(count: Optional[int]) -> Optional[tuple]:
     if not hasattr(os, "sched_setaffinity"):
         log.warning("mtplx: replica_cpus=%s ignored: this platform cannot pin threads to CPUs", count)
         return None
-    allowed = sorted(os.sched_getaffinity(0))
-    mine, rest = allowed[:count], allowed[count:]
-    for tid in _tids("self"):
-        try:
-            os.sched_setaffinity(tid, mine)
-        except OSError:          # the thread ended while we looked
-            pass
+    try:
+        node = sorted(os.sched_getaffinity(os.getppid()))
+    except OSError:
+        node = sorted(os.sched_getaffinity(0))
+    mine, rest = node[:count], node[count:]
+    if not rest:
+        log.warning("mtplx: replica_cpus=%s takes all %s CPUs of this node: nothing left to move the "
+                    "node's other Ray workers to", count, len(node))
+    if not _pin_threads("self", mine):
+        os.sched_setaffinity(0, mine)          # no /proc to list threads: this one, which the rest inherit from
     return mine, rest
 
 
 def keep_node_off(cpus: list, every_s: float = KEEP_OFF_EVERY_S) -> threading.Thread:
-    """A daemon thread that moves, now and every `every_s`, this node's Ray processes onto `cpus`:
-    this worker's raylet (its parent) and the processes under it (Serve's proxy and controller,
-    the ingress, Ray's agents), other model replicas excepted, so that those started later (a
-    restarted proxy) follow."""
+    """A daemon thread on `cpus` that moves, now and every `every_s`, the Ray workers under this
+    worker's raylet (Serve's proxy and controller, the ingress, Ray's agents; model replicas
+    excepted) onto `cpus`, so that those started later (a restarted proxy) follow. The raylet
+    itself stays where it is, so the workers it starts (a replica restarting) start on every CPU.
+    It stops when the raylet is gone (this worker is re-parented)."""
+    raylet, mine = os.getppid(), sorted(os.sched_getaffinity(0))
+
     def loop():
-        while True:
-            move_node_processes(os.getppid(), cpus)
+        os.sched_setaffinity(0, cpus)          # this thread: off the model's CPUs too
+        me = threading.get_native_id()
+        while os.getppid() == raylet:
+            try:
+                _pin_threads("self", mine, skip=me)    # threads this worker started meanwhile
+                move_node_processes(raylet, cpus)
+            except Exception:                # keep going: a scan that fails moves nothing
+                log.exception("mtplx: moving the node's Ray workers off the replica's CPUs failed")
             time.sleep(every_s)
 
     thread = threading.Thread(target=loop, daemon=True, name="mtplx-keep-node-off")
@@ -183,31 +195,42 @@ def keep_node_off(cpus: list, every_s: float = KEEP_OFF_EVERY_S) -> threading.Th
     return thread
 
 
-def move_node_processes(root: int, cpus: list) -> list:
-    """`root` and the processes under it, except this one and model replicas, onto `cpus`.
-    Returns the pids moved (a process that ended or is not ours is skipped)."""
+def move_node_processes(raylet: int, cpus: list) -> list:
+    """The processes under `raylet`, except this one and model replicas, onto `cpus`. Returns the
+    pids moved (a process that ended or is not ours is skipped)."""
     children: dict = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             parent = _parent(int(entry))
             if parent is not None:
                 children.setdefault(parent, []).append(int(entry))
-    moved, stack, me = [], [root], os.getpid()
+    moved, stack, me = [], list(children.get(raylet, [])), os.getpid()
     while stack:
         pid = stack.pop()
         stack.extend(children.get(pid, []))
         if pid == me or MODEL_REPLICA_PROCESS in _cmdline(pid).split(b"\0")[0]:    # its process title
             continue
-        try:
-            for tid in _tids(pid):
-                os.sched_setaffinity(tid, cpus)
+        if _pin_threads(pid, cpus):
             moved.append(pid)
-        except OSError:
-            pass
     return moved
 
 
+def _pin_threads(pid, cpus: list, skip: Optional[int] = None) -> bool:
+    """Every thread of process `pid` ("self": this one), but `skip`, onto `cpus`. False when the
+    process is gone or not ours."""
+    tids = [t for t in _tids(pid) if t != skip]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            continue            # the thread ended while we looked
+        except OSError:
+            return False
+    return bool(tids)
+
+
 def _tids(pid) -> list:
+    """The thread ids of process `pid` ("self": this one); [] when it is gone."""
     try:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:

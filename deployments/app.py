@@ -129,8 +129,8 @@ class AppArgs(BaseModel):
     blas_threads: Optional[int] = Field(None, ge=1, description="BLAS threads per replica (default 1: more spin and slow the model owner on small nodes)")
     replica_cpus: Optional[int] = Field(
         None, ge=1, description="Linux: pin each model replica to the first this many CPUs of its node and move the "
-                                "node's other Ray processes (proxy, ingress, agents) to the rest (null: no pinning; "
-                                "one model replica per node)")
+                                "node's other Ray workers (proxy, ingress, agents) to the rest (null: no pinning; "
+                                "with it, at most one model replica per node)")
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.0, ge=0.0)
     ingress_max_ongoing_requests: Optional[int] = Field(None, ge=1)
@@ -178,9 +178,12 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     replica_opts: Dict[str, Any] = {"num_gpus": 0, "num_cpus": a.replica_num_cpus}
     if a.replica_resources:
         replica_opts["resources"] = dict(a.replica_resources)
+    # a replica pinned to its node's first CPUs (replica_cpus): two on one node would share them
+    per_node = {} if a.replica_cpus is None else {"max_replicas_per_node": 1}
     replica = serve.deployment(
         name=REPLICA_NAME,
         num_replicas=a.num_replicas,
+        **per_node,
         max_ongoing_requests=a.replica_max_ongoing_requests,
         max_queued_requests=a.replica_max_queued_requests,
         ray_actor_options=replica_opts,

@@ -227,7 +227,7 @@ class MTPReplica:
         from ._proc import freeze_startup_objects, keep_node_off, pin_replica_cpus, renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
-        pinned = pin_replica_cpus(replica_cpus)    # likewise
+        pinned = pin_replica_cpus(replica_cpus)    # every thread now; the owner thread and later ones inherit it
         self.cpus = pinned[0] if pinned else None
         if pinned and pinned[1]:
             keep_node_off(pinned[1])

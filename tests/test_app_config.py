@@ -31,6 +31,19 @@ def test_the_apps_defaults_are_the_replicas_and_the_services():
     assert for_model["widths"].default == DEFAULT_WIDTHS and for_model["batch_wait_s"].default == DEFAULT_BATCH_WAIT_S
 
 
+def test_replica_cpus_reach_the_replica_one_replica_to_a_node():
+    """`replica_cpus` pins a replica to its node's first CPUs, so two may not share a node."""
+    assert _replica_kwargs({"replica_cpus": 1})["replica_cpus"] == 1
+
+    def per_node(args):
+        return build_app(args)._bound_deployment.init_args[0]._bound_deployment._replica_config.max_replicas_per_node
+
+    assert per_node({"replica_cpus": 1, "num_replicas": 2}) == 1
+    assert per_node({}) is None
+    with pytest.raises(ValidationError, match="replica_cpus"):
+        AppArgs(replica_cpus=0)
+
+
 def test_engine_switches_reach_the_replica():
     bound = _replica_kwargs({"force_width": 8, "draft_draw": "host", "compiled": False, "kv_budget_gb": 1.5,
                              "repetition_stop": {"min_tokens": 50}})

@@ -124,7 +124,9 @@ def test_linux_replica_runs_openblas_at_the_ingress_niceness_on_its_own_cpu(http
     allowed = sorted(os.sched_getaffinity(0))
     assert rep["cpus"] == allowed[:1], rep["cpus"]
     if len(allowed) > 1:
-        assert all(sorted(os.sched_getaffinity(int(pid))) == allowed[1:] for pid in proxies), proxies
+        from deployments._proc import _tids
+
+        assert all(sorted(os.sched_getaffinity(t)) == allowed[1:] for pid in proxies for t in _tids(int(pid))), proxies
 
 
 @RAY_MARK

@@ -837,6 +837,17 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
                 after.append(running.lane.depth)
         # the step they ended in ran at 2; the greedy row alone goes on at 3
         assert beside == {2} and after[0] == 2 and set(after[1:]) == {3}, after
+        # an adaptive sampled row that stopped drafting and probes does not pull the lane to 2
+        running = lane_mod.RunningLane(ladder, sampled_ladder=[solo_lane(model, 2), deep[2]],
+                                       depth_ladders=ladders)
+        running.greedy_first_drafts = running.greedy_first_kept = 10 ** 6
+        running.add(_req("g2", prompts[0], 8))
+        running.add(_req("p", prompts[2], 8, sampler=hot, seed=5, adaptive=True))
+        (probing,) = [r for r in running.waiting if not r.greedy]
+        probing.drafting, probing.probe_in = False, 0
+        assert probing.wants_draft() and running._lane_at(3).depth == 3
+        probing.drafting = True
+        assert running._lane_at(3).depth == 2
         assert all(s.tokens == ref.tokens for s in sampled)
         assert greedy_stream.tokens == greedy_ar(model, prompts[0], 90)
     finally:

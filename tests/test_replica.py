@@ -130,48 +130,47 @@ def test_serve_proxy_is_reniced_to_the_apps_niceness():
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity") or len(__import__("os").sched_getaffinity(0)) < 2,
                     reason="Linux CPU affinity, on a node of 2 CPUs or more")
 def test_a_replica_takes_its_cpus_and_moves_its_nodes_other_processes_off():
-    """`replica_cpus`: the replica's threads (and those it starts later) run on the first CPUs it
-    may use; the processes under its raylet move to the rest, other model replicas excepted; a
+    """`replica_cpus`: the replica's threads, those running before and those it starts after,
+    run on the first CPUs of its node (its parent's, as a raylet's); the processes under the
+    raylet move to the rest, model replicas excepted, the raylet itself left on every CPU; a
     count it cannot use is refused with what to set."""
     import os
     import subprocess
     import sys
 
-    from deployments._proc import MODEL_REPLICA_PROCESS, PROXY_PROCESS, move_node_processes, pin_replica_cpus
+    from deployments._proc import (MODEL_REPLICA_PROCESS, PROXY_PROCESS, _cmdline, _parent, move_node_processes,
+                                   pin_replica_cpus)
 
     allowed = sorted(os.sched_getaffinity(0))
-    code = ("import os, threading; from deployments._proc import pin_replica_cpus; got = pin_replica_cpus(1); "
-            "seen = []; t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0)))); "
-            "t.start(); t.join(); print(got, sorted(os.sched_getaffinity(0)), seen[0])")
+    code = ("import os, threading; from deployments._proc import pin_replica_cpus\n"
+            "go = threading.Event(); seen = {}\n"
+            "def look(name):\n    go.wait(); seen[name] = sorted(os.sched_getaffinity(0))\n"
+            "before = threading.Thread(target=look, args=('before',)); before.start()\n"
+            "got = pin_replica_cpus(1)\n"
+            "after = threading.Thread(target=look, args=('after',)); after.start()\n"
+            "go.set(); before.join(); after.join()\n"
+            "print(list(got), seen['before'], seen['after'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == " ".join(map(str, (([allowed[0]], allowed[1:]), allowed[:1], allowed[:1]))).split()
+    assert out.split() == " ".join(map(str, ([allowed[:1], allowed[1:]], allowed[:1], allowed[:1]))).split(), out
     assert pin_replica_cpus(None) is None
     with pytest.raises(ValueError, match="at least 1 CPU"):
         pin_replica_cpus(0)
 
     model = f"ray::ServeReplica:mtplx:{MODEL_REPLICA_PROCESS.decode()}"
+    names = {PROXY_PROCESS.decode(): "proxy", model: "model"}
     raylet = subprocess.Popen(["bash", "-c", '(exec -a "$P" sleep 30) & (exec -a "$M" sleep 30) & wait'],
                               env=dict(os.environ, P=PROXY_PROCESS.decode(), M=model))
     try:
         deadline, kids = time.time() + 5, {}
         while time.time() < deadline and len(kids) < 2:     # until both children run under their names
-            kids = {}
-            for e in os.listdir("/proc"):
-                try:
-                    with open(f"/proc/{e}/stat") as f:
-                        if e.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == raylet.pid:
-                            with open(f"/proc/{e}/cmdline", "rb") as g:
-                                name = g.read()
-                            if name.startswith(PROXY_PROCESS) or name.startswith(model.encode()):
-                                kids[name.split(b"\0")[0].decode()] = int(e)
-                except OSError:
-                    pass
+            kids = {names[t]: int(e) for e in os.listdir("/proc") if e.isdigit() and _parent(int(e)) == raylet.pid
+                    for t in [_cmdline(int(e)).split(b"\0")[0].decode(errors="replace")] if t in names}
             time.sleep(0.02)
+        assert set(kids) == {"proxy", "model"}, kids
         rest = allowed[1:]
-        moved = move_node_processes(raylet.pid, rest)
-        assert sorted(moved) == sorted([raylet.pid, kids[PROXY_PROCESS.decode()]])
-        assert sorted(os.sched_getaffinity(raylet.pid)) == sorted(os.sched_getaffinity(kids[PROXY_PROCESS.decode()])) == rest
-        assert sorted(os.sched_getaffinity(kids[model])) == allowed
+        assert move_node_processes(raylet.pid, rest) == [kids["proxy"]]
+        assert sorted(os.sched_getaffinity(kids["proxy"])) == rest
+        assert sorted(os.sched_getaffinity(kids["model"])) == sorted(os.sched_getaffinity(raylet.pid)) == allowed
     finally:
         subprocess.run(["pkill", "-P", str(raylet.pid)])
         raylet.kill()

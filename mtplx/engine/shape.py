@@ -52,27 +52,30 @@ class LaneShape:
         rows = [r for r in chain(self.rows, (a.row for a in self.admitting), self.waiting)
                 if r is not None and r.wants_draft()]
         sampled = [r.chain_depth for r in rows if not r.greedy]
+        steady = any(r.drafting or not r.req.adaptive for r in rows if not r.greedy)
         greedy_rows = len(rows) - len(sampled)
-        need = self._greedy_need(width, sampled) if greedy_rows else max(sampled, default=0)
+        need = self._greedy_need(width, sampled, steady) if greedy_rows else max(sampled, default=0)
         if not need:
             need = self.lane.depth if self.lane is not None else self.ladder[0].depth
         return at[min((d for d in at if d >= need), default=max(at))]
 
-    def _greedy_need(self, width: int, sampled: list) -> int:
+    def _greedy_need(self, width: int, sampled: list, steady: bool) -> int:
         """The depth a lane of this width holding drafting greedy rows (and sampled rows chaining
-        `sampled`) runs at. Choosing by cost, a lane with drafting sampled rows runs at theirs:
-        a few greedy rows that take it a draft deeper make every row pay for the deeper verify and
-        head forward, and the install's short-prompt costs cannot tell when that pays (served,
-        mixed settings at 16 clients: 1.08-1.19x the tok/s held at the sampled rows' depth 2
-        against the depth 3 the costs chose). Greedy rows alone go by cost where it is measured.
-        Otherwise the greedy rows' own depth here, and no shallower than a sampled row's."""
+        `sampled`; `steady`: one of them drafts every cycle) runs at. Choosing by cost, a lane
+        with steadily drafting sampled rows runs at theirs: a few greedy rows that take it a draft
+        deeper make every row pay for the deeper verify and head forward, and the install's
+        short-prompt costs cannot tell when that pays (served, mixed settings at 16 clients:
+        1.08-1.19x the tok/s held at the sampled rows' depth 2 against the depth 3 the costs
+        chose). Otherwise it goes by cost where that is measured (a sampled row that stopped
+        drafting and probes does not move it for a cycle), else at the greedy rows' own depth
+        here; never shallower than a drafting sampled row's."""
         if self.depth_by_cost:
-            if sampled:
+            if steady:
                 return max(sampled)
             current = self.lane.depth if self.lane is not None and self.lane.width == width else None
             chosen = lane_depth(self._lanes_at[width], current, self.greedy_acceptance)
             if chosen is not None:
-                return chosen
+                return max(sampled + [chosen])
         return max(sampled + [self.greedy_depths[width]])
 
     def _resize(self) -> None:
