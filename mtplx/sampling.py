@@ -22,6 +22,13 @@ Drafts drawn on the device (`device_draft_draw`): since any q keeps p exact, a l
 drafts on the device without waiting for the draft logits, from a q the host learns exactly
 afterwards (`device_draft_distribution`): the draft sampler over the row's DRAFT_CANDIDATES
 heaviest tokens, drawn by inverse CDF at a uniform of UNIFORM_BITS bits from the row's own RNG.
+
+Chains judged on the device (`acceptor.DeviceVerdicts`): a row with a top-k within
+DRAFT_CANDIDATES and no penalties is judged where its logits are, against its target over its
+heaviest tokens (`device_target_candidates`), with uniforms of UNIFORM_BITS bits drawn at launch
+from its own RNG; the host reads its drafts kept and next token. In float32: a token whose mass
+before it is within float32's rounding of top_p may fall on the other side of the cut, and an
+accept probability is realised to within 2**-24.
 """
 
 from __future__ import annotations
@@ -266,21 +273,77 @@ def device_draft_draw(logits, cfgs, m: np.ndarray):
     order = mx.argsort(-v, axis=-1)
     ids, v = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(v, order, axis=-1)
 
-    def column(name):
-        return mx.array(np.array([getattr(c, name) for c in cfgs], dtype=np.float32))[:, None]
-
-    w = mx.exp((v - v[:, :1]) / column("temperature"))                # the heaviest weighs 1
-    cum = mx.cumsum(w, axis=-1)
-    before = mx.concatenate([mx.zeros((W, 1)), cum[:, :-1]], axis=-1)
-    top_k = column("top_k")
-    keep = ((before < column("top_p") * cum[:, -1:]) & (w >= column("min_p"))
-            & ((top_k == 0) | (mx.arange(K)[None, :] < top_k)))
+    w = mx.exp((v - v[:, :1]) / _column(cfgs, "temperature"))                # the heaviest weighs 1
+    keep = _kept_prefix(w, cfgs)
     kept = mx.cumsum(mx.where(keep, w, 0.0), axis=-1)
     t = kept / kept[:, -1:]
     u = mx.array((np.asarray(m, dtype=np.float64) / (1 << UNIFORM_BITS)).astype(np.float32))[:, None]
     j = (t <= u).astype(mx.int32).sum(axis=-1, keepdims=True)
     drafts = mx.take_along_axis(ids, j, axis=-1)[:, 0].astype(mx.uint32)
     return drafts, ids, t
+
+
+def _column(cfgs, name: str):
+    import mlx.core as mx
+
+    return mx.array(np.array([getattr(c, name) for c in cfgs], dtype=np.float32))[:, None]
+
+
+def _kept_prefix(w, cfgs, total=None):
+    """Over weights sorted heaviest first (the heaviest weighing 1), what top-p (of `total`, else
+    of these weights' sum), min-p and top-k keep of each row: a prefix, never empty (top_p 1 keeps
+    every token: a float32 sum stops growing before the lightest ones)."""
+    import mlx.core as mx
+
+    cum = mx.cumsum(w, axis=-1)
+    before = mx.concatenate([mx.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)
+    top_k, top_p = _column(cfgs, "top_k"), _column(cfgs, "top_p")
+    total = cum[:, -1:] if total is None else total
+    return (((top_p >= 1.0) | (before < top_p * total)) & (w >= _column(cfgs, "min_p"))
+            & ((top_k == 0) | (mx.arange(w.shape[-1])[None, :] < top_k)))
+
+
+def judged_on_device(cfg: SamplerConfig) -> bool:
+    """Whether a row sampling from `cfg` can be judged on the device (`device_target_candidates`):
+    no penalties (their counts live on the host), and a top-k within the candidates."""
+    return not cfg.is_greedy and not cfg.has_penalties and 0 < cfg.top_k <= DRAFT_CANDIDATES
+
+
+def device_target_candidates(logits, cfgs):
+    """Each row's target distribution (`judged_on_device` configs) on the device, lazy: (ids,
+    probs) [N, K] over its DRAFT_CANDIDATES heaviest tokens, which hold all top-k keeps. The
+    order above in float32 (top-p over the whole vocabulary's weight); a token tied with the
+    lightest kept one may take its place (the host breaks such ties by id)."""
+    import mlx.core as mx
+
+    x = logits.astype(mx.float32)
+    inverse_t = mx.array(np.array([1.0 / c.temperature for c in cfgs], dtype=np.float32))[:, None]
+    w_all = mx.exp((x - mx.max(x, axis=-1, keepdims=True)) * inverse_t)        # as the host's `_weights`
+    K = min(DRAFT_CANDIDATES, x.shape[-1])
+    ids = mx.argpartition(-x, K - 1, axis=-1)[:, :K]
+    w = mx.take_along_axis(w_all, ids, axis=-1)
+    order = mx.argsort(-w, axis=-1)
+    ids, w = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
+    kept = mx.where(_kept_prefix(w, cfgs, w_all.sum(axis=-1, keepdims=True)), w, 0.0)
+    return ids, kept / kept.sum(axis=-1, keepdims=True)
+
+
+def device_draft_masses(t):
+    """The q masses of device draws' candidates [N, K] (lazy): `device_draft_distribution`'s."""
+    import mlx.core as mx
+
+    scale = float(1 << UNIFORM_BITS)
+    edges = mx.ceil(mx.minimum(mx.sort(t, axis=-1), 1.0) * scale)
+    return (edges - mx.concatenate([mx.zeros_like(edges[:, :1]), edges[:, :-1]], axis=-1)) / scale
+
+
+def device_inverse_cdf(weights, u):
+    """`inverse_cdf` of each row of `weights` [N, K] at its uniform u [N] (lazy indices [N])."""
+    import mlx.core as mx
+
+    cum = mx.cumsum(weights, axis=-1)
+    at = (cum <= u[:, None] * cum[:, -1:]).astype(mx.int32).sum(axis=-1)
+    return mx.minimum(at, weights.shape[-1] - 1)
 
 
 def device_draft_distribution(ids: np.ndarray, t: np.ndarray, vocab: int, m: int) -> tuple:

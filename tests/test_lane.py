@@ -679,18 +679,32 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
     assert all(streams[i].mtp_depth == 2 for i in (1, 2, 3, 6))
 
 
-def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_distribution(model, lanes):
+@pytest.mark.parametrize("judged", ["host", "device"])
+def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_distribution(model, lanes, monkeypatch,
+                                                                                       judged):
     """The chi-square of chained sampled rows (2 drafts a cycle) in a B8 lane whose other rows
     differ in settings (greedy at depth 2-3, hotter, top-k, penalties, plain AR) and join at other
     times: the (t1, t2, t3) triples of 600 seeded rows follow the target's exact joint (t2 and t3
-    go through the chain's accept tests and residual). Power: had every draft been accepted, the
-    (t1, t2) pairs alone would put the statistic far past the critical value."""
+    go through the chain's accept tests and residual). Judged on the host (a presence penalty
+    needs the row's token counts there), or on the device (`DeviceVerdicts`: every drafting
+    cycle of every seeded row). Power: had every draft been accepted, the (t1, t2) pairs alone
+    would put the statistic far past the critical value."""
     import mlx.core as mx
     from test_sampling import ALPHA, chi2_test
 
+    from mtplx.engine.acceptor import DeviceVerdicts
     from mtplx.sampling import row_distribution
 
-    cfg = SamplerConfig(temperature=1.0, top_k=3, top_p=1.0, presence_penalty=0.5)
+    cfg = SamplerConfig(temperature=1.0, top_k=3, top_p=1.0, presence_penalty=0.5 if judged == "host" else 0.0)
+    on_device = []
+    launch = DeviceVerdicts.launch.__func__
+
+    def spy(cls, L, rows, row_depth, proposal):
+        verdicts = launch(cls, L, rows, row_depth, proposal)
+        on_device.extend(rows[b].req.request_id for b in (verdicts.rows if verdicts else ()))
+        return verdicts
+
+    monkeypatch.setattr(DeviceVerdicts, "launch", classmethod(spy))
     ids = model.tokenizer.encode("def ")
 
     def dist(seq, sampler=cfg):
@@ -719,6 +733,11 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
     second = [j for rid, *_, j in running.draft_log if rid in seeded and j == 1]
     assert running.peak_rows == 8 and len(second) > 100 and len(late) == 3
     assert sum(s.rejected_drafts for s in streams) > 100 and {s.mtp_depth for s in streams} == {2}
+    judged_seeded = [rid for rid in on_device if rid in seeded]
+    drafting_cycles = sum(s.accepted_drafts + s.rejected_drafts for s in streams)   # >= one judged draft a cycle
+    assert (len(judged_seeded) > 0) == (judged == "device") and len(judged_seeded) <= drafting_cycles
+    assert judged == "host" or len(judged_seeded) == len([rid for rid, *_, j in running.draft_log
+                                                           if rid in seeded and j == 0])
     p_value, df = chi2_test(counts, joint)
     assert df >= 8 and p_value > ALPHA, (p_value, df, counts)
     # power: under "accept every draft", t2 ~ the head's draft distribution given t1

@@ -317,3 +317,87 @@ def test_device_drawn_drafts_keep_the_target_distribution():
     flat = _device_spec_counts(p, draft_logits, cfg, 20_000, seed=1,
                                q_of=lambda q: Distribution(q.ids, np.full(q.ids.size, 1.0 / q.ids.size), q.vocab))
     assert chi2_sf_even(chi2_stat(flat, p), 6) < ALPHA
+
+
+DEVICE_JUDGED = [SamplerConfig(temperature=0.6, top_p=0.95, top_k=20), SamplerConfig(temperature=1.0, top_p=1.0, top_k=7),
+                 SamplerConfig(temperature=1.0, top_p=0.5, top_k=64, min_p=0.01),
+                 SamplerConfig(temperature=0.3, top_p=0.99, top_k=40), SamplerConfig(temperature=1.5, top_p=0.9, top_k=1)]
+
+
+@pytest.mark.parametrize("cfg", DEVICE_JUDGED)
+def test_device_target_distribution_equals_the_hosts(cfg):
+    """The target distribution sampled rows are judged against on the device (over their heaviest
+    candidates) keeps what the host's keeps, at the same probabilities to float32's precision.
+    Where they differ it is by the one token on the top-p cut whose mass before it is within
+    float32's rounding of top_p (the device sums in float32, the host in float64), and at exact
+    ties on the cut (none here: the device may keep another of the tied tokens)."""
+    from mtplx.sampling import device_target_candidates, judged_on_device, row_distribution
+
+    assert judged_on_device(cfg)
+    rng = np.random.default_rng(1)
+    logits = np.stack([rng.normal(scale=s, size=4096) for s in (0.1, 1.0, 4.0)]).astype(np.float32)
+    ids, masses = (np.array(a) for a in device_target_candidates(mx.array(logits), [cfg] * 3))
+    for b in range(3):
+        probs = np.zeros(4096)
+        probs[ids[b]] = masses[b]
+        ref = row_distribution(logits[b], cfg).dense()
+        differ = set(np.flatnonzero(probs)) ^ set(np.flatnonzero(ref))
+        if differ:
+            weights = np.exp(logits[b].astype(np.float64) - logits[b].max()) ** (1 / cfg.temperature)
+            before = (weights[weights > weights[list(differ)[0]]].sum()) / weights.sum()
+            assert len(differ) == 1 and abs(before - cfg.top_p) < 1e-5, (b, differ, before)
+            both = (probs > 0) & (ref > 0)              # the rest renormalised over what both keep
+            probs, ref = np.where(both, probs, 0) / probs[both].sum(), np.where(both, ref, 0) / ref[both].sum()
+        np.testing.assert_allclose(probs, ref, rtol=2e-5, atol=1e-9)
+
+
+def test_device_verdicts_are_the_accept_rule_exactly():
+    """The chain judged on the device, over grids of its uniforms (so fractions are exact to the
+    grid's step): a draft is kept for a fraction min(1, p/q) of the accept uniforms; the token at
+    the first rejection follows the residual max(p - q, 0) normalised, over the draw uniforms;
+    after a kept chain the bonus follows p at the next position; no draft past a row's depth is
+    ever kept, and a kept first draft with a rejected second one keeps 1."""
+    from mtplx.engine.acceptor import device_verdicts
+
+    rng = np.random.default_rng(4)
+    V, T, n = 7, 3, 2048
+    P = rng.dirichlet(np.ones(V) * 0.8, size=T).astype(np.float32)
+    Q = rng.dirichlet(np.ones(V) * 0.8, size=T - 1).astype(np.float32)
+    Q[:, 0] = 0.0                                         # a token the drafts never propose
+    Q /= Q.sum(axis=1, keepdims=True)
+    grid = (np.arange(n, dtype=np.float32) + 0.5) / n
+
+    def run(drafts, u, v, depth):
+        N = len(u)
+        every = mx.broadcast_to(mx.arange(V, dtype=mx.int32), (N, T, V))      # candidates: the whole vocabulary
+        kept, token = device_verdicts(every, mx.array(np.broadcast_to(P, (N, T, V))), every[:, 1:],
+                                      mx.array(np.broadcast_to(Q, (N, T - 1, V))),
+                                      mx.array(np.broadcast_to(drafts, (N, T - 1)).astype(np.uint32)),
+                                      mx.array(u, dtype=mx.float32), mx.array(v, dtype=mx.float32),
+                                      mx.array(np.full(N, depth, dtype=np.int32)))
+        return np.array(kept), np.array(token)
+
+    def frequencies(tokens):
+        return np.bincount(tokens, minlength=V) / len(tokens)
+
+    never = np.ones((n, T), np.float32) * 0.5
+    for d in range(1, V):                                 # first draft: kept at min(1, p/q)
+        kept, token = run([d, 0], np.stack([grid, grid], 1), never, 1)
+        assert set(kept) <= {0, 1}
+        assert abs(kept.mean() - min(1.0, P[0, d] / Q[0, d])) <= 1.0 / n, d
+        assert (token[kept == 0] != d).all() or P[0, d] > Q[0, d]
+    rejected = [d for d in range(1, V) if P[0, d] < Q[0, d]]
+    residual = np.maximum(P[0] - Q[0], 0)
+    residual /= residual.sum()
+    for d in rejected:                                    # the residual at the first rejection
+        kept, token = run([d, 0], np.full((n, T - 1), 1 - 0.5 / n), np.stack([grid] * T, 1), 1)
+        assert (kept == 0).all() and np.abs(frequencies(token) - residual).max() <= 1.0 / n
+    kept, token = run([rejected[0], 0], np.zeros((n, T - 1)), np.stack([grid] * T, 1), 1)   # the bonus
+    assert (kept == 1).all() and np.abs(frequencies(token) - P[1]).max() <= 1.0 / n
+    d1 = next(d for d in range(1, V) if P[1, d] < Q[1, d])    # kept, then rejected: the residual at 1
+    kept, token = run([rejected[0], d1], np.stack([np.zeros(n), np.full(n, 1 - 0.5 / n)], 1),
+                      np.stack([grid] * T, 1), 2)
+    residual1 = np.maximum(P[1] - Q[1], 0)
+    assert (kept == 1).all() and np.abs(frequencies(token) - residual1 / residual1.sum()).max() <= 1.0 / n
+    kept, _ = run([rejected[0], d1], np.zeros((n, T - 1)), np.stack([grid] * T, 1), 2)
+    assert (kept == 2).all()

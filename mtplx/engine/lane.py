@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional
 import mlx.core as mx
 import numpy as np
 
-from mtplx.engine.acceptor import Targets, accept_chain
+from mtplx.engine.acceptor import DeviceVerdicts, Targets, accept_chain
 from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
@@ -424,11 +424,13 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
                           mx.argmax(self.logits_last, axis=-1).astype(mx.uint32))
             return Step(active, has_pending, True, x0)
-        logits_host = self.logits_host if self.logits_host is not None else to_host(self.logits_last)
+        draw = np.flatnonzero(active & ~has_pending)
+        if len(draw) and self.logits_host is None:
+            self.logits_host = to_host(self.logits_last)
         t_host = time.perf_counter()
         x0_host = pending.copy()
-        for b in np.flatnonzero(active & ~has_pending):
-            x0_host[b] = sample(rows[b].dist(logits_host[b], allowed=rows[b].allowed()), rows[b].rng)
+        for b in draw:
+            x0_host[b] = sample(rows[b].dist(self.logits_host[b], allowed=rows[b].allowed()), rows[b].rng)
         self._host_s += time.perf_counter() - t_host
         return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
 
@@ -447,14 +449,16 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
 
     def _verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None):
         """The target forward over `tokens` [W, T]; the step learns its targets, its primaries and
-        drafts on the host, and its log-probability logits. Returns (hidden, logits, host logits)."""
+        drafts on the host, and its log-probability logits. Returns (hidden, logits)."""
         return self._read_verify(step, *self._launch_verify(step, tokens, graph))
 
     def _launch_verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None) -> tuple:
         """The verify forward's graph, set computing (`mx.async_eval`): (tokens, hidden, logits, what
         the host reads)."""
         H, L = self._forwards().verify(tokens, graph=graph)
-        read = [tokens, mx.argmax(L, axis=-1)] if step.greedy else [tokens, L]
+        if not step.greedy and step.proposal is not None and self.inject_drafts is None:
+            step.verdicts = DeviceVerdicts.launch(L, self.rows, step.row_depth, step.proposal)
+        read = [tokens, mx.argmax(L, axis=-1), *(step.verdicts.lazy if step.verdicts else ())]
         t_device = time.perf_counter()
         mx.async_eval(read)          # on MLX's CPU backend this computes most of the graph
         self._wait_s += time.perf_counter() - t_device
@@ -465,16 +469,13 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         t_wait = time.perf_counter()
         mx.eval(read)
         self._wait_s += time.perf_counter() - t_wait
-        host, L_host = np.array(tokens), None
-        if step.greedy:
-            step.targets = Targets(self.model.vocab_size, ids=np.array(read[1]), device_logits=L)
-        else:
-            L_host = to_host(L)
-            step.targets = Targets(self.model.vocab_size, logits=L_host, allowed=step.allowed)
+        host = np.array(tokens)
+        step.targets = Targets(self.model.vocab_size, np.array(read[1]), L, allowed=step.allowed,
+                               verdicts=step.verdicts.read() if step.verdicts else None)
         step.x0_host, step.d_host = host[:, 0], host[:, 1:]
         if any(r is not None and r.req.logprobs is not None for r in self.rows):
-            step.lp_host = L_host if L_host is not None else to_host(L)
-        return H, L, L_host
+            step.lp_host = step.targets.host_logits()
+        return H, L
 
     def _unwind(self, step: Step) -> None:
         """Constrained rows' grammars roll back what they speculated (primary, drafts): the row's
@@ -522,7 +523,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             may_draft = self.history.owe_rows(self.rows)
             if may_draft.any():
                 self.history.owe(self.h_last, step.x0, may_draft)
-        H, L, L_host = self._verify(step, step.x0[:, None], graph="ar")
+        H, L = self._verify(step, step.x0[:, None], graph="ar")
         t_host = time.perf_counter()
         self._unwind(step)
         step.keep = np.zeros(self.width, dtype=np.int64)
@@ -534,7 +535,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._host_s += time.perf_counter() - t_host
         commit_rows(self.caches, 1, step.keep)
         self.h_last, self.logits_last = H, L[:, 0]
-        self.logits_host = None if L_host is None else L_host[:, 0]
+        self.logits_host = None if step.targets.logits is None else step.targets.logits[:, 0]
         if self.history.due:
             self.history.write(self.model, self.mtp_caches)
 
@@ -575,7 +576,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """The rest of a launched cycle: the wait, each row's decisions, the commit."""
         step, verify = launched
         self._count_step()
-        H, L, L_host = self._read_verify(step, *verify)
+        H, L = self._read_verify(step, *verify)
         if step.ahead:
             self._ahead_primaries(step)
         self.proposer.settle(step.proposal, step.d_host, check=self.inject_drafts is None)
@@ -598,6 +599,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         T = 1 + step.depth
         self.history.record(H, verify[0][:, 1:])
         self.h_last, self.logits_last = commit_positions(self.caches, H, L, step.keep, T)
+        L_host = step.targets.logits
         self.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
 
     def _injected(self, drafts: np.ndarray, step: Step) -> np.ndarray:

@@ -9,7 +9,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from mtplx.engine.acceptor import Targets
+from mtplx.engine.acceptor import DeviceVerdicts, Targets
 from mtplx.engine.row import LaneRow, logprob_entry
 
 
@@ -25,6 +25,7 @@ class Step:
     depth: int = 0                     # the verify's drafts a row (the lane's depth)
     row_depth: Optional[np.ndarray] = None   # drafts each row chained (<= depth; sampled rows: their own)
     targets: Optional[Targets] = None
+    verdicts: Optional[DeviceVerdicts] = None     # sampled rows' chains judged on the device
     lp_host: Optional[np.ndarray] = None     # verify logits on the host, for log-probability entries
     d_host: Optional[np.ndarray] = None      # drafts [W, depth]
     proposal: object = None
