@@ -309,16 +309,17 @@ def judged_on_device(cfg: SamplerConfig) -> bool:
     return not cfg.is_greedy and not cfg.has_penalties and 0 < cfg.top_k <= DRAFT_CANDIDATES
 
 
-def device_target_candidates(logits, cfgs):
+def device_target_candidates(logits, cfgs, exp=None):
     """Each row's target distribution (`judged_on_device` configs) on the device, lazy: (ids,
     probs) [N, K] over its DRAFT_CANDIDATES heaviest tokens, which hold all top-k keeps. The
     order above in float32 (top-p over the whole vocabulary's weight); a token tied with the
-    lightest kept one may take its place (the host breaks such ties by id)."""
+    lightest kept one may take its place (the host breaks such ties by id). `exp`: the
+    exponential of non-positive float32 (None: MLX's)."""
     import mlx.core as mx
 
     x = logits.astype(mx.float32)
     inverse_t = mx.array(np.array([1.0 / c.temperature for c in cfgs], dtype=np.float32))[:, None]
-    w_all = mx.exp((x - mx.max(x, axis=-1, keepdims=True)) * inverse_t)        # as the host's `_weights`
+    w_all = (exp or mx.exp)((x - mx.max(x, axis=-1, keepdims=True)) * inverse_t)   # as the host's `_weights`
     K = min(DRAFT_CANDIDATES, x.shape[-1])
     ids = mx.argpartition(-x, K - 1, axis=-1)[:, :K]
     w = mx.take_along_axis(w_all, ids, axis=-1)

@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from mtplx.models.cpu_ops import exp_nonpositive
 from mtplx.sampling import (DRAFT_CANDIDATES, UNIFORM_BITS, Distribution, device_draft_masses, device_inverse_cdf,
                             device_target_candidates, draft_uniform, inverse_cdf, judged_on_device, sample, to_host)
 
@@ -150,7 +151,8 @@ class DeviceVerdicts:
             Q_ids.append(point_ids)
             Q.append(point)
         cfgs = [rows[b].sampler for b in judged for _ in range(T)]
-        P_ids, P = (a.reshape(len(judged), T, -1) for a in device_target_candidates(L[idx].reshape(-1, V), cfgs))
+        exp = exp_nonpositive if mx.default_device() == mx.cpu else None     # MLX's exp is slow on the CPU
+        P_ids, P = (a.reshape(len(judged), T, -1) for a in device_target_candidates(L[idx].reshape(-1, V), cfgs, exp))
         u, v = np.zeros((len(judged), T - 1), np.float32), np.zeros((len(judged), T), np.float32)
         for i, b in enumerate(judged):
             depth = int(row_depth[b])
