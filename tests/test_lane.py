@@ -632,15 +632,24 @@ def _mixed_ladders(model, lanes):
     return [solo_lane(model), lanes[3], lanes[8]], greedy, sampled
 
 
-def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
+@pytest.mark.parametrize("device_judging", ["0", "1"], ids=["judged_on_host", "judged_on_device"])
+def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes, monkeypatch, device_judging):
     """Greedy rows decode at depth 3; sampled rows of other temperatures, filters, penalties,
     logprobs, omitted bonus and plain AR join mid-flight. Each sampled row chains its own 2 drafts
     a cycle, in a verify of depth 3 beside greedy rows at width 3 and of depth 2 at width 8 (one
     verify serves rows of different depths). Every greedy row equals plain greedy decoding; every
     row, token for token (its logprob entries to 1e-4), equals the same request decoded alone in
-    the one-row lane."""
+    the one-row lane. Sampled rows judged on the host (the CPU's default), then on the device
+    (a GPU's: where the row's sampler allows it, in the lane and alone alike)."""
     from mtplx.engine.installed import solo_lane
 
+    from mtplx.engine.acceptor import DeviceVerdicts
+
+    monkeypatch.setenv("MTPLX_DEVICE_JUDGE", device_judging)
+    judged = []
+    launch = DeviceVerdicts.launch.__func__
+    monkeypatch.setattr(DeviceVerdicts, "launch", classmethod(
+        lambda cls, L, rows, *a: judged.append(launch(cls, L, rows, *a)) or judged[-1]))
     ladder, greedy, sampled = _mixed_ladders(model, lanes)
     prompts = _prompts(model, 8)
     budgets = [120, 40, 36, 44, 30, 38, 42, 110]
@@ -663,6 +672,8 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes):
                              if r is not None and not r.greedy and r.req.speculative}
     assert running.width == 8 and {(3, 2), (2, 2)} <= mixed_depths
     _drain(running)
+    assert running.device_judging == (device_judging == "1")
+    assert (sum(len(v.rows) for v in judged if v) > 20) == (device_judging == "1")   # the top-k 5 row, at least
     for i, s in sorted(streams.items()):
         ref = refs[i]
         assert s.tokens == ref.tokens, f"row {i} ({MIXED[i]})"
@@ -705,6 +716,7 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
         return verdicts
 
     monkeypatch.setattr(DeviceVerdicts, "launch", classmethod(spy))
+    monkeypatch.setenv("MTPLX_DEVICE_JUDGE", "1")       # the default on a GPU; host judging: a penalty
     ids = model.tokenizer.encode("def ")
 
     def dist(seq, sampler=cfg):

@@ -140,16 +140,7 @@ class DeviceVerdicts:
         W, T, V = L.shape
         idx = mx.array(judged)
         drafts = proposal.drafts[idx].astype(mx.int32)
-        Q_ids, Q, K = [], [], min(DRAFT_CANDIDATES, V)     # K: a device draw's candidates
-        for j, (on_device, device_draw) in enumerate(proposal.device_draws):
-            point_ids = mx.pad(drafts[:, j:j + 1], [(0, 0), (0, K - 1)], constant_values=V)
-            point = mx.pad(mx.ones((len(judged), 1)), [(0, 0), (0, K - 1)])
-            if device_draw is not None:
-                drawn = mx.array(on_device[judged])[:, None]
-                ids, t = device_draw[0][idx].astype(mx.int32), device_draw[1][idx]
-                point_ids, point = mx.where(drawn, ids, point_ids), mx.where(drawn, device_draft_masses(t), point)
-            Q_ids.append(point_ids)
-            Q.append(point)
+        Q_ids, Q = _draft_qs(proposal, judged, drafts, V)
         cfgs = [rows[b].sampler for b in judged for _ in range(T)]
         exp = exp_nonpositive if mx.default_device() == mx.cpu else None     # MLX's exp is slow on the CPU
         P_ids, P = (a.reshape(len(judged), T, -1) for a in device_target_candidates(L[idx].reshape(-1, V), cfgs, exp))
@@ -158,13 +149,32 @@ class DeviceVerdicts:
             depth = int(row_depth[b])
             m = np.array([draft_uniform(rows[b].rng) for _ in range(2 * depth + 1)], dtype=np.float64)
             u[i, :depth], v[i, :depth + 1] = m[:depth] / (1 << UNIFORM_BITS), m[depth:] / (1 << UNIFORM_BITS)
-        return cls(judged, device_verdicts(P_ids, P, mx.stack(Q_ids, axis=1), mx.stack(Q, axis=1), drafts,
-                                           mx.array(u), mx.array(v), mx.array(row_depth[judged].astype(np.int32))))
+        return cls(judged, device_verdicts(P_ids, P, Q_ids, Q, drafts, mx.array(u), mx.array(v),
+                                           mx.array(row_depth[judged].astype(np.int32))))
 
     def read(self) -> dict:
         """After the verify's wait: b -> (drafts kept, next token)."""
         kept, token = (np.array(a) for a in self.lazy)
         return {b: (int(k), int(t)) for b, k, t in zip(self.rows, kept, token)}
+
+
+def _draft_qs(proposal, judged: list, drafts, V: int) -> tuple:
+    """The judged rows' drafts' q as candidates, ids and masses [N, depth, K]: a device draw's
+    (`device_draft_masses`), else a point mass at the draft (ids past it pad with V)."""
+    import mlx.core as mx
+
+    idx, K = mx.array(judged), min(DRAFT_CANDIDATES, V)     # K: a device draw's candidates
+    Q_ids, Q = [], []
+    for j, (on_device, device_draw) in enumerate(proposal.device_draws):
+        ids = mx.pad(drafts[:, j:j + 1], [(0, 0), (0, K - 1)], constant_values=V)
+        q = mx.pad(mx.ones((len(judged), 1)), [(0, 0), (0, K - 1)])
+        if device_draw is not None:
+            drawn = mx.array(on_device[judged])[:, None]
+            ids = mx.where(drawn, device_draw[0][idx].astype(mx.int32), ids)
+            q = mx.where(drawn, device_draft_masses(device_draw[1][idx]), q)
+        Q_ids.append(ids)
+        Q.append(q)
+    return mx.stack(Q_ids, axis=1), mx.stack(Q, axis=1)
 
 
 def accept_chain(drafts: Sequence[int], judge: Callable[[int, int], tuple],

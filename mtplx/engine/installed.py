@@ -104,6 +104,17 @@ def default_overlap() -> bool:
     return _env_switch("MTPLX_OVERLAP", mx.default_device() == mx.gpu)
 
 
+def default_device_judging() -> bool:
+    """Whether running lanes judge sampled rows' chains on the device (`acceptor.DeviceVerdicts`),
+    unless MTPLX_DEVICE_JUDGE says: on a GPU, where the host's accept tests are what the device
+    waits for each sampled cycle; not on MLX's CPU backend, where the device is the host's core and
+    judging there cost what the host saved (served side by side, t0.6 at 8 clients 0.98x; mixed
+    at 16 clients 0.95-1.05x; BENCHMARKS.md, "Measurements behind the engine's constants")."""
+    import mlx.core as mx
+
+    return _env_switch("MTPLX_DEVICE_JUDGE", mx.default_device() == mx.gpu)
+
+
 def default_run_ahead() -> bool:
     """Whether running lanes of greedy rows launch each MTP cycle before the host reads the last
     one's verify (its keep and next primaries computed on the device), unless MTPLX_RUN_AHEAD

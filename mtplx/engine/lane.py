@@ -22,8 +22,8 @@ from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane, default_draft_draw,
-                                    default_overlap, default_run_ahead, solo_lane, sorted_ladder)
+from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane, default_device_judging,
+                                    default_draft_draw, default_overlap, default_run_ahead, solo_lane, sorted_ladder)
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
@@ -128,6 +128,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._launch_s = 0.0
         self._next_kind: Optional[str] = None
         self.run_ahead = default_run_ahead() if run_ahead is None else bool(run_ahead)
+        self.device_judging = default_device_judging()      # sampled chains judged on the device
         self.ahead_cycles = 0                          # cycles launched before the last one's verify was read
         self._step_costs = StepCostMeter()
         # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step
@@ -456,7 +457,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """The verify forward's graph, set computing (`mx.async_eval`): (tokens, hidden, logits, what
         the host reads)."""
         H, L = self._forwards().verify(tokens, graph=graph)
-        if not step.greedy and step.proposal is not None and self.inject_drafts is None:
+        if self.device_judging and not step.greedy and step.proposal is not None and self.inject_drafts is None:
             step.verdicts = DeviceVerdicts.launch(L, self.rows, step.row_depth, step.proposal)
         read = [tokens, mx.argmax(L, axis=-1), *(step.verdicts.lazy if step.verdicts else ())]
         t_device = time.perf_counter()
