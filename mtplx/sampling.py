@@ -265,14 +265,7 @@ def device_draft_draw(logits, cfgs, m: np.ndarray):
     thresholds give the host the exact q (`device_draft_distribution`)."""
     import mlx.core as mx
 
-    x = logits.astype(mx.float32)
-    W, V = x.shape
-    K = min(DRAFT_CANDIDATES, V)
-    ids = mx.argpartition(-x, K - 1, axis=-1)[:, :K] if K < V else mx.broadcast_to(mx.arange(V), (W, V))
-    v = mx.take_along_axis(x, ids, axis=-1)
-    order = mx.argsort(-v, axis=-1)
-    ids, v = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(v, order, axis=-1)
-
+    ids, v = _heaviest(logits.astype(mx.float32))
     w = mx.exp((v - v[:, :1]) / _column(cfgs, "temperature"))                # the heaviest weighs 1
     keep = _kept_prefix(w, cfgs)
     kept = mx.cumsum(mx.where(keep, w, 0.0), axis=-1)
@@ -281,6 +274,18 @@ def device_draft_draw(logits, cfgs, m: np.ndarray):
     j = (t <= u).astype(mx.int32).sum(axis=-1, keepdims=True)
     drafts = mx.take_along_axis(ids, j, axis=-1)[:, 0].astype(mx.uint32)
     return drafts, ids, t
+
+
+def _heaviest(x):
+    """Each row's DRAFT_CANDIDATES heaviest ids and logits [N, K], heaviest first (lazy)."""
+    import mlx.core as mx
+
+    N, V = x.shape
+    K = min(DRAFT_CANDIDATES, V)
+    ids = mx.argpartition(-x, K - 1, axis=-1)[:, :K] if K < V else mx.broadcast_to(mx.arange(V), (N, V))
+    order = mx.argsort(-mx.take_along_axis(x, ids, axis=-1), axis=-1)
+    ids = mx.take_along_axis(ids, order, axis=-1)
+    return ids, mx.take_along_axis(x, ids, axis=-1)
 
 
 def _column(cfgs, name: str):
@@ -320,11 +325,8 @@ def device_target_candidates(logits, cfgs, exp=None):
     x = logits.astype(mx.float32)
     inverse_t = mx.array(np.array([1.0 / c.temperature for c in cfgs], dtype=np.float32))[:, None]
     w_all = (exp or mx.exp)((x - mx.max(x, axis=-1, keepdims=True)) * inverse_t)   # as the host's `_weights`
-    K = min(DRAFT_CANDIDATES, x.shape[-1])
-    ids = mx.argpartition(-x, K - 1, axis=-1)[:, :K]
+    ids, _ = _heaviest(x)                     # heaviest logits first: heaviest weights first
     w = mx.take_along_axis(w_all, ids, axis=-1)
-    order = mx.argsort(-w, axis=-1)
-    ids, w = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(w, order, axis=-1)
     kept = mx.where(_kept_prefix(w, cfgs, w_all.sum(axis=-1, keepdims=True)), w, 0.0)
     return ids, kept / kept.sum(axis=-1, keepdims=True)
 
