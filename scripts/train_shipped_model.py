@@ -10,12 +10,17 @@ Reads top to bottom:
   4. phase 1  - joint training: next-token loss + MTP_WEIGHT * MTP (token t+2) loss.
   5. phase 2  - self-distillation: target frozen, the MTP head learns the target's own
                 next-token distribution (what it will be asked to predict when drafting).
-  6. eval     - held-out loss and greedy depth-1 draft acceptance on the target's own greedy text.
+     phase 3  - chained self-distillation on the target's own text (qwen3): the same, over text
+                the target wrote itself (what serving drafts on), for every draft of a chain of
+                CHAIN, each made from the head's own previous output as drafting chains them.
+  6. eval     - held-out loss and greedy chained draft acceptance on the target's own greedy text.
   7. export   - HF layout (config.json, model.safetensors, tokenizer files, chat template) + card.
 
-Deterministic for a given Python version: fixed seeds, fixed file order, fixed step counts.
+Deterministic for a given Python version: fixed seeds, fixed file order, fixed step counts. The
+shipped model is phases 1-2 of one run and phase 3 of a later `--from` run on its output.
 Usage: python scripts/train_shipped_model.py [--out mtplx/assets/mtplx-tiny-py] [--quick]
-       [--arch qwen3_5 --out DIR [--steps P1 P2]]   (a hybrid GDN + attention model, same recipe;
+       [--from DIR]   (phase 3 only, on a checkpoint this script wrote after phase 2)
+       [--arch qwen3_5 --out DIR [--steps P1 P2 P3]]   (a hybrid GDN + attention model, same recipe;
                                                      the default --arch qwen3 is the shipped model)
 """
 
@@ -48,8 +53,10 @@ VOCAB = 4096
 SEQ = 256
 BATCH = 16
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 192, 12, 4, 2, 48, 576
-PHASE1_STEPS, PHASE2_STEPS = 500, 120
-LR1, LR2 = 3e-3, 2e-3
+PHASE1_STEPS, PHASE2_STEPS, PHASE3_STEPS = 500, 120, 240
+LR1, LR2, LR3 = 3e-3, 2e-3, 1e-3
+CHAIN = 3                   # drafts a chain makes: the engine's deepest (mtplx.engine.installed.DEPTHS)
+GEN_SEQS, GEN_PROMPT, GEN_BATCH, GEN_TEMPERATURE = 1024, 64, 64, 0.7   # phase 3's text (own_text)
 MTP_WEIGHT = 0.5
 HOLDOUT_EVERY = 40          # every 40th stdlib file (sorted) is held out
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -153,6 +160,15 @@ def use_chunked_gdn() -> None:
     qwen3_5.gated_delta_update = gated_delta_update_chunked
 
 
+def mlx_lm_classes(module: nn.Module) -> None:
+    """mlx-lm's own classes for the engine's subclasses of them (same weights): training
+    differentiates through the head, and the engine's CPU exponential has no gradient."""
+    for m in module.modules():
+        base = type(m).__mro__[1]
+        if type(m).__module__.startswith("mtplx.") and base.__module__.startswith("mlx_lm."):
+            m.__class__ = base
+
+
 class TargetWithMTP(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
@@ -161,6 +177,7 @@ class TargetWithMTP(nn.Module):
         arch = self._arch = _architectures()[config["model_type"]]
         self.target = model_cls(args)
         self.mtp = MTPHead(HIDDEN, arch.rms_norm_eps(args), lambda: arch.make_mtp_block(args))
+        mlx_lm_classes(self.mtp)
 
     def __call__(self, x):
         arch = self._arch
@@ -187,13 +204,115 @@ def phase2_loss(model, x):
     return soft_ce, (soft_ce, soft_ce)
 
 
+def _qkv(layer, x, offset: int):
+    """A head block's queries, keys and values [B, heads, T, D] for inputs at positions offset + t."""
+    a = layer.self_attn
+    B, T, _ = x.shape
+    y = layer.input_layernorm(x)
+    q = a.q_norm(a.q_proj(y).reshape(B, T, a.n_heads, -1)).transpose(0, 2, 1, 3)
+    k = a.k_norm(a.k_proj(y).reshape(B, T, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+    v = a.v_proj(y).reshape(B, T, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    return a.rope(q, offset=offset), a.rope(k, offset=offset), v
+
+
+def _chain_attention(q, history, own, scale):
+    """Queries [B, H, T, D] of one chain entry per start p: over the real history's keys at
+    positions <= p (`history`: keys, values [B, Hkv, T, D]) and over the chain's own entries at
+    the same p (`own`: a list of keys, values [B, Hkv, T, D], the latest last)."""
+    B, H, T, D = q.shape
+    kh, vh = history
+    Hkv = kh.shape[1]
+    q = (q * scale).reshape(B, Hkv, H // Hkv, T, D)
+    s_hist = (q.reshape(B, Hkv, -1, D) @ kh.swapaxes(-1, -2)).reshape(B, Hkv, H // Hkv, T, T)
+    causal = mx.arange(T)[:, None] >= mx.arange(T)[None]
+    s_hist = mx.where(causal, s_hist, -mx.inf)
+    s_own = [(q * k[:, :, None]).sum(-1, keepdims=True) for k, _ in own]
+    w = mx.softmax(mx.concatenate([s_hist] + s_own, axis=-1), axis=-1, precise=True)
+    out = (w[..., :T].reshape(B, Hkv, -1, T) @ vh).reshape(B, Hkv, H // Hkv, T, D)
+    for i, (_, v) in enumerate(own):
+        out = out + w[..., T + i:T + i + 1] * v[:, :, None]
+    return out.reshape(B, H, T, D)
+
+
+def chained_drafts(head, hidden, next_embeds, depth):
+    """The head's outputs [B, T, H] for each draft of a chain of `depth`, from every start p at
+    once, as drafting runs them: draft 1 from the target's h_p and token p+1 (predicts token
+    p+2); draft k from the head's own output for draft k-1 and token p+k (predicts token p+k+1),
+    attending to the real history at positions <= p and to its chain's earlier drafts, none of the
+    other chains'. Teacher-forced: the chain's tokens are the text's, as an accepted draft's are.
+    `hidden` [B, T, H], `next_embeds` [B, T + depth - 1, H] (tokens 1 .. T + depth - 1)."""
+    T = hidden.shape[1]
+    if depth == 1:        # the head as it is, any block
+        return [head(hidden, next_embeds[:, :T])]
+    history = [None] * len(head.layers)
+    own = [[] for _ in head.layers]
+    outs = []
+    for k in range(depth):
+        e = next_embeds[:, k:k + T]
+        x = head.fc(mx.concatenate([head.pre_fc_norm_embedding(e), head.pre_fc_norm_hidden(hidden)], axis=-1))
+        for i, layer in enumerate(head.layers):
+            q, kk, v = _qkv(layer, x, offset=k)
+            if k == 0:
+                history[i] = (kk, v)
+            else:
+                own[i].append((kk, v))
+            attn = _chain_attention(q, history[i], own[i], layer.self_attn.scale)
+            h = x + layer.self_attn.o_proj(attn.transpose(0, 2, 1, 3).reshape(x.shape[0], T, -1))
+            x = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = head.norm(x)
+        outs.append(hidden)
+    return outs
+
+
+def phase3_loss(model, x):
+    """Each draft of a chain distils the frozen target's distribution where it predicts: draft k
+    from start p at the target's position p + k."""
+    arch, T, p0 = model._arch, x.shape[1] - CHAIN, GEN_PROMPT - 1   # p0: the first start in the target's own text
+    h = mx.stop_gradient(arch.hidden_states(model.target, x))
+    teacher = mx.stop_gradient(mx.softmax(arch.logits(model.target, h[:, p0 + 1:]), axis=-1))
+    emb = mx.stop_gradient(arch.embed(model.target, x[:, 1:]))
+    losses = []
+    for k, g in enumerate(chained_drafts(model.mtp, h[:, :T], emb, CHAIN)):
+        logits = arch.logits(model.target, g[:, p0:])
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        losses.append(-(teacher[:, k:k + T - p0] * logp).sum(-1).mean())
+    loss = sum(losses) / CHAIN
+    return loss, (losses[0], losses[-1])
+
+
 def batches(data: np.ndarray, rng: np.random.Generator):
     while True:
         starts = rng.integers(0, len(data) - SEQ - 1, size=BATCH)
         yield mx.array(np.stack([data[s:s + SEQ] for s in starts]))
 
 
-def train(model, loss_fn, params_filter, steps, lr, data, rng, label):
+def own_text(model, data: np.ndarray, rng: np.random.Generator, n_seqs: int) -> np.ndarray:
+    """[n_seqs, SEQ] sequences: GEN_PROMPT corpus tokens (random windows of the training split)
+    continued by the target itself, greedily in every other batch and sampled at GEN_TEMPERATURE
+    in the rest. Serving drafts on the target's own text, where the target's habits (its loops,
+    its favourite continuations) matter more than the corpus's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = []
+    for b in range(0, n_seqs, GEN_BATCH):
+        starts = rng.integers(0, len(data) - GEN_PROMPT, size=GEN_BATCH)
+        seq = [mx.array(np.stack([data[s:s + GEN_PROMPT] for s in starts]))]
+        cache = make_prompt_cache(model.target)
+        temperature = GEN_TEMPERATURE if (b // GEN_BATCH) % 2 else 0.0
+        for _ in range(SEQ - GEN_PROMPT):
+            logits = model.target(seq[-1], cache=cache)[:, -1]
+            nxt = mx.argmax(logits, -1) if temperature == 0 else mx.random.categorical(logits / temperature)
+            seq.append(nxt[:, None])
+        out.append(np.array(mx.concatenate(seq, axis=1)))
+    return np.concatenate(out)[:n_seqs]
+
+
+def rows(seqs: np.ndarray, rng: np.random.Generator):
+    while True:
+        yield mx.array(seqs[rng.integers(0, len(seqs), size=BATCH)])
+
+
+def train(model, loss_fn, params_filter, steps, lr, source, label):
     warm = min(50, steps // 5)
     schedule = optim.join_schedules(
         [optim.linear_schedule(lr / 20, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 20)], [warm])
@@ -211,7 +330,7 @@ def train(model, loss_fn, params_filter, steps, lr, data, rng, label):
 
     step = mx.compile(step, inputs=state, outputs=state)
     t0, seen = time.perf_counter(), 0
-    for i, x in zip(range(steps), batches(data, rng)):
+    for i, x in zip(range(steps), source):
         loss, (a, b) = step(x)
         mx.eval(state, loss)
         seen += x.size
@@ -234,22 +353,39 @@ def heldout_loss(model, data, n=32):
     return tuple(float(np.mean(v)) for v in zip(*losses))
 
 
-def greedy_acceptance(model, prompts, new_tokens=128):
-    """Depth-1 acceptance on the target's own greedy continuation, as speculation sees it."""
-    hits = total = 0
+def greedy_text(model, prompt, new_tokens):
+    seq = [int(t) for t in prompt]
+    for _ in range(new_tokens):  # plain greedy with a full forward: slow but obviously right
+        logits, _ = model(mx.array([seq]))
+        seq.append(int(mx.argmax(logits[0, -1]).item()))
+    return seq
+
+
+def chained_acceptance(model, prompts, depth, new_tokens=128) -> list:
+    """Greedy chained drafting on the target's own greedy continuation, as speculation sees it:
+    per draft of a chain of `depth`, the share kept given the drafts before it kept (the first:
+    the share kept)."""
+    arch = model._arch
+    kept = np.zeros(depth + 1)
     for p in prompts:
-        seq = [int(t) for t in p]
-        for _ in range(new_tokens):  # plain greedy with a full forward: slow but obviously right
-            logits, _ = model(mx.array([seq]))
-            seq.append(int(mx.argmax(logits[0, -1]).item()))
+        seq = greedy_text(model, p, new_tokens)
         x = mx.array([seq])
-        logits, mtp_logits = model(x)
+        h = arch.hidden_states(model.target, x)
+        T = len(seq) - 1 - depth                  # starts p whose whole chain lies in seq
+        outs = chained_drafts(model.mtp, h[:, :T], arch.embed(model.target, x[:, 1:]), depth)
         start = len(p) - 1  # drafts made from the last prompt position onwards
-        tgt = np.array(seq[start + 2:])
-        drafts = np.array(mx.argmax(mtp_logits[0, start:len(seq) - 2], axis=-1))
-        hits += int((drafts == tgt).sum())
-        total += len(tgt)
-    return hits / max(total, 1)
+        alive = np.ones(T - start, dtype=bool)
+        kept[0] += alive.sum()
+        for k, g in enumerate(outs):
+            drafts = np.array(mx.argmax(arch.logits(model.target, g[0, start:]), axis=-1))
+            alive &= drafts == np.array(seq[start + k + 2:start + k + 2 + len(alive)])
+            kept[k + 1] += alive.sum()
+    return [float(kept[k + 1] / max(kept[k], 1)) for k in range(depth)]
+
+
+def tokens_per_chain(acceptance) -> float:
+    """Tokens a row keeps per cycle at a depth of len(acceptance): the target's own plus each kept draft."""
+    return float(1 + np.cumprod(acceptance).sum())
 
 
 # ---------------------------------------------------------------- 7. export
@@ -277,22 +413,59 @@ def export(model, tok, out: Path, card: dict):
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
+def load_checkpoint(path: Path):
+    """A model and tokenizer this script exported, and its card (for --from)."""
+    from tokenizers import Tokenizer
+
+    model = TargetWithMTP(json.loads((path / "config.json").read_text()))
+    weights = mx.load(str(path / "model.safetensors"))
+    model.target.load_weights([(k, v) for k, v in weights.items() if not k.startswith("mtp.")])
+    model.mtp.load_weights([(k[len("mtp."):], v) for k, v in weights.items() if k.startswith("mtp.")])
+    card = json.loads((path / "training_receipt.json").read_text())
+    return model, Tokenizer.from_file(str(path / "tokenizer.json")), card
+
+
+def phases_1_2(model, train_data, eval_data, p1, p2, rng, data_fact: str) -> dict:
+    """Joint training, then self-distillation on the corpus; the model card so far."""
+    n_target = sum(v.size for _, v in tree_flatten(model.target.parameters()))
+    n_mtp = sum(v.size for _, v in tree_flatten(model.mtp.parameters()))
+    print(f"params: target {n_target / 1e6:.2f}M, mtp head {n_mtp / 1e6:.2f}M")
+    t0 = time.perf_counter()
+    train(model, phase1_loss, lambda m: m.unfreeze(), p1, LR1, batches(train_data, rng), "joint")
+    ce1, mtp1 = heldout_loss(model, eval_data)
+    print(f"held-out after phase 1: ce {ce1:.3f}  mtp ce {mtp1:.3f}")
+    train(model, phase2_loss, lambda m: m.mtp.unfreeze(), p2, LR2, batches(train_data, rng), "distil")
+    ce2, _ = heldout_loss(model, eval_data)
+    return {
+        "architecture": f"{ARCH}, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, ffn {FFN}",
+        "parameters": f"target {n_target / 1e6:.2f}M + MTP head {n_mtp / 1e6:.2f}M (fp32)",
+        "tokenizer": f"byte-level BPE, {VOCAB} tokens, ChatML specials",
+        "data": data_fact,
+        "steps": f"phase 1 joint {p1} x {BATCH}x{SEQ}; phase 2 MTP self-distillation {p2}",
+        "held-out loss": f"target ce {ce2:.3f}; MTP ce after phase 1 {mtp1:.3f}",
+        "training time": f"{(time.perf_counter() - t0) / 60:.1f} min on this machine",
+        "seed": SEED,
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset"),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "mtplx/assets/mtplx-tiny-py"))
     ap.add_argument("--quick", action="store_true", help="a few steps, to check the script runs")
     ap.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3",
                     help="qwen3 (the shipped model) or qwen3_5 (hybrid GDN + attention, for benchmarks)")
-    ap.add_argument("--steps", type=int, nargs=2, metavar=("P1", "P2"), help="override the phase step counts")
+    ap.add_argument("--steps", type=int, nargs=3, metavar=("P1", "P2", "P3"), help="override the phase step counts")
+    ap.add_argument("--from", dest="start_from", type=Path, metavar="DIR",
+                    help="phase 3 only, on a model this script exported after phase 2 (its tokenizer and card too)")
     a = ap.parse_args()
     global ARCH
     ARCH = a.arch
     if ARCH == "qwen3_5":
         use_chunked_gdn()
-    p1, p2 = (20, 10) if a.quick else (PHASE1_STEPS, PHASE2_STEPS)
+    p1, p2, p3 = (20, 10, 5) if a.quick else (PHASE1_STEPS, PHASE2_STEPS, PHASE3_STEPS)
     if a.steps:
-        p1, p2 = a.steps
-    t_start = time.perf_counter()
+        p1, p2, p3 = a.steps
     np_rng = np.random.default_rng(SEED)
     mx.random.seed(SEED)
 
@@ -304,38 +477,37 @@ def main():
     eval_docs = [d for i, d in enumerate(docs) if i in held]
     print(f"corpus: {len(files)} stdlib files ({len(eval_docs)} held out), python {sys.version.split()[0]}")
 
-    tok = train_tokenizer(train_docs)
+    if a.start_from:
+        model, tok, card = load_checkpoint(a.start_from)
+    else:
+        tok = train_tokenizer(train_docs)
     enc = lambda ds: np.concatenate([np.array(e.ids, dtype=np.int32) for e in tok.encode_batch(ds)])
     train_data, eval_data = enc(train_docs), enc(eval_docs)
     print(f"tokens: train {len(train_data):,}  eval {len(eval_data):,}")
+    if not a.start_from:
+        model = TargetWithMTP(model_config())
+        card = phases_1_2(model, train_data, eval_data, p1, p2, np_rng,
+                          f"Python {sys.version.split()[0]} stdlib, {len(train_docs)} train / {len(eval_docs)} "
+                          f"held-out files, {len(train_data):,} train tokens")
 
-    model = TargetWithMTP(model_config())
-    n_target = sum(v.size for _, v in tree_flatten(model.target.parameters()))
-    n_mtp = sum(v.size for _, v in tree_flatten(model.mtp.parameters()))
-    print(f"params: target {n_target / 1e6:.2f}M, mtp head {n_mtp / 1e6:.2f}M")
-
-    train(model, phase1_loss, lambda m: m.unfreeze(), p1, LR1, train_data, np_rng, "joint")
-    ce1, mtp1 = heldout_loss(model, eval_data)
-    print(f"held-out after phase 1: ce {ce1:.3f}  mtp ce {mtp1:.3f}")
-    train(model, phase2_loss, lambda m: m.mtp.unfreeze(), p2, LR2, train_data, np_rng, "distil")
-    ce2, mtp2 = heldout_loss(model, eval_data)
+    card.pop("greedy depth-1 acceptance (held-out)", None)
+    chain = 1
+    if ARCH == "qwen3":       # chained_drafts' block forward is qwen3's
+        # phase 3 from its own seeds: the same head whether it runs on after phase 2 or --from
+        chain, t3 = CHAIN, time.perf_counter()
+        rng3 = np.random.default_rng(SEED + 3)
+        mx.random.seed(SEED + 3)
+        seqs = own_text(model, train_data, rng3, GEN_SEQS if not a.quick else GEN_BATCH)
+        print(f"the target's own text: {seqs.shape[0]} sequences in {(time.perf_counter() - t3) / 60:.1f} min")
+        train(model, phase3_loss, lambda m: m.mtp.unfreeze(), p3, LR3, rows(seqs, rng3), "chain")
+        card["steps"] += (f"; phase 3 chained self-distillation {p3} x {BATCH}x{SEQ} (chains of {CHAIN}) "
+                          f"on {len(seqs)} sequences of the target's own text")
+        card["phase 3 time"] = f"{(time.perf_counter() - t3) / 60:.1f} min on this machine"
 
     eval_ids = [np.array(tok.encode(d).ids[:64]) for d in eval_docs[:8 if not a.quick else 2]]
-    acc = greedy_acceptance(model, eval_ids, new_tokens=128 if not a.quick else 16)
-    minutes = (time.perf_counter() - t_start) / 60
-    card = {
-        "architecture": f"{ARCH}, {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, ffn {FFN}",
-        "parameters": f"target {n_target / 1e6:.2f}M + MTP head {n_mtp / 1e6:.2f}M (fp32)",
-        "tokenizer": f"byte-level BPE, {VOCAB} tokens, ChatML specials",
-        "data": f"Python {sys.version.split()[0]} stdlib, {len(files) - len(held)} train / {len(held)} held-out files, "
-                f"{len(train_data):,} train tokens",
-        "steps": f"phase 1 joint {p1} x {BATCH}x{SEQ}; phase 2 MTP self-distillation {p2}",
-        "held-out loss": f"target ce {ce2:.3f}; MTP ce after phase 1 {mtp1:.3f}",
-        "greedy depth-1 acceptance (held-out)": f"{acc:.3f}",
-        "training time": f"{minutes:.1f} min on this machine",
-        "seed": SEED,
-        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset"),
-    }
+    acc = chained_acceptance(model, eval_ids, chain, new_tokens=128 if not a.quick else 16)
+    card[f"greedy chained acceptance (held-out; draft k given drafts < k kept, k = 1..{chain})"] = \
+        ", ".join(f"{x:.3f}" for x in acc) + f" ({tokens_per_chain(acc):.2f} tokens a row-cycle at depth {chain})"
     print(json.dumps(card, indent=2))
     export(model, tok, Path(a.out), card)
 
