@@ -188,6 +188,7 @@ class TargetWithMTP(nn.Module):
         return logits, mtp_logits
 
 
+# ---------------------------------------------------------------- 4-5. losses and training (phases 1-3)
 def phase1_loss(model, x):
     logits, mtp_logits = model(x)
     ce = nn.losses.cross_entropy(logits[:, :-1], x[:, 1:]).mean()
