@@ -287,24 +287,29 @@ def batches(data: np.ndarray, rng: np.random.Generator):
         yield mx.array(np.stack([data[s:s + SEQ] for s in starts]))
 
 
+def continue_text(model, prompts: mx.array, new_tokens: int, temperature: float) -> np.ndarray:
+    """Prompts [B, P] continued by the target for `new_tokens`, through its KV cache: greedy at
+    temperature 0, else sampled. Returns [B, P + new_tokens]."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model.target)
+    seq = [prompts]
+    for _ in range(new_tokens):
+        logits = model.target(seq[-1], cache=cache)[:, -1]
+        seq.append((mx.argmax(logits, -1) if temperature == 0 else mx.random.categorical(logits / temperature))[:, None])
+    return np.array(mx.concatenate(seq, axis=1))
+
+
 def own_text(model, data: np.ndarray, rng: np.random.Generator, n_seqs: int) -> np.ndarray:
     """[n_seqs, SEQ] sequences: GEN_PROMPT corpus tokens (random windows of the training split)
     continued by the target itself, greedily in every other batch and sampled at GEN_TEMPERATURE
     in the rest. Serving drafts on the target's own text, where the target's habits (its loops,
     its favourite continuations) matter more than the corpus's."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     out = []
     for b in range(0, n_seqs, GEN_BATCH):
         starts = rng.integers(0, len(data) - GEN_PROMPT, size=GEN_BATCH)
-        seq = [mx.array(np.stack([data[s:s + GEN_PROMPT] for s in starts]))]
-        cache = make_prompt_cache(model.target)
-        temperature = GEN_TEMPERATURE if (b // GEN_BATCH) % 2 else 0.0
-        for _ in range(SEQ - GEN_PROMPT):
-            logits = model.target(seq[-1], cache=cache)[:, -1]
-            nxt = mx.argmax(logits, -1) if temperature == 0 else mx.random.categorical(logits / temperature)
-            seq.append(nxt[:, None])
-        out.append(np.array(mx.concatenate(seq, axis=1)))
+        prompts = mx.array(np.stack([data[s:s + GEN_PROMPT] for s in starts]))
+        out.append(continue_text(model, prompts, SEQ - GEN_PROMPT, GEN_TEMPERATURE if (b // GEN_BATCH) % 2 else 0.0))
     return np.concatenate(out)[:n_seqs]
 
 
@@ -354,14 +359,6 @@ def heldout_loss(model, data, n=32):
     return tuple(float(np.mean(v)) for v in zip(*losses))
 
 
-def greedy_text(model, prompt, new_tokens):
-    seq = [int(t) for t in prompt]
-    for _ in range(new_tokens):  # plain greedy with a full forward: slow but obviously right
-        logits, _ = model(mx.array([seq]))
-        seq.append(int(mx.argmax(logits[0, -1]).item()))
-    return seq
-
-
 def chained_acceptance(model, prompts, depth, new_tokens=128) -> list:
     """Greedy chained drafting on the target's own greedy continuation, as speculation sees it:
     per draft of a chain of `depth`, the share kept given the drafts before it kept (the first:
@@ -369,7 +366,7 @@ def chained_acceptance(model, prompts, depth, new_tokens=128) -> list:
     arch = model._arch
     kept = np.zeros(depth + 1)
     for p in prompts:
-        seq = greedy_text(model, p, new_tokens)
+        seq = continue_text(model, mx.array(np.asarray(p, dtype=np.int32)[None]), new_tokens, 0.0)[0].tolist()
         x = mx.array([seq])
         h = arch.hidden_states(model.target, x)
         T = len(seq) - 1 - depth                  # starts p whose whole chain lies in seq

@@ -641,9 +641,8 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes, monke
     row, token for token (its logprob entries to 1e-4), equals the same request decoded alone in
     the one-row lane. Sampled rows judged on the host (the CPU's default), then on the device
     (a GPU's: where the row's sampler allows it, in the lane and alone alike)."""
-    from mtplx.engine.installed import solo_lane
-
     from mtplx.engine.acceptor import DeviceVerdicts
+    from mtplx.engine.installed import solo_lane
 
     monkeypatch.setenv("MTPLX_DEVICE_JUDGE", device_judging)
     judged = []
