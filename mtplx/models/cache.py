@@ -127,10 +127,17 @@ class RaggedKVCache:
         return self.keys[..., :span, :], self.values[..., :span, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None) -> mx.array:
-        """[B, 1, N, S]: query i of row b (at position offset_b + i) sees keys j <= offset_b + i."""
+        """[B, 1, N, S]: query i of row b (at position q = offset_b + i) sees keys j <= q, and
+        with a `window_size` W (a sliding-window layer) only j > q - W: the W keys mlx-lm's
+        `RotatingKVCache` and window mask give that query. Per row and per position, so rows
+        of any lengths, a verify's speculative positions and a row moved back over rejected
+        drafts each see exactly their own window."""
         span = self._span(N)
-        q_pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]       # [B, N]
-        mask = mx.arange(span, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None]
+        q_pos = (self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None])[:, :, None]      # [B, N, 1]
+        k_pos = mx.arange(span, dtype=mx.int32)[None, None, :]
+        mask = k_pos <= q_pos
+        if window_size is not None:
+            mask = mask & (k_pos > q_pos - window_size)
         return mask[:, None]
 
     def advance(self, delta, offset: Optional[mx.array] = None) -> None:
