@@ -38,7 +38,7 @@ from mtplx.engine.installed import ar_lanes
 from mtplx.engine.lane import RunningLane
 from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.models import gemma3
-from mtplx.models.cache import RaggedKVCache, commit_rows
+from mtplx.models.cache import RaggedKVCache, commit_rows, window_band
 from mtplx.models.loader import SHIPPED_MODEL, _architectures
 from mtplx.models.mtp_head import MTPHead
 from mtplx.sampling import GREEDY
@@ -162,8 +162,10 @@ def test_verify_and_rollback_see_exactly_the_window(gemma, monkeypatch):
     """Rows of different lengths (below and past the window) in one ragged lane cache verify 4
     positions at a time; each row keeps 0-4 of them (rejected drafts rolled back), six rounds.
     At every verify position of every row the logits equal mlx-lm's, decoded token by token with
-    its own rotating caches, to float32 rounding. Power: the same verifies with the window
-    ignored differ by far more."""
+    its own rotating caches, to float32 rounding (mlx-lm's own [1, 4] and [1, 1] forwards differ
+    by ~1e-5 here): with the sliding layers reading each row's window band (the engine's path),
+    and reading the whole span under the window mask. Power: with the window ignored they
+    differ by far more."""
     m, oracle = gemma["plain"]
     prompts = _prompts(4, seed=3, lengths=(3, 9, 14, 30))
     per_row = []
@@ -172,35 +174,57 @@ def test_verify_and_rollback_see_exactly_the_window(gemma, monkeypatch):
         m.hidden(mx.array([p]), c)
         per_row.append(c)
 
-    def run(windowed: bool):
+    def run():
         layers = [RaggedKVCache.empty_rows(len(prompts)) for _ in per_row[0]]
         for b, caches in enumerate(per_row):
             for layer, kv in zip(layers, caches):
                 layer.put_row(b, kv)
-        seqs, worst, rng_run = [list(p) for p in prompts], 0.0, np.random.default_rng(7)
+        seqs, worst, rng = [list(p) for p in prompts], 0.0, np.random.default_rng(7)
         for _ in range(6):
-            tokens = rng_run.integers(3, VOCAB, size=(len(prompts), 4))
+            tokens = rng.integers(3, VOCAB, size=(len(prompts), 4))
             got = np.array(m.logits(m.hidden(mx.array(tokens), layers)))
             for b, seq in enumerate(seqs):
                 ref = _reference_logits(oracle.lm, seq, tokens[b].tolist())
                 worst = max(worst, float(np.max(np.abs(got[b] - ref) / (1 + np.abs(ref)))))
-            keep = rng_run.integers(0, 5, size=len(prompts))
+            keep = rng.integers(0, 5, size=len(prompts))
             commit_rows(layers, 4, keep)
             for b, k in enumerate(keep):
                 seqs[b] += tokens[b, :k].tolist()
         assert [int(n) for n in layers[0].lengths] == [len(s) for s in seqs]
-        return worst, seqs
+        assert min(len(p) for p in prompts) < WINDOW < min(len(s) for s in seqs)
+        return worst
 
-    worst, seqs = run(True)
-    print("window verify: worst relative logit difference", worst)
-    assert worst < 1e-4, worst
-    assert min(len(p) for p in prompts) < WINDOW < min(len(s) for s in seqs)
+    bands = []
+    monkeypatch.setattr(gemma3, "window_band", lambda *a: bands.append(1) or window_band(*a))
+    assert run() < 1e-4 and bands                                   # the band
+    for layer in m.target.model.layers:
+        monkeypatch.setattr(layer.self_attn, "window", 0)
+    assert run() < 1e-4                                             # the whole span, window mask
     make_mask = RaggedKVCache.make_mask
     monkeypatch.setattr(RaggedKVCache, "make_mask", lambda self, N, return_array=False, window_size=None:
                         make_mask(self, N, return_array))
-    unwindowed, _ = run(False)
-    print("without the window", unwindowed)
-    assert unwindowed > 1e-2, unwindowed
+    assert run() > 1e-2                                             # no window
+
+
+def test_window_band_is_the_masked_span():
+    """`window_band`: per row, the columns it keeps are the window's, and attention over the
+    band equals attention over the whole span under the window mask; one row (an int offset)
+    slices the same band."""
+    rng = np.random.default_rng(0)
+    W, T, lengths = 5, 3, [0, 3, 9, 20]
+    k = mx.array(rng.normal(size=(4, 1, 32, 8)).astype(np.float32))
+    v = mx.array(rng.normal(size=(4, 1, 32, 8)).astype(np.float32))
+    q = mx.array(rng.normal(size=(4, 2, T, 8)).astype(np.float32))
+    cache = RaggedKVCache(k, v, lengths)
+    keys, values = cache.update_and_fetch(k[:, :, :T], v[:, :, :T])
+    mask = RaggedKVCache(k, v, lengths).make_mask(T, window_size=W)
+    bk, bv, bm = window_band(keys, values, mask, mx.array(lengths), W)
+    assert bk.shape[2] == W + T - 1 and int(mx.sum(bm)) == int(mx.sum(mask[..., :keys.shape[2]]))
+    full = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3, mask=mask)
+    band = mx.fast.scaled_dot_product_attention(q, bk, bv, scale=0.3, mask=bm)
+    assert mx.allclose(full, band, atol=1e-6).item()
+    one = window_band(keys[3:], values[3:], mask[3:], lengths[3], W)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(one, (bk[3:], bv[3:], bm[3:])))
 
 
 def test_window_mask_per_row_and_position():
@@ -268,6 +292,9 @@ def test_width8_lane_rows_joining_mid_flight_match_mlx_lm_mtp(gemma):
         assert streams[i].tokens == oracle.greedy(p, n), f"row {i} (prompt {len(p)})"
     assert running.accepted > 0 and running.rejected > 0
     assert streams[-1].admitted_at_cycle > 0
+    # the cycles ran as compiled graphs (the window band inside them), none fell back to eager
+    assert any(isinstance(key, tuple) and key[0] == "verify" for ln in lanes for key in ln._graphs)
+    assert not any("eager_since" in ln._graphs for ln in lanes)
 
 
 def test_width8_lane_of_ar_rows_matches_mlx_lm_without_a_head(gemma):

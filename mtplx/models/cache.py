@@ -177,6 +177,29 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def window_band(keys: mx.array, values: mx.array, mask: mx.array, offset, window: int):
+    """The keys, values and mask columns a sliding-window layer's queries can see, out of a full
+    cache's span: per row, the W + T - 1 positions from max(0, offset - W + 1) (offset: the row's
+    length before this forward's T positions). Every column left out is masked for every query of
+    that row (a window never reaches below it), so attention over the band equals attention over
+    the span; it reads W + T - 1 keys a row instead of the whole context. Per-row (ragged) caches
+    gather each row's own band; one row (mlx-lm's `KVCache`, an int offset) slices. Unchanged when
+    the span is no longer than the band."""
+    T, S = mask.shape[-2], keys.shape[2]
+    band = window + T - 1
+    if S <= band:
+        return keys, values, mask
+    if not isinstance(offset, mx.array):
+        lo = max(0, int(offset) - window + 1)
+        return keys[..., lo:, :], values[..., lo:, :], mask[..., lo:]
+    # band end = max(band, offset_b + T) <= S: every index is a written (or dead, masked) slot
+    start = mx.maximum(offset.astype(mx.int32) - (window - 1), 0)
+    idx = start[:, None] + mx.arange(band, dtype=mx.int32)[None]                # [B, band]
+    return (mx.take_along_axis(keys, idx[:, None, :, None], axis=2),
+            mx.take_along_axis(values, idx[:, None, :, None], axis=2),
+            mx.take_along_axis(mask, idx[:, None, None, :], axis=3))
+
+
 def empty_batch_layer(per_row, width: int):
     """A lane layer of `width` empty rows, of the batched type that matches this per-row cache."""
     if hasattr(type(per_row), "empty_rows"):

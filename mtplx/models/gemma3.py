@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import KVCache
 
+from .cache import window_band
 from .cpu_ops import attention
 
 MODEL_TYPES = ("gemma3_text",)
@@ -57,7 +58,11 @@ def embed(target: nn.Module, tokens: mx.array) -> mx.array:
 class Attention(gemma3_text.Attention):
     """mlx-lm's Gemma 3 attention (same weights, norms, RoPE), calling our `attention`: the CPU
     softmax paths for long or uneven spans (`cpu_ops`). The mask (causal, or the window) is
-    mlx-lm's model's, passed through."""
+    mlx-lm's model's. A sliding layer over a cache longer than its window attends over each
+    row's window band only (`window_band`): the same keys, without reading the whole context
+    (at the 270M's shapes, B8, 2k positions: ~19 -> ~4 ms a layer, in 15 of its 18 layers)."""
+
+    window: int = 0                # the sliding window (0: a global layer); set by `_use_cpu_ops`
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         B, L, _ = x.shape
@@ -68,18 +73,23 @@ class Attention(gemma3_text.Attention):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+            if self.window and isinstance(mask, mx.array):
+                band = window_band(k, v, mask, offset, self.window)
+                if band[0] is not k:      # a band, not the cache's span: no split by row span (cpu_ops)
+                    (k, v, mask), cache = band, None
         out = attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def _use_cpu_ops(module: nn.Module) -> None:
+def _use_cpu_ops(module: nn.Module, window: int = 0) -> None:
     for m in module.modules():
         if type(m) is gemma3_text.Attention:
             m.__class__ = Attention
+            m.window = window if m.is_sliding else 0
 
 
 def prepare_target(target: nn.Module) -> None:
-    _use_cpu_ops(target)
+    _use_cpu_ops(target, int(target.args.sliding_window))
 
 
 def make_cache(target: nn.Module) -> list:
