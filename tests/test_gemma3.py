@@ -346,6 +346,53 @@ def test_prefix_reuse_restores_windowed_caches(gemma):
     assert [s.tokens for s in res.streams] == [oracle.greedy(r.prompt_ids, 24) for r in reqs]
 
 
+def test_prefix_reuse_of_ar_rows_without_a_head(gemma):
+    """The checkpoint without a head (served as AR rows) banks and restores prefixes too: a
+    prompt sharing 256+ tokens with an earlier one restores the chunk boundary, the same prompt
+    again its whole prefill, in a running lane of AR rows; every row is mlx-lm's text."""
+    m, oracle = gemma["plain"]
+    bank = SessionBank("gemma-plain")
+    base = _prompts(1, seed=43, lengths=(290,))[0]
+    prompts = [base + [7, 8], base + [9, 10, 11], base + [9, 10, 11], base[:100]]
+
+    def run(ps):
+        running = RunningLane(ar_lanes(m, [3]))
+        reqs = []
+        for i, p in enumerate(ps):
+            restore, commit = bank.hooks(p)
+            reqs.append(_req(i, p, 24, speculative=False, session_restore=restore, session_commit=commit))
+        return _staggered(running, reqs, every=2)
+
+    streams = run(prompts[:1]) + run(prompts[1:2]) + run(prompts[2:])
+    assert [s.cached_tokens for s in streams] == [0, 256, len(prompts[2]), 0]
+    for s, p in zip(streams, prompts):
+        assert s.tokens == oracle.greedy(p, 24), len(p)
+
+
+def test_the_service_serves_the_checkpoint_without_a_head_with_prefix_reuse(gemma):
+    """`MTPBatchGenerationService.for_model` on the checkpoint without a head: a B8 lane of AR
+    rows, a prefix bank of its own; a cohort of eight (three sharing a 280-token prefix with an
+    earlier request) decodes mlx-lm's text, and the shared prefix is restored."""
+    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+
+    m, oracle = gemma["plain"]
+    base = _prompts(1, seed=47, lengths=(280,))[0]
+    prompts = [base + [3 + i] for i in range(3)] + _prompts(5, seed=48)
+    service = MTPBatchGenerationService.for_model(m, widths=(8,), batch_wait_s=0.05)
+    try:
+        service.submit(MTPBatchJob(request_id="w", prompt_ids=base + [99], max_tokens=4, sampler=GREEDY)).result(120)
+        jobs = [MTPBatchJob(request_id=f"r{i}", prompt_ids=p, max_tokens=16, sampler=GREEDY)
+                for i, p in enumerate(prompts)]
+        results = [f.result(120) for f in service.submit_cohort(jobs)]
+        bank = service.snapshot()["session_bank"]
+    finally:
+        service.shutdown(timeout_s=30)
+    for r, p in zip(results, prompts):
+        assert r["tokens"] == oracle.greedy(p, 16) and r["stats"]["generation_mode"] == "ar"
+    assert [r["stats"]["cached_tokens"] for r in results[:3]] == [256] * 3 and bank["hits"] >= 3
+    assert results[0]["stats"]["mtp_batch_real_width"] == 8
+
+
 def test_structured_rows_in_a_gemma_lane_match_mlx_lm_under_the_grammar(gemma):
     """Constrained greedy rows (a regex, a JSON schema) beside free rows in a depth-3 lane: each
     equals its AR decoding under the grammar and mlx-lm's `generate_step` with the grammar's
