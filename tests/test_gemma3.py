@@ -323,6 +323,33 @@ def test_width8_lane_of_ar_rows_matches_mlx_lm_without_a_head(gemma):
                 assert np.allclose([v for _, v in alts], [float(ref_lp[a]) for a in top], atol=1e-4)
 
 
+def test_sampled_rows_in_a_width8_lane_are_each_as_if_alone(gemma):
+    """Seeded sampled rows (their own settings, chaining 2 drafts: residual resamples and
+    rollbacks across the window) beside greedy rows in a width-8 lane, joining mid-flight: each
+    row's tokens are the same request's decoded alone in the one-row lane (contract 4)."""
+    from mtplx.engine.installed import solo_lane
+    from mtplx.sampling import SamplerConfig
+
+    m, oracle = gemma["agree"]
+    settings = [SamplerConfig(temperature=0.8), GREEDY, SamplerConfig(temperature=1.0, top_p=0.9),
+                SamplerConfig(temperature=0.6, top_k=20), GREEDY, SamplerConfig(temperature=0.7, min_p=0.05)]
+    prompts = _prompts(6, seed=61)
+    reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=c, seed=10 + i, max_tokens=30)
+            for i, (p, c) in enumerate(zip(prompts, settings))]
+    alone = []
+    for r in reqs:
+        one = RunningLane(solo_lane(m, 2))
+        alone.append(one.add(r))
+        _drain(one)
+    lane = install_a3b_mtp_batch_lane(m, 8, depth=2, selfcheck=False)
+    streams = _staggered(RunningLane(lane, sampled_ladder=[lane]), reqs, every=2)
+    for i, (s, ref) in enumerate(zip(streams, alone)):
+        assert s.tokens == ref.tokens, f"row {i} ({settings[i]})"
+    assert sum(s.rejected_drafts for i, s in enumerate(streams) if not settings[i].is_greedy) > 0
+    for i in (1, 4):
+        assert streams[i].tokens == oracle.greedy(prompts[i], 30)
+
+
 def test_prefix_reuse_restores_windowed_caches(gemma):
     """A prompt sharing its first 256+ tokens with an earlier one restores the banked chunk
     boundary (the full caches, windows past 256 included), the same prompt again its whole
@@ -442,6 +469,11 @@ def _real_prompts(m) -> list:
              "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
              "Photosynthesis is the process by which", "Here is a list of the planets in the solar system:",
              "The quick brown fox", "In 1969, the first humans", "To make a cup of tea, first"]
+    # two prompts past the 512-token window (one past four prefill chunks): its sliding layers'
+    # windows move at every position of their prefills and generations
+    facts = ["The following is a list of numbered facts.\n"] + [
+        f"{i}. The number {i} is {'even' if i % 2 == 0 else 'odd'}.\n" for i in range(1, 120)]
+    texts += ["".join(facts[:60]), "".join(facts)]
     return [list(m.tokenizer.encode(t)) for t in texts]
 
 
@@ -458,6 +490,7 @@ def test_real_gemma_greedy_ar_matches_mlx_lm(real_gemma):
 def test_real_gemma_width8_lane_matches_mlx_lm(real_gemma):
     m, oracle = real_gemma
     prompts = _real_prompts(m)
+    assert len(prompts) == 10 and 512 < len(prompts[8]) < 1024 < len(prompts[9])
     running = RunningLane(ar_lanes(m, [8]))
     streams = _staggered(running, [_req(i, p, 24, speculative=False) for i, p in enumerate(prompts)], every=2)
     for i, p in enumerate(prompts):
