@@ -195,8 +195,8 @@ def test_verify_and_rollback_see_exactly_the_window(gemma, monkeypatch):
         return worst
 
     bands = []
-    monkeypatch.setattr(gemma3, "window_band", lambda *a: bands.append(1) or window_band(*a))
-    assert run() < 1e-4 and bands                                   # the band
+    monkeypatch.setattr(gemma3, "window_band", lambda *a: bands.append(window_band(*a)) or bands[-1])
+    assert run() < 1e-4 and any(b is not None for b in bands)      # the band
     for layer in m.target.model.layers:
         monkeypatch.setattr(layer.self_attn, "window", 0)
     assert run() < 1e-4                                             # the whole span, window mask
@@ -207,9 +207,10 @@ def test_verify_and_rollback_see_exactly_the_window(gemma, monkeypatch):
 
 
 def test_window_band_is_the_masked_span():
-    """`window_band`: per row, the columns it keeps are the window's, and attention over the
-    band equals attention over the whole span under the window mask; one row (an int offset)
-    slices the same band."""
+    """`window_band`: per row, the positions it keeps are the window's (as many as the span's
+    mask lets through), and attention over the band equals attention over the whole span under
+    the window mask; one row (an int offset) slices the same band; a span too short to pay for
+    a band is left as it is."""
     rng = np.random.default_rng(0)
     W, T, lengths = 5, 3, [0, 3, 9, 20]
     k = mx.array(rng.normal(size=(4, 1, 32, 8)).astype(np.float32))
@@ -218,13 +219,14 @@ def test_window_band_is_the_masked_span():
     cache = RaggedKVCache(k, v, lengths)
     keys, values = cache.update_and_fetch(k[:, :, :T], v[:, :, :T])
     mask = RaggedKVCache(k, v, lengths).make_mask(T, window_size=W)
-    bk, bv, bm = window_band(keys, values, mask, mx.array(lengths), W)
+    bk, bv, bm = window_band(cache, keys, values, mask, mx.array(lengths), W)
     assert bk.shape[2] == W + T - 1 and int(mx.sum(bm)) == int(mx.sum(mask[..., :keys.shape[2]]))
     full = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.3, mask=mask)
     band = mx.fast.scaled_dot_product_attention(q, bk, bv, scale=0.3, mask=bm)
     assert mx.allclose(full, band, atol=1e-6).item()
-    one = window_band(keys[3:], values[3:], mask[3:], lengths[3], W)
+    one = window_band(None, keys[3:], values[3:], mask[3:], lengths[3], W)
     assert all(mx.array_equal(a, b).item() for a, b in zip(one, (bk[3:], bv[3:], bm[3:])))
+    assert window_band(cache, keys, values, mask, mx.array(lengths), 16) is None
 
 
 def test_window_mask_per_row_and_position():

@@ -177,27 +177,42 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def window_band(keys: mx.array, values: mx.array, mask: mx.array, offset, window: int):
-    """The keys, values and mask columns a sliding-window layer's queries can see, out of a full
-    cache's span: per row, the W + T - 1 positions from max(0, offset - W + 1) (offset: the row's
-    length before this forward's T positions). Every column left out is masked for every query of
-    that row (a window never reaches below it), so attention over the band equals attention over
-    the span; it reads W + T - 1 keys a row instead of the whole context. Per-row (ragged) caches
-    gather each row's own band; one row (mlx-lm's `KVCache`, an int offset) slices. Unchanged when
-    the span is no longer than the band."""
+# A sliding layer reads its window band rather than the whole span only when the span is at least
+# this many times the band: below, the band's gather costs about what it saves (BENCHMARKS.md,
+# "Measurements behind the engine's constants").
+BAND_MIN_RATIO = 1.5
+
+
+def window_band(cache, keys: mx.array, values: mx.array, mask: mx.array, offset, window: int):
+    """The keys, values and mask a sliding-window layer's queries can see, out of a full cache's
+    span (`keys`, `values`, `mask` as the layer got them): per row, the W + T - 1 positions from
+    max(0, offset - W + 1), `offset` being the row's length before this forward's T positions.
+    Every position left out is masked for every query of that row (a window never reaches below
+    it), so attention over the band equals attention over the span, reading W + T - 1 keys a row
+    instead of the whole context. A ragged lane cache takes each row's own band from its buffer
+    (rows of that buffer, one gather) with the band's window mask; one row (mlx-lm's `KVCache`,
+    an int offset) slices. Unchanged (None) when the span is not long enough to pay for it."""
     T, S = mask.shape[-2], keys.shape[2]
     band = window + T - 1
-    if S <= band:
-        return keys, values, mask
+    if S < BAND_MIN_RATIO * band:
+        return None
     if not isinstance(offset, mx.array):
         lo = max(0, int(offset) - window + 1)
         return keys[..., lo:, :], values[..., lo:, :], mask[..., lo:]
-    # band end = max(band, offset_b + T) <= S: every index is a written (or dead, masked) slot
+    B, H, cap, _ = cache.keys.shape
     start = mx.maximum(offset.astype(mx.int32) - (window - 1), 0)
-    idx = start[:, None] + mx.arange(band, dtype=mx.int32)[None]                # [B, band]
-    return (mx.take_along_axis(keys, idx[:, None, :, None], axis=2),
-            mx.take_along_axis(values, idx[:, None, :, None], axis=2),
-            mx.take_along_axis(mask, idx[:, None, None, :], axis=3))
+    pos = start[:, None] + mx.arange(band, dtype=mx.int32)[None]                  # [B, band]
+    # band end = max(band, offset_b + T) <= S <= capacity: every position is a slot of row b
+    rows = pos[:, None, :] + (mx.arange(B * H, dtype=mx.int32) * cap).reshape(B, H, 1)
+    rows = rows.reshape(-1)
+
+    def take(buf):      # rows of the flat buffer: a row gather, ~5x cheaper than take_along_axis here
+        return mx.take(buf.reshape(B * H * cap, -1), rows, axis=0).reshape(B, H, band, -1)
+
+    q_pos = (offset.astype(mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)[None])[:, :, None]   # [B, T, 1]
+    k_pos = pos[:, None, :]
+    band_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return take(cache.keys), take(cache.values), band_mask[:, None]
 
 
 def empty_batch_layer(per_row, width: int):

@@ -60,7 +60,8 @@ class Attention(gemma3_text.Attention):
     softmax paths for long or uneven spans (`cpu_ops`). The mask (causal, or the window) is
     mlx-lm's model's. A sliding layer over a cache longer than its window attends over each
     row's window band only (`window_band`): the same keys, without reading the whole context
-    (at the 270M's shapes, B8, 2k positions: ~19 -> ~4 ms a layer, in 15 of its 18 layers)."""
+    (at the 270M's shapes, B8: an attention layer 2.3x cheaper at 1k positions, 4-6x at 2k, 11x
+    at 4k, in 15 of its 18 layers)."""
 
     window: int = 0                # the sliding window (0: a global layer); set by `_use_cpu_ops`
 
@@ -73,10 +74,10 @@ class Attention(gemma3_text.Attention):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-            if self.window and isinstance(mask, mx.array):
-                band = window_band(k, v, mask, offset, self.window)
-                if band[0] is not k:      # a band, not the cache's span: no split by row span (cpu_ops)
-                    (k, v, mask), cache = band, None
+            band = window_band(cache, k, v, mask, offset, self.window) \
+                if self.window and isinstance(mask, mx.array) else None
+            if band is not None:      # a band, not the cache's span: no split by row span (cpu_ops)
+                (k, v, mask), cache = band, None
         out = attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
