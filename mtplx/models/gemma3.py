@@ -9,8 +9,13 @@ What the engine needs to know beyond `qwen3.py`'s protocol:
   cache (`RaggedKVCache.make_mask`) both answer with exactly the keys a rotating cache would hold.
   So a verify of several speculative positions, a prefill chunk longer than the window, rows of
   different lengths in one lane and a rollback (an offset moved back) are all exact with no
-  state beyond the offset: a rotating buffer would have overwritten the keys that a rolled-back
-  row's next positions must see again unless it keeps W + (verify positions - 1) slots.
+  state beyond the offset, and every path the engine has (ragged commits on the host or the
+  device, compiled graphs, prefill together, prefix snapshots, moving rows between lanes) works
+  as it does for a global layer. The sliding layers read only each row's window band of the
+  buffer (`Attention`), so attention costs what a rotating cache's would. What the full buffer
+  costs is memory: a sliding layer keeps every position, not W + (verify positions - 1) (the
+  least a per-row rotating buffer needs to roll back), so at long contexts about 5/6 of the KV
+  could be saved by one; the KV budget counts what is held.
 - Gemma's RMSNorm scales by `1 + w`, its embedding is multiplied by sqrt(hidden_size) (rounded
   to bfloat16, as mlx-lm does), its MLP is gelu (tanh approximation) gated, attention scales by
   `query_pre_attn_scalar ** -0.5`, and local and global layers have RoPE bases of their own: all
