@@ -151,10 +151,22 @@ def save_head(model_dir, head: nn.Module, draft_ids=None, meta: Optional[dict] =
         entry["quantization"] = {"group_size": int(quantize["group_size"]), "bits": int(quantize["bits"])}
     entry.update(meta or {})
     config[CONFIG_KEY] = entry
-    tmp_cfg = cfg_path.with_suffix(".json.tmp")
-    tmp_cfg.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp_cfg, cfg_path)
+    _write_config(cfg_path, config)
     return model_dir / HEAD_FILE
+
+
+def _write_config(cfg_path: Path, config: dict) -> None:
+    tmp = cfg_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, cfg_path)
+
+
+def update_entry(model_dir, extra: dict) -> None:
+    """Add facts to the stored head's config entry."""
+    cfg_path = Path(model_dir) / "config.json"
+    config = json.loads(cfg_path.read_text())
+    config[CONFIG_KEY] = dict(config[CONFIG_KEY], **extra)
+    _write_config(cfg_path, config)
 
 
 def remove_head(model_dir) -> bool:
@@ -165,8 +177,6 @@ def remove_head(model_dir) -> bool:
     entry = config.pop(CONFIG_KEY, None)
     if entry is None:
         return False
-    tmp_cfg = cfg_path.with_suffix(".json.tmp")
-    tmp_cfg.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp_cfg, cfg_path)
+    _write_config(cfg_path, config)
     (model_dir / entry.get("file", HEAD_FILE)).unlink(missing_ok=True)
     return True

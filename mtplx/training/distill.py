@@ -59,8 +59,9 @@ def tokens_per_chain(acceptance) -> float:
 
 
 def lr_schedule(lr: float, steps: int):
-    """Linear warm-up over min(50, steps / 5) steps from lr / 20, then cosine decay to lr / 20."""
-    warm = min(50, steps // 5)
+    """Linear warm-up over min(50, steps / 5) steps (at least one) from lr / 20, then cosine decay
+    to lr / 20."""
+    warm = max(1, min(50, steps // 5))
     return optim.join_schedules(
         [optim.linear_schedule(lr / 20, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 20)], [warm])
 
