@@ -16,6 +16,7 @@ model's training script holds out), so the acceptance report reads prompts train
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import sysconfig
 from dataclasses import dataclass
@@ -83,6 +84,14 @@ def stdlib_files() -> list:
     skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
     files = [p for p in sorted(root.rglob("*.py")) if not any(s in p.relative_to(root).parts for s in skip)]
     return [p for p in files if 200 < p.stat().st_size < 400_000]
+
+
+@functools.lru_cache(maxsize=2)
+def _docstring_pool(split: str) -> list:
+    """(kind, docstring opening, source) of a split's standard library files (parsing them all
+    takes seconds: once a process)."""
+    return [("text", doc, f"{f.name} docstring {j}") for f in stdlib_split(split)
+            for j, doc in enumerate(docstring_openings(f))]
 
 
 def stdlib_split(split: str) -> list:
@@ -154,40 +163,38 @@ def encode(tokenizer, kind: str, content) -> list:
     return tokenizer.encode(content)
 
 
-def build_prompts(tokenizer, split: str, n: int, seed: int, mix: dict, user: Optional[Path] = None) -> list:
-    """n prompts of a split, drawn in the proportions of `mix` (kind -> share; "user" for the
-    user's corpus, which replaces the default kinds' share when `user` is given and its share
-    is 1). Deterministic for a seed, a tokenizer and a Python version."""
-    rng = np.random.default_rng(seed)
-    pools = {"chat": [], "text": [], "code": [], "user": []}
+def _pools(split: str, user: Optional[Path]) -> dict:
+    """kind -> [(kind, text or messages, source)] of a split, code aside (drawn from files)."""
+    pools = {"chat": [], "text": [], "user": []}
     for kind, text, source in shipped_prompts(split):
         pools[kind].append((kind, text, source))
-    files = stdlib_split(split)
-    for f in files:
-        for j, doc in enumerate(docstring_openings(f)):
-            pools["text"].append(("text", doc, f"{f.name} docstring {j}"))
+    pools["text"] += _docstring_pool(split)
     if user is not None:
         for i, item in enumerate(user_texts(Path(user))):
-            if (i % HOLDOUT_EVERY_LINE == HOLDOUT_EVERY_LINE - 1) == (split == "heldout"):
+            if _held(i, HOLDOUT_EVERY_LINE) == (split == "heldout"):
                 pools["user"].append(item)
-    counts = {k: int(round(n * share)) for k, share in mix.items() if share > 0}
+    return pools
+
+
+def build_prompts(tokenizer, split: str, n: int, seed: int, mix: dict, user: Optional[Path] = None) -> list:
+    """n prompts of a split, drawn in the proportions of `mix` (kind -> share; "user" for the
+    user's corpus), fewer where some are shorter than MIN_PROMPT_TOKENS. Deterministic for a
+    seed, a tokenizer and a Python version."""
+    rng = np.random.default_rng(seed)
+    pools, files = _pools(split, user), stdlib_split(split)
     prompts = []
-    for kind, want in counts.items():
+    for kind, share in mix.items():
+        want = int(round(n * share))
         if kind == "code":
             for f in rng.choice(len(files), size=want, replace=True):
                 ids = next(code_windows(files[int(f)], tokenizer, rng, 1), None)
                 if ids is not None:
                     prompts.append(Prompt("code", tuple(ids), files[int(f)].name))
-            continue
-        pool = pools[kind]
-        if not pool:
-            continue
-        order = rng.permutation(len(pool))
-        picked = [pool[int(i)] for i in np.resize(order, want)]       # cycles through the pool
-        for k, content, source in picked:
-            ids = encode(tokenizer, k, content)
-            if len(ids) >= MIN_PROMPT_TOKENS:
-                prompts.append(Prompt(kind, tuple(ids), source))
-    order = rng.permutation(len(prompts))
-    return [prompts[int(i)] for i in order]
-
+        elif pools.get(kind) and want > 0:
+            order = rng.permutation(len(pools[kind]))
+            for i in np.resize(order, want):                       # cycles through the pool
+                k, content, source = pools[kind][int(i)]
+                ids = encode(tokenizer, k, content)
+                if len(ids) >= MIN_PROMPT_TOKENS:
+                    prompts.append(Prompt(kind, tuple(ids), source))
+    return [prompts[int(i)] for i in rng.permutation(len(prompts))]

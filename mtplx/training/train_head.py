@@ -161,7 +161,7 @@ def choose_draft_vocab(model, order, heldout_tokens, depth: int, choice: str) ->
         verify.append(time.perf_counter() - t)
     verify_s = float(np.median(verify))
     table = {}
-    for k in DRAFT_VOCAB_CANDIDATES + (V,):
+    for k in [c for c in DRAFT_VOCAB_CANDIDATES if c < V] + [V]:
         cov = coverage(order, heldout_tokens, k) if k < V else 1.0
         a = ASSUMED_ACCEPTANCE * cov
         tokens = 1 + sum(a ** j for j in range(1, depth + 1))
