@@ -13,6 +13,8 @@ index), so a killed run continues.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,9 @@ def write_shards(model, prompts: list, out_dir: Path, name: str, batch: int, new
     """All shards of a prompt list (`name`_NNNN.npz under out_dir; those already there are kept).
     Row r of the list is written at temperatures[r % len(temperatures)]. Returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    _check_manifest(out_dir / f"{name}.json", {
+        "prompts": len(prompts), "batch": batch, "new_tokens": new_tokens, "temperatures": list(temperatures),
+        "seed": seed, "prompt_ids": hashlib.sha256(repr([p.ids for p in prompts]).encode()).hexdigest()})
     paths = []
     for s, lo in enumerate(range(0, len(prompts), batch)):
         path = out_dir / f"{name}_{s:04d}.npz"
@@ -107,3 +112,15 @@ def write_shards(model, prompts: list, out_dir: Path, name: str, batch: int, new
         if progress is not None:
             progress(len(prompts[lo:lo + batch]))
     return paths
+
+
+def _check_manifest(path: Path, settings: dict) -> None:
+    """Shards already written are kept only for the settings they were written with."""
+    if path.exists():
+        was = json.loads(path.read_text())
+        if was != settings:
+            changed = sorted(k for k in settings if was.get(k) != settings[k])
+            raise ValueError(f"{path.parent} holds the target's text written with other settings ({', '.join(changed)}): "
+                             "remove it, or give another work directory")
+        return
+    path.write_text(json.dumps(settings))
