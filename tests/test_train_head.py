@@ -152,3 +152,42 @@ def test_the_draft_vocabulary_is_the_most_written_tokens_and_auto_measures(plain
                                              np.arange(VOCAB), 3, "auto")
     assert k is None or k < VOCAB
     assert set(facts["candidates"]) == {VOCAB} and facts["candidates"][VOCAB]["coverage_heldout"] == 1.0
+
+
+def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, tmp_path, monkeypatch):
+    """`mtplx models add` puts a head the package ships beside each variant it installs: the file,
+    its config entry (with the file's SHA256) and a NOTICE line; again, nothing changes; a head
+    trained on another model is refused."""
+    import shutil
+
+    from mtplx.models import draft_head
+    from mtplx.models.errors import CheckpointShapeError
+
+    src = tmp_path / "work"
+    shutil.copytree(plain, src)
+    cli(["train-head", str(src), *SMALL])
+    assets = tmp_path / "assets"
+    (assets / "tiny-mtp").mkdir(parents=True)
+    shutil.copy(src / HEAD_FILE, assets / "tiny-mtp" / HEAD_FILE)
+    entry = json.loads((src / "config.json").read_text())[CONFIG_KEY]
+    (assets / "tiny-mtp" / draft_head.ASSET_ENTRY).write_text(json.dumps(entry))
+    (assets / "tiny-mtp" / "NOTICE").write_text("Gemma notice.\nmtp_head.safetensors: a head trained here.\n")
+    monkeypatch.setattr(draft_head, "ASSETS", assets)
+    d = tmp_path / "installed"
+    shutil.copytree(plain, d)
+    (d / "NOTICE").write_text("The model's notice.\n")
+    before = _digest(d)
+    assert draft_head.install_shipped_head(d, "tiny-mtp", say=lambda s: None)
+    assert not draft_head.install_shipped_head(d, "tiny-mtp", say=lambda s: None)
+    got = json.loads((d / "config.json").read_text())[CONFIG_KEY]
+    assert got["installed_from"] == "tiny-mtp" and got["draft_vocab_size"] == 512
+    assert got["sha256"] == hashlib.sha256((d / HEAD_FILE).read_bytes()).hexdigest()
+    assert (d / "NOTICE").read_text().count("a head trained here") == 1 and _digest(d) == before
+    m = mtplx.load_model(d)
+    p = _prompts(1, seed=3, lengths=(12,))[0]
+    assert generate_mtpk(m, p, 16, GREEDY, depth=2).tokens == generate_ar(m, p, 16, GREEDY).tokens
+    (d / "mtplx_model.json").write_text(json.dumps({"source_sha256": "another"}))
+    entry["trained_on"]["source_sha256"] = "this one"
+    (assets / "tiny-mtp" / draft_head.ASSET_ENTRY).write_text(json.dumps(entry))
+    with pytest.raises(CheckpointShapeError, match="another model"):
+        draft_head.install_shipped_head(d, "tiny-mtp", say=lambda s: None)

@@ -21,8 +21,10 @@ tokens outside the K still has a distribution to draw from (uniform over what it
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +36,8 @@ from .errors import CheckpointShapeError
 
 HEAD_FILE = "mtp_head.safetensors"
 CONFIG_KEY = "mtplx_mtp_head"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSET_ENTRY = "head.json"       # a shipped head's config entry, beside its HEAD_FILE
 DRAFT_FLOOR = -1e9          # a draft logit outside the draft vocabulary: exp(floor - max) is 0 in float32
 
 
@@ -179,4 +183,41 @@ def remove_head(model_dir) -> bool:
         return False
     _write_config(cfg_path, config)
     (model_dir / entry.get("file", HEAD_FILE)).unlink(missing_ok=True)
+    return True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def install_shipped_head(model_dir, asset: str, say=print) -> bool:
+    """Put a head the package ships (`mtplx/assets/<asset>/`: HEAD_FILE, its config entry in
+    ASSET_ENTRY, NOTICE) beside an installed checkpoint, and its entry in config.json; a line for
+    it in the checkpoint's NOTICE. False when that head is there already. The asset names the
+    model it was trained on (`trained_on`: the source's SHA256, as `mtplx models add` records it
+    in the directory's marker) and is refused for any other."""
+    model_dir, src = Path(model_dir), ASSETS / asset
+    entry = json.loads((src / ASSET_ENTRY).read_text())
+    marker = model_dir / "mtplx_model.json"
+    source = json.loads(marker.read_text()).get("source_sha256") if marker.is_file() else None
+    if entry.get("trained_on", {}).get("source_sha256") not in (None, source):
+        raise CheckpointShapeError(f"the shipped head {asset} was trained on another model than {model_dir.name}")
+    digest = _sha256(src / HEAD_FILE)
+    config = json.loads((model_dir / "config.json").read_text())
+    if (read_entry(config) or {}).get("sha256") == digest and (model_dir / HEAD_FILE).is_file():
+        return False
+    tmp = model_dir / (HEAD_FILE + ".tmp")
+    shutil.copyfile(src / HEAD_FILE, tmp)
+    os.replace(tmp, model_dir / HEAD_FILE)
+    config[CONFIG_KEY] = dict(entry, file=HEAD_FILE, sha256=digest, installed_from=asset)
+    _write_config(model_dir / "config.json", config)
+    notice = model_dir / "NOTICE"
+    line = (src / "NOTICE").read_text().strip().splitlines()[-1] if (src / "NOTICE").is_file() else ""
+    if line and notice.is_file() and line not in notice.read_text():
+        notice.write_text(notice.read_text().rstrip("\n") + "\n" + line + "\n")
+    say(f"{model_dir.name}: MTP head {asset} installed ({HEAD_FILE}, config.json's {CONFIG_KEY})")
     return True

@@ -359,11 +359,12 @@ def main(a) -> dict:
 
     import mtplx
     from mtplx.models.draft_head import CONFIG_KEY, build_draft_vocab, save_head, update_entry
+    from mtplx.models.registry import check_installed
 
     from .distill import mlx_lm_classes
 
     t_start = time.perf_counter()
-    model_dir = Path(a.model_dir).expanduser().resolve()
+    model_dir = Path(check_installed(a.model_dir)).expanduser().resolve()    # a path, or an installed model's name
     work = Path(a.work_dir) if a.work_dir else model_dir.with_name(model_dir.name + ".train-head")
     work.mkdir(parents=True, exist_ok=True)
     config = json.loads((model_dir / "config.json").read_text())
@@ -409,7 +410,11 @@ def main(a) -> dict:
     _say(f"held-out acceptance per draft position (draft k given drafts < k kept): {json.dumps(report)}")
 
     # 7. export
+    marker = model_dir / "mtplx_model.json"         # `mtplx models add`'s record of what it converted
     meta = {"trained_by": "mtplx train-head", "depth": a.depth, "seed": a.seed,
+            "trained_on": {"model": model_dir.name, "weights_sha256": digest,
+                           "source_sha256": json.loads(marker.read_text()).get("source_sha256")
+                           if marker.is_file() else None},
             "corpus": "default" if not a.corpus else ("user" if a.corpus_only else "default + user"),
             "own_text_tokens": int(len(written)), "heldout_acceptance": report,
             "draft_vocab": vocab_facts or None, "training": facts,
