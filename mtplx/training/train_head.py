@@ -354,11 +354,42 @@ def greedy_check(model_dir: Path, heldout, depth: int, tokens: int = 48, n: int 
     return {"prompts": n, "tokens": tokens, "identical": True, "drafts_kept": round(accepted / max(drafted, 1), 3)}
 
 
+def draft_projection(model, order, heldout_shards, a) -> tuple:
+    """(the draft ids or None, the head's logits over them, the measurements behind the choice)."""
+    from mtplx.models.draft_head import build_draft_vocab
+
+    K, facts = choose_draft_vocab(model, order, written_tokens(heldout_shards), a.depth, a.draft_vocab)
+    _say(f"draft vocabulary: {'the whole vocabulary' if K is None else f'{K:,} tokens'}")
+    if K is None:
+        return None, model.logits, facts
+    ids = np.sort(order[:K])
+    return ids, build_draft_vocab(model.target, model.arch, ids.tolist(), model.vocab_size).reduced_logits, facts
+
+
+def export(model_dir: Path, head, ids, meta: dict, digest: str, heldout_prompts, a) -> dict:
+    """Write the head and its entry, check the target's weights and its greedy output."""
+    from mtplx.models.draft_head import CONFIG_KEY, save_head, update_entry
+
+    marker = model_dir / "mtplx_model.json"         # `mtplx models add`'s record of what it converted
+    meta["trained_on"] = {"model": model_dir.name, "weights_sha256": digest,
+                          "source_sha256": json.loads(marker.read_text()).get("source_sha256")
+                          if marker.is_file() else None}
+    quantize = {"bits": a.quantize, "group_size": 64} if a.quantize else None
+    save_head(model_dir, head, None if ids is None else ids.tolist(), meta, quantize)
+    if weights_digest(model_dir) != digest:
+        raise RuntimeError("the target's weight files changed during train-head")
+    meta["greedy_check"] = greedy_check(model_dir, heldout_prompts, a.depth)
+    update_entry(model_dir, {"greedy_check": meta["greedy_check"]})
+    _say(f"wrote {model_dir / 'mtp_head.safetensors'} and config.json's {CONFIG_KEY}; "
+         f"greedy MTP == greedy AR on held-out prompts: {meta['greedy_check']}")
+    return meta
+
+
 def main(a) -> dict:
     import mlx.core as mx
 
     import mtplx
-    from mtplx.models.draft_head import CONFIG_KEY, build_draft_vocab, save_head, update_entry
+    from mtplx.models.draft_head import CONFIG_KEY
     from mtplx.models.registry import check_installed
 
     from .distill import mlx_lm_classes
@@ -367,8 +398,7 @@ def main(a) -> dict:
     model_dir = Path(check_installed(a.model_dir)).expanduser().resolve()    # a path, or an installed model's name
     work = Path(a.work_dir) if a.work_dir else model_dir.with_name(model_dir.name + ".train-head")
     work.mkdir(parents=True, exist_ok=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    if config.get(CONFIG_KEY) and not a.force:
+    if json.loads((model_dir / "config.json").read_text()).get(CONFIG_KEY) and not a.force:
         raise SystemExit(f"{model_dir} already has a head from train-head ({CONFIG_KEY} in config.json); "
                          "--force trains a new one")
     digest = weights_digest(model_dir)
@@ -387,47 +417,26 @@ def main(a) -> dict:
     _say(f"the target's own text: {len(written):,} tokens to train on ({gen_s / 60:.1f} min this run)")
 
     # 3. draft vocabulary
-    order = frequency_order(written, model.vocab_size)
-    K, vocab_facts = choose_draft_vocab(model, order, written_tokens(heldout_shards), a.depth, a.draft_vocab)
-    ids = None if K is None else np.sort(order[:K])
-    if ids is not None:
-        dv = build_draft_vocab(model.target, model.arch, ids.tolist(), model.vocab_size)
-        project = dv.reduced_logits
-    else:
-        project = model.logits
-    _say(f"draft vocabulary: {'the whole vocabulary' if K is None else f'{K:,} tokens'}")
+    ids, project, vocab_facts = draft_projection(model, frequency_order(written, model.vocab_size),
+                                                 heldout_shards, a)
 
     # 4-5. the head, trained
     head = new_head(model)
-    windows = Windows(train_shards, HISTORY)
-    facts = train(head, project, model.embed, windows, work, a)
+    facts = train(head, project, model.embed, Windows(train_shards, HISTORY), work, a)
 
     # 6. report
     head.eval()
-    report = {}
-    for t in HELDOUT_TEMPERATURES:
-        report["greedy" if t == 0 else f"t{t}"] = acceptance(head, model, project, ids, heldout_shards, a.depth, t)
+    report = {("greedy" if t == 0 else f"t{t}"): acceptance(head, model, project, ids, heldout_shards, a.depth, t)
+              for t in HELDOUT_TEMPERATURES}
     _say(f"held-out acceptance per draft position (draft k given drafts < k kept): {json.dumps(report)}")
 
     # 7. export
-    marker = model_dir / "mtplx_model.json"         # `mtplx models add`'s record of what it converted
     meta = {"trained_by": "mtplx train-head", "depth": a.depth, "seed": a.seed,
-            "trained_on": {"model": model_dir.name, "weights_sha256": digest,
-                           "source_sha256": json.loads(marker.read_text()).get("source_sha256")
-                           if marker.is_file() else None},
             "corpus": "default" if not a.corpus else ("user" if a.corpus_only else "default + user"),
             "own_text_tokens": int(len(written)), "heldout_acceptance": report,
             "draft_vocab": vocab_facts or None, "training": facts,
             "minutes": round((time.perf_counter() - t_start) / 60, 1)}
-    quantize = {"bits": a.quantize, "group_size": 64} if a.quantize else None
-    save_head(model_dir, head, None if ids is None else ids.tolist(), meta, quantize)
-    if weights_digest(model_dir) != digest:
-        raise RuntimeError("the target's weight files changed during train-head")
-    meta["greedy_check"] = greedy_check(model_dir, heldout_prompts, a.depth)
-    update_entry(model_dir, {"greedy_check": meta["greedy_check"]})
-    _say(f"wrote {model_dir / 'mtp_head.safetensors'} and config.json's {CONFIG_KEY}; "
-         f"greedy MTP == greedy AR on held-out prompts: {meta['greedy_check']}")
-    return meta
+    return export(model_dir, head, ids, meta, digest, heldout_prompts, a)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
