@@ -29,6 +29,11 @@ UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "depen
                         "unevaluatedItems")
 
 
+class GrammarError(RuntimeError):
+    """A row's grammar entered llguidance's error state while the row decoded (a token it did not
+    allow reached it, or the parser ran out of its limits): the row fails, alone."""
+
+
 class ConstraintError(ValueError):
     """A constraint that cannot be enforced: `message` says what to fix, `where` names the place
     (a JSON pointer into the schema, or the request field)."""
@@ -305,7 +310,17 @@ class RowGrammar:
 
     @property
     def ended(self) -> bool:
-        return not self.thinking and self.matcher is not None and self.matcher.is_stopped()
+        """The grammar is complete. A matcher in llguidance's error state is not an end but a
+        fault (`GrammarError`): the row fails rather than return its text as if it were whole."""
+        if self.thinking or self.matcher is None:
+            return False
+        self._check_error()
+        return self.matcher.is_stopped()
+
+    def _check_error(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the {self.constraint.kind} grammar failed after {len(self.tokens)} tokens: "
+                               f"{_first_line(self.matcher.get_error())}")
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next: a check of one token (a few microseconds),
@@ -343,7 +358,8 @@ class RowGrammar:
         mask = np.unpackbits(self._bits.view(np.uint8), count=n, bitorder="little").view(bool)
         if n < self.vocab:            # the embedding's rows past the tokenizer's are never allowed
             mask = np.concatenate([mask, np.zeros(self.vocab - n, dtype=bool)])
-        if not mask.any():                     # an error state: end the row rather than draw from nothing
+        if not mask.any():                     # an error state fails the row rather than draw from nothing
+            self._check_error()
             mask[self.tokenizer.eos_token] = True
         return mask
 
