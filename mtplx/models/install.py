@@ -68,9 +68,7 @@ def add_model(name: str, *, dtype: str = "auto", force: bool = False, install: b
     def todo():
         return [(v, path, want) for v, path, want in variants if force or not is_finished(path, want)]
 
-    for v, path, want in variants:
-        if not force and is_finished(path, want):
-            say(f"{v['name']}: already installed at {path}")
+    kept = [path for _, path, _ in variants if path not in [p for _, p, _ in todo()]]
     if todo():
         start = time.perf_counter()
         with _disk_errors(root):
@@ -80,7 +78,7 @@ def add_model(name: str, *, dtype: str = "auto", force: bool = False, install: b
                 if todo():
                     _install(e, dtype, variants, todo(), install, say)
         say(f"done in {time.perf_counter() - start:.0f} s")
-    say(next_steps(e, [path for _, path, _ in variants]))
+    say(next_steps(e, [path for _, path, _ in variants], kept))
     return [path for _, path, _ in variants]
 
 
@@ -95,15 +93,15 @@ def _disk_errors(root: Path):
         raise
 
 
-def next_steps(e: dict, paths: list) -> str:
-    lines = [f"{p.name}: {p}" for p in paths]
+def next_steps(e: dict, paths: list, kept: list) -> str:
+    width = max(len(p.name) for p in paths)
     return "\n".join([
-        *lines,
+        *(f"{p.name:<{width}}  {p}  ({'already installed' if p in kept else 'installed'})" for p in paths),
         f"licence: {e['license']} (NOTICE and terms in each directory)",
         "next:",
         *([f"  serve run {e['serve_config']}      # from a checkout; or model_path: {e['name']} in a config"]
           if e.get("serve_config") else [f"  model_path: {e['name']}      # in a serve config"]),
-        f"  mlx_lm.generate --model {paths[0]} --prompt 'Once upon a time,'",
+        f"  mlx_lm.generate --model {paths[0]} --ignore-chat-template --temp 0 --prompt 'Once upon a time,'",
     ])
 
 
@@ -121,7 +119,7 @@ def _install(e: dict, dtype: str, variants: list, todo: list, install: bool, say
             model, config = convert(gguf_path, stage, dtype=dtype, chat_template=registry.chat_template(e),
                                     stop_tokens=tuple(e.get("stop_tokens", ())), progress=lambda s: say("      " + s))
             shutil.rmtree(stage / ".source")
-            _finish(e, stage, base_want, f"dequantized from {e['gguf']['file']} to {dtype}")
+            _finish(e, stage, base_want, f"dequantized to {dtype}")
     else:
         from .convert_gguf import check_loads
 
@@ -136,8 +134,8 @@ def _install(e: dict, dtype: str, variants: list, todo: list, install: bool, say
             quantize_checkpoint(model, config, stage, bits=q["bits"], group_size=q["group_size"])
             for f in TOKENIZER_FILES + tuple(e["gguf"].get("copy_files", {})):
                 shutil.copy2(base_dir / f, stage / f)
-            _finish(e, stage, want, f"dequantized from {e['gguf']['file']} to {dtype}, then quantized "
-                                    f"to MLX affine {q['bits']}-bit, group size {q['group_size']}")
+            _finish(e, stage, want, f"dequantized to {dtype}, then quantized to MLX affine "
+                                    f"{q['bits']}-bit, group size {q['group_size']}")
 
 
 def _finish(e: dict, stage: Path, want: dict, how: str) -> None:
