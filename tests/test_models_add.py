@@ -279,6 +279,14 @@ def test_add_installs_both_variants_then_finds_them(tiny_registry):
     assert time.perf_counter() - start < 5
     assert said[0].count("(already installed)") == 2 and not any("[" in s for s in said)
 
+    import shutil
+
+    shutil.rmtree(paths[1])                    # only the 4-bit gone: made again from the float directory
+    said.clear()
+    add_model("tiny-gemma", dtype="float32", say=said.append)
+    assert any(s.startswith("loading") for s in said) and not any("[3/4]" in s for s in said)
+    assert registry.installed_recipe(paths[1])["quantize"] == {"bits": 4, "group_size": 64}
+
 
 def test_an_interrupted_install_is_redone_never_used(tiny_registry):
     base, quant = tiny_registry / "tiny-gemma", tiny_registry / "tiny-gemma-4bit"

