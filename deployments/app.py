@@ -10,6 +10,7 @@ max_ongoing_requests, ray_actor_options...).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -17,6 +18,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtplx.engine.repetition import RepetitionLimits
+from mtplx.models.registry import model_not_installed, resolve_model_path
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
 from ._proc import direct_http_enabled
@@ -53,7 +55,8 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_path: Optional[str] = Field(None, description="HF-layout model dir; None = the shipped model")
+    model_path: Optional[str] = Field(None, description="HF-layout model dir, or the name of a model `mtplx models "
+                                                        "add` installed (e.g. gemma-3-270m); None = the shipped model")
     served_model_name: Optional[str] = Field(None, description="Name in /v1/models; default: the dir name")
     widths: List[int] = Field(default_factory=lambda: list(DEFAULT_WIDTHS),
                               description="Lane widths to install; a key's running lane moves between them")
@@ -175,6 +178,12 @@ def ingress_max_ongoing(a: AppArgs) -> int:
 def build_app(args: Optional[Dict[str, Any]] = None):
     """The application builder named by `import_path: deployments:build_app`."""
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
+    if a.model_path:
+        # a registered name becomes its directory here, so the ingress (tokenizer) and the replica
+        # (weights) read the same one; not installed on this node: a replica elsewhere may have it
+        if (hint := model_not_installed(a.model_path)) is not None:
+            warnings.warn(f"{hint} (on every node that runs a replica)", stacklevel=2)
+        a = a.model_copy(update={"model_path": resolve_model_path(a.model_path)})
     replica_opts: Dict[str, Any] = {"num_gpus": 0, "num_cpus": a.replica_num_cpus}
     if a.replica_resources:
         replica_opts["resources"] = dict(a.replica_resources)

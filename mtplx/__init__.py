@@ -10,10 +10,12 @@ __version__ = "0.1.0"
 
 
 def load_model(path=None, **kwargs):
-    """Load an HF-layout checkpoint (None -> the shipped default model). See mtplx.models.loader."""
+    """Load an HF-layout checkpoint directory, or a model `mtplx models add` installed, by name
+    (None -> the shipped default model). See mtplx.models.loader and mtplx.models.registry."""
     from .models.loader import load_model as _load
+    from .models.registry import check_installed
 
-    return _load(path, **kwargs)
+    return _load(None if path is None else check_installed(path), **kwargs)
 
 
 __all__ = ["load_model", "runtime_info", "__version__"]

