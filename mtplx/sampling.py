@@ -43,6 +43,20 @@ PENALTY_LIMIT = 2.0
 DRAFT_CANDIDATES = 64      # a device-drawn draft's q: the draft sampler over the row's heaviest tokens
 UNIFORM_BITS = 24          # a device draw's uniform: m / 2**24, exact in float32
 GREEDY_BELOW = 1e-5        # a temperature below this decodes greedy (as vLLM's sampling epsilon)
+# What the device's float32 columns hold (`_column`): a top_p below float32's smallest normal
+# number rounds to 0 there (or a GPU flushes it to 0) and keeps no token; a temperature above
+# float32's largest is infinite there; a top_k beyond int32 is no top_k an engine holds.
+FLOAT32_TINY = 2.0 ** -126             # float32's smallest normal number (1.1754944e-38)
+FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
+TOP_K_MAX = 2 ** 31 - 1
+
+
+def shown_value(value) -> str:
+    """A value as an error message shows it: repr, but an integer too long to read (or to print:
+    Python refuses ints of more than 4300 digits) by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,7 @@ class SamplerConfig:
 
     def __post_init__(self):
         def bad(name, value, rule):
-            raise ValueError(f"SamplerConfig.{name}={value!r} is invalid: {rule}")
+            raise ValueError(f"SamplerConfig.{name}={shown_value(value)} is invalid: {rule}")
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -72,10 +86,19 @@ class SamplerConfig:
             bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
         if self.temperature < GREEDY_BELOW:   # logits / 1e-320 overflow to a NaN distribution
             object.__setattr__(self, "temperature", 0.0)
+        if self.temperature > FLOAT32_MAX:
+            bad("temperature", self.temperature, f"must be at most {FLOAT32_MAX:.7g} (float32's largest number)")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_p < FLOAT32_TINY:
+            bad("top_p", self.top_p, f"must be at least {FLOAT32_TINY:.8g} (float32's smallest normal number: "
+                                     f"below it the device's float32 rounds top_p to 0, or a GPU flushes it "
+                                     f"to 0, and keeps no token); for greedy decoding use temperature 0")
         if self.top_k < 0:
             bad("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if self.top_k > TOP_K_MAX:
+            bad("top_k", self.top_k, f"must be at most {TOP_K_MAX} (int32); any top_k at or above the vocabulary "
+                                     f"size keeps every token, as 0 does")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", self.min_p, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -74,13 +74,18 @@ def json_schema_grammar(schema) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise ConstraintError("the JSON schema nests too deeply to be read") from None
         except ValueError as exc:
             raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from exc
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         raise ConstraintError(f"a JSON schema must be an object (or true), not {json.dumps(schema)[:40]}")
-    bad = _unsupported_keyword(schema, "")
+    try:
+        bad = _unsupported_keyword(schema, "")
+    except RecursionError:
+        raise ConstraintError("the JSON schema nests too deeply to be read") from None
     if bad is not None:
         keyword, where = bad
         raise ConstraintError(f"JSON Schema keyword {keyword!r} at {where or '/'} cannot be enforced by this "

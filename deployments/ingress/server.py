@@ -222,7 +222,7 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         body = await self._admitted_body(request)
         with self.bound.admit() as place:
-            req = oa.parse_request(oa.ChatCompletionRequest, body)
+            req = oa.parse_request(oa.ChatCompletionRequest, body, self.request_limits)
             self._check_model(req.model)
             plan = output_plan.for_chat(req)
             prompt_ids = await _off_loop(_messages_size(req.messages), partial(
@@ -233,12 +233,11 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         body = await self._admitted_body(request)
         with self.bound.admit() as place:
-            req = oa.parse_request(oa.CompletionRequest, body)
+            req = oa.parse_request(oa.CompletionRequest, body, self.request_limits)
             self._check_model(req.model)
             plan = output_plan.for_completion(req)
             prompt = req.single_prompt()
-            prompt_ids = await _off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
-                                         self.meta["vocab_size"] or 2 ** 31)
+            prompt_ids = await _off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt)
             if not prompt_ids:
                 raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
             return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place, plan=plan)
@@ -249,7 +248,7 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         body = await self._admitted_body(request)
         with self.bound.admit() as place:
-            msg = oa.parse_request(anthropic.MessagesRequest, body)
+            msg = oa.parse_request(anthropic.MessagesRequest, body, self.request_limits)
             self._check_model(msg.model)
             req = msg.to_chat_request()
             prompt_ids = await _off_loop(_messages_size(req.messages), msg.encode, self.tokenizer)
@@ -281,13 +280,12 @@ class OpenAIIngress:
 
     def _row_spec(self, req, prompt_ids: List[int], rid: str, constraint: Optional[Constraint] = None) -> RowSpec:
         """The row this request decodes as (its n > 1 choices are copies of it)."""
-        if req.stop_token_ids:
-            self._check_vocab(req.stop_token_ids, "stop_token_ids")
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return RowSpec(
             request_id=rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
             max_tokens=self._max_tokens(req, len(prompt_ids)),
-            sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"]), seed=int(seed) % (2 ** 64),
+            sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"], self.meta["vocab_size"]),
+            seed=int(seed) % (2 ** 64),
             generation_mode=req.generation_mode or self.default_mode,
             omit_speculative_bonus=bool(req.omit_speculative_bonus),
             # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
@@ -318,17 +316,20 @@ class OpenAIIngress:
         that they reach one replica together and share one prefill) and the rows waiting here."""
         return min(self.max_batch_size, self.bound.max_waiting_rows)
 
+    @property
+    def request_limits(self) -> oa.RequestLimits:
+        """What a request is parsed against: the model's vocabulary and context window (from its
+        files), and the rows one request may ask for."""
+        return oa.RequestLimits(vocab_size=self.meta["vocab_size"], max_context=self.meta["max_context"],
+                                max_rows=self.max_choices)
+
     def _choice_rows(self, req, spec: RowSpec) -> List[RowSpec]:
         """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
         replica's lane prefills the prompt once for all of them. Each row has its own id (a stop
         string ends its row only); a cancel of the request's id reaches the group. best_of > n:
-        every row reports log-probabilities, whether or not the client asked, to rank them."""
+        every row reports log-probabilities, whether or not the client asked, to rank them.
+        (`request_limits` bounded n and best_of where the request was parsed.)"""
         n, m = req.requested_n, req.requested_rows
-        if m > self.max_choices:
-            param = "n" if m == n else "best_of"
-            raise oa.invalid_request(f"{param}={m} is above this server's limit of {self.max_choices} rows per "
-                                     f"request (its batch window holds {self.max_batch_size} rows)",
-                                     param=param, code="invalid_value")
         logprobs = spec.logprobs if spec.logprobs is not None or m == n else 0
         return [dataclasses.replace(spec, request_id=f"{spec.request_id}-{i}", seed=(spec.seed + i) % (2 ** 64),
                                     prefill_group=spec.request_id, logprobs=logprobs) for i in range(m)]
@@ -348,14 +349,14 @@ class OpenAIIngress:
     # Token endpoints
 
     async def _count_tokens(self, request: Request, ctx: RequestContext) -> Response:
-        req = oa.parse_request(anthropic.CountTokensRequest, await self._body(request))
+        req = oa.parse_request(anthropic.CountTokensRequest, await self._body(request), self.request_limits)
         self._check_model(req.model)
         ids = await _off_loop(_messages_size(req.messages), req.encode, self.tokenizer)
         return JSONResponse({"input_tokens": len(ids)})
 
     async def _tokenize(self, request: Request, ctx: RequestContext) -> Response:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-        req = oa.parse_tokenize_request(await self._body(request))
+        req = oa.parse_tokenize_request(await self._body(request), self.request_limits)
         self._check_model(req.model)
         if isinstance(req, oa.TokenizeChatRequest):
             ids = await _off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages,
@@ -369,18 +370,10 @@ class OpenAIIngress:
 
     async def _detokenize(self, request: Request, ctx: RequestContext) -> Response:
         """vLLM's /detokenize: token ids to text (special tokens included)."""
-        req = oa.parse_request(oa.DetokenizeRequest, await self._body(request))
+        req = oa.parse_request(oa.DetokenizeRequest, await self._body(request), self.request_limits)
         self._check_model(req.model)
-        self._check_vocab(req.tokens, "tokens")
         text = await _off_loop(len(req.tokens), lambda: self.tokenizer.decode(req.tokens))
         return JSONResponse({"prompt": text})
-
-    def _check_vocab(self, ids: List[int], param: str) -> None:
-        vocab = self.meta["vocab_size"] or 2 ** 31
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise oa.invalid_request(f"token id {bad[0]} in {param} is outside the vocabulary [0, {vocab})",
-                                     param=param, code="invalid_value")
 
     # ------------------------------------------------------------------------------------------
     # Models, version, operations

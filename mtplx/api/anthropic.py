@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
 from mtplx.api import openai as oa
 from mtplx.api import output_plan
@@ -134,7 +134,7 @@ class Message(BaseModel):
     content: Union[str, List[ContentBlock]]
 
 
-class _MessagesPrompt(BaseModel):
+class _MessagesPrompt(oa.BoundedRequest):
     """The fields that make the prompt (shared by /v1/messages and /v1/messages/count_tokens). A
     field this server does not know is refused with a 400 naming it, as on the OpenAI routes."""
 
@@ -168,6 +168,10 @@ class _MessagesPrompt(BaseModel):
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise oa.invalid_request("thinking.budget_tokens must be a non-negative integer",
                                      param="thinking.budget_tokens")
+        try:
+            oa.check_token_count(budget, "thinking.budget_tokens", self._limits)
+        except ValueError as exc:
+            raise oa.invalid_request(str(exc), param="thinking.budget_tokens", code="invalid_value") from None
         max_tokens = getattr(self, "max_tokens", None)
         if max_tokens is not None and budget >= max_tokens:
             raise oa.invalid_request(f"thinking.budget_tokens ({budget}) must be below max_tokens ({max_tokens})",
@@ -239,13 +243,22 @@ class MessagesRequest(_MessagesPrompt):
     @field_validator("stop_sequences")
     @classmethod
     def _check_stops(cls, v):
-        if v is None:
-            return None
-        if len(v) > oa.MAX_STOP_STRINGS:
-            raise ValueError(f"at most {oa.MAX_STOP_STRINGS} stop sequences are allowed, got {len(v)}")
-        if any(s == "" for s in v):
-            raise ValueError("stop sequences must be non-empty strings")
-        return v
+        return v if v is None else oa.check_stop_strings(v)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v, info: ValidationInfo):
+        return oa.check_token_count(v, "max_tokens", oa.request_limits(info))
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        return oa.check_top_p(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        return oa.check_top_k(v)
 
     def to_chat_request(self) -> oa.ChatCompletionRequest:
         """The chat-completions request this one is served as (same sampling, budget and stops)."""

@@ -13,15 +13,21 @@ import random
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from mtplx.api.text import TokenBytes
-from mtplx.sampling import SamplerConfig
+from mtplx.sampling import FLOAT32_TINY, TOP_K_MAX, SamplerConfig, shown_value
 
 MAX_STOP_STRINGS = 4
+# A stop string is held back while the text may be its start: matching costs the square of its
+# length for every token of the row, on the ingress's event loop.
+MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+INT32_MAX = 2 ** 31 - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,8 +116,26 @@ def unauthorized(message: str) -> OpenAIError:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[a-z_-]+\[.*\])$")
 
 
-def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming the offending field."""
+_JSON_POSITION = re.compile(r"at line (\d+) column (\d+)")
+_JSON_KEY = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
+
+
+def _key_before(raw: bytes, error: str) -> Optional[str]:
+    """The last object key before where the JSON parser stopped (a number out of range, say): the
+    field the body could not be read at."""
+    at = _JSON_POSITION.search(error)
+    if not raw or at is None:
+        return None
+    lines = raw.split(b"\n")
+    line, column = int(at.group(1)), int(at.group(2))
+    offset = sum(len(x) + 1 for x in lines[:line - 1]) + column
+    keys = _JSON_KEY.findall(raw[:offset])
+    return keys[-1].decode("utf-8", "replace") if keys else None
+
+
+def from_validation_error(exc: ValidationError, raw: Optional[bytes] = None) -> OpenAIError:
+    """The first pydantic error as a 400 naming the offending field (`raw`: the body, to name
+    where a body that is not JSON stopped being read)."""
     errors = exc.errors(include_url=False)
     if not errors:
         return invalid_request(str(exc))
@@ -123,17 +147,129 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     if msg.startswith("Value error, "):   # our own validators' messages read better without it
         msg = msg[len("Value error, "):]
     if err.get("type") == "json_invalid":
-        return invalid_request(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}",
-                               code="invalid_json")
+        error = str(err.get("ctx", {}).get("error", msg))
+        param = _key_before(raw, error)
+        return invalid_request(f"The request body is not valid JSON: {error}"
+                               + (f" (in {param!r})" if param else ""), param=param, code="invalid_json")
     if err.get("type") == "extra_forbidden":
         return invalid_request(f"Unrecognized request argument supplied: {param}", param=param,
                                code="unknown_parameter")
     if err.get("type") == "missing":
         return invalid_request(f"Missing required parameter: {param!r}", param=param,
                                code="missing_required_parameter")
-    extra = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
+    extra = f" (got {shown_value(err['input'])})" if "input" in err and not isinstance(err["input"], (dict, list)) \
+        else ""
     where = f"for {param!r}" if param else "in the request body"
     return invalid_request(f"Invalid value {where}: {msg}{extra}", param=param, code="invalid_value")
+
+
+def client_json(text: Union[str, bytes], param: Optional[str] = None, what: str = "the request body",
+                code: str = "invalid_json"):
+    """A JSON value a client sent as text (a schema given as a string, say); a 400 naming `param`
+    when it is not JSON or nests deeper than Python's parser goes (never a RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise invalid_request(f"{what} nests too deeply to be read", param=param, code=code) from None
+    except ValueError as exc:
+        raise invalid_request(f"{what} is not valid JSON: {exc}", param=param, code=code) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# What the served model and this server bound in a request, checked where the request is parsed
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds a request is parsed against (pydantic's validation context): the model's
+    vocabulary (token ids), its context window (token counts: max_tokens, thinking budgets) and the
+    rows one request may ask for (n, best_of: one batch window). None: not bounded by it (the
+    request models are then checked only against the fixed ranges)."""
+
+    vocab_size: Optional[int] = None
+    max_context: Optional[int] = None
+    max_rows: Optional[int] = None
+
+
+NO_LIMITS = RequestLimits()
+
+
+def request_limits(info: ValidationInfo) -> RequestLimits:
+    return info.context if isinstance(info.context, RequestLimits) else NO_LIMITS
+
+
+def check_token_count(value: Optional[int], name: str, limits: RequestLimits) -> Optional[int]:
+    """A count of tokens (max_tokens, a thinking budget): at most the model's context window."""
+    bound = limits.max_context or INT32_MAX
+    if value is not None and value > bound:
+        where = f"the model's context window of {bound} tokens" if limits.max_context else f"{bound}"
+        raise ValueError(f"{name}={shown_value(value)} is above {where}; ask for at most {bound}")
+    return value
+
+
+def check_token_ids(ids, name: str, limits: RequestLimits):
+    """Token ids: each in [0, vocabulary size)."""
+    vocab = limits.vocab_size or INT32_MAX + 1
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"token id {shown_value(bad)} in {name} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def check_top_p(value: Optional[float]) -> Optional[float]:
+    """0 (the heaviest token only) or a top_p the device's float32 holds as a positive number."""
+    if value is not None and 0.0 < value < FLOAT32_TINY:
+        raise ValueError(f"top_p={value!r} is below {FLOAT32_TINY:.8g}, float32's smallest normal number (the "
+                         f"engine's float32 would keep no token); send 0 for greedy decoding or at least that")
+    return value
+
+
+def check_top_k(value: Optional[int]) -> Optional[int]:
+    """At most int32's largest (as vLLM reads it, a top_k at or above the vocabulary keeps every
+    token: `sampler_from_request` turns it into 0)."""
+    if value is not None and value > TOP_K_MAX:
+        raise ValueError(f"top_k={shown_value(value)} is above {TOP_K_MAX}; any top_k at or above the vocabulary size keeps "
+                         f"every token, as 0 and -1 do")
+    return value
+
+
+def check_stop_strings(items: List[str]) -> List[str]:
+    """Stop strings (OpenAI's `stop`, Anthropic's `stop_sequences`): at most MAX_STOP_STRINGS, each
+    non-empty and at most MAX_STOP_STRING_CHARS characters."""
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
+    if any(s == "" for s in items):
+        raise ValueError("stop sequences must be non-empty strings")
+    longest = max((len(s) for s in items), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"a stop sequence is at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
+    return items
+
+
+MAX_ROWS = 64        # rows one request may ask for when no server bounds it (AppArgs' widest batch window)
+
+
+def check_rows(value: int, name: str, limits: RequestLimits) -> None:
+    """Rows one request asks for (n, best_of): they travel in one batch window to one replica."""
+    bound = limits.max_rows or MAX_ROWS
+    if value > bound:
+        raise invalid_request(f"{name}={shown_value(value)} is above this server's limit of {bound} rows per request (its "
+                              f"batch window holds {bound} rows)", param=name, code="invalid_value")
+
+
+class BoundedRequest(BaseModel):
+    """A request model parsed against `RequestLimits` (its validation context), kept for the
+    checks that need the whole request (`checks()`)."""
+
+    _limits: RequestLimits = PrivateAttr(default=NO_LIMITS)
+
+    @model_validator(mode="after")
+    def _keep_limits(self, info: ValidationInfo):
+        self._limits = request_limits(info)
+        return self
+
+    def checks(self) -> None:
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,9 +348,10 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class _GenerationFields(BaseModel):
+class _GenerationFields(BoundedRequest):
     """Fields shared by chat and completions requests (plus the mtplx extensions). A field this
-    server does not know is refused (as OpenAI does), never silently dropped."""
+    server does not know is refused (as OpenAI does), never silently dropped. Every number has a
+    range, checked here (`RequestLimits`: against the served model where it bounds it)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -222,7 +359,7 @@ class _GenerationFields(BaseModel):
     max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)       # 0: the heaviest token only (greedy)
-    top_k: Optional[int] = Field(default=None, ge=-1, strict=True)
+    top_k: Optional[int] = Field(default=None, ge=-1, strict=True)     # -1 / 0: off; >= the vocabulary: off
     min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
@@ -264,12 +401,27 @@ class _GenerationFields(BaseModel):
     def _check_stop(cls, v):
         if v is None:
             return None
-        items = [v] if isinstance(v, str) else list(v)
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
-        if any(s == "" for s in items):
-            raise ValueError("stop sequences must be non-empty strings")
-        return items
+        return check_stop_strings([v] if isinstance(v, str) else list(v))
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v, info: ValidationInfo):
+        return check_token_count(v, "max_tokens", request_limits(info))
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        return check_top_p(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        return check_top_k(v)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v, info: ValidationInfo):
+        return v if v is None else check_token_ids(v, "stop_token_ids", request_limits(info))
 
     @field_validator("seed")
     @classmethod
@@ -279,13 +431,16 @@ class _GenerationFields(BaseModel):
         return v
 
     def common_checks(self) -> None:
+        if self.requested_rows > 1:
+            check_rows(self.requested_rows, "n" if self.requested_rows == self.requested_n else "best_of",
+                       self._limits)
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true",
                                   param="stream_options")
         if self.min_tokens:
-            raise invalid_request(f"min_tokens={self.min_tokens} is not supported: this server cannot keep a row "
+            raise invalid_request(f"min_tokens={shown_value(self.min_tokens)} is not supported: this server cannot keep a row "
                                   f"from stopping early (it would have to mask the stop tokens for the target "
                                   f"and the draft alike); send 0 or omit it", param="min_tokens",
                                   code="unsupported_value")
@@ -324,6 +479,11 @@ class ChatCompletionRequest(_GenerationFields):
     thinking_budget: Optional[int] = Field(default=None, ge=0, strict=True)    # mtplx: thinking tokens before </think>
     logprobs: Optional[bool] = Field(default=None, strict=True)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    @field_validator("max_completion_tokens", "thinking_budget")
+    @classmethod
+    def _check_token_counts(cls, v, info: ValidationInfo):
+        return check_token_count(v, info.field_name, request_limits(info))
 
     @property
     def requested_logprobs(self) -> Optional[int]:
@@ -374,6 +534,14 @@ class CompletionRequest(_GenerationFields):
             return v
         raise ValueError("prompt must be a string, a list of token ids (integers), or a list of those")
 
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt_ids(cls, v, info: ValidationInfo):
+        if isinstance(v, list):
+            for ids in ([v] if all(isinstance(t, int) for t in v) else [p for p in v if isinstance(p, list)]):
+                check_token_ids(ids, "prompt", request_limits(info))
+        return v
+
     def checks(self) -> None:
         self.common_checks()
         if self.echo:
@@ -413,7 +581,7 @@ class CompletionRequest(_GenerationFields):
         return p[0]
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(BoundedRequest):
     """vLLM's POST /tokenize, prompt form."""
 
     model_config = ConfigDict(extra="forbid")
@@ -422,11 +590,8 @@ class TokenizeCompletionRequest(BaseModel):
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
-    def checks(self) -> None:
-        pass
 
-
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(BoundedRequest):
     """vLLM's POST /tokenize, chat form: the messages through the model's chat template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -446,42 +611,55 @@ class TokenizeChatRequest(BaseModel):
                                   param="continue_final_message")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(BoundedRequest):
     """vLLM's POST /detokenize."""
 
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     tokens: List[Annotated[int, Field(ge=0, strict=True)]]
 
-    def checks(self) -> None:
-        pass
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, v, info: ValidationInfo):
+        return check_token_ids(v, "tokens", request_limits(info))
 
 
-def parse_tokenize_request(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+class _TokenizeForm(BaseModel):
+    """Which form a /tokenize body is: only whether it has "messages" (pydantic's parser, whose
+    nesting limit answers a 400, reads it; Python's `json` would raise RecursionError)."""
+
+    model_config = ConfigDict(extra="ignore")
+    messages: Any = None
+
+
+def parse_tokenize_request(raw: bytes, limits: RequestLimits = NO_LIMITS
+                           ) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
     """A /tokenize body is the chat form when it has "messages", the prompt form otherwise."""
     try:
-        obj = json.loads(raw) if raw else None
-    except ValueError:
-        obj = None
-    cls = TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else TokenizeCompletionRequest
-    return parse_request(cls, raw)
+        chat = raw and _TokenizeForm.model_validate_json(raw).messages is not None
+    except ValidationError:
+        chat = False                    # not a JSON object: the prompt form's parse says why
+    return parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, raw, limits)
 
 
-def parse_request(cls, raw: bytes):
-    """Validate a JSON body into `cls`, raising OpenAIError(400) naming the field on failure."""
+def parse_request(cls, raw: bytes, limits: RequestLimits = NO_LIMITS):
+    """Validate a JSON body into `cls` against `limits` (the served model's and this server's
+    bounds), raising OpenAIError(400) naming the field on failure."""
     if not raw:
         raise invalid_request("The request body is empty; send a JSON object", code="invalid_json")
     try:
-        req = cls.model_validate_json(raw)
+        req = cls.model_validate_json(raw, context=limits)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, raw) from None
     req.checks()
     return req
 
 
-def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None) -> SamplerConfig:
+def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None,
+                         vocab_size: Optional[int] = None) -> SamplerConfig:
     """SamplerConfig from the request; omitted fields take the model's / mtplx defaults. top_p 0
-    keeps only the heaviest token: greedy decoding."""
+    keeps only the heaviest token: greedy decoding. top_k -1 (vLLM's "off") and, as vLLM reads
+    it, a top_k at or above the vocabulary size keep every token: top_k 0."""
     values = dict(defaults or {})
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
@@ -490,7 +668,8 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
     if req.top_p == 0:
         values["temperature"] = 0.0
         values["top_p"] = 1.0
-    if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
+    top_k = values.get("top_k", 0)
+    if top_k == -1 or (vocab_size and top_k >= vocab_size):
         values["top_k"] = 0
     try:
         return SamplerConfig(**values)
@@ -530,15 +709,12 @@ def encode_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: b
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def encode_prompt(tokenizer, prompt: Union[str, List[int]], vocab_size: int) -> List[int]:
+def encode_prompt(tokenizer, prompt: Union[str, List[int]]) -> List[int]:
+    """A completion's prompt as token ids (ids were checked against the vocabulary at parse)."""
     if isinstance(prompt, str):
         if prompt == "":
             raise invalid_request("prompt is empty", param="prompt")
         return list(tokenizer.encode(prompt, add_special_tokens=False))
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise invalid_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                              param="prompt", code="invalid_value")
     return list(prompt)
 
 
