@@ -284,10 +284,13 @@ class MessagesRequest(_MessagesPrompt):
 
 
 def stop_reason(finish_reason: str, stop_sequence: Optional[str], tool_use: bool = False) -> str:
-    """Anthropic's stop_reason from the row's OpenAI finish_reason, the stop string it matched and
-    whether it made tool calls."""
+    """Anthropic's stop_reason from the row's finish_reason, the stop string it matched and
+    whether it made tool calls; a row cancelled through the cancel route keeps "abort" (Anthropic
+    has no word for an answer that did not finish)."""
     if finish_reason == "length":
         return "max_tokens"
+    if finish_reason == oa.ABORT:
+        return oa.ABORT
     if stop_sequence is not None:
         return "stop_sequence"
     return "tool_use" if tool_use else "end_turn"

@@ -392,6 +392,8 @@ class _GenerationFields(BoundedRequest):
     guided_json_object: Optional[Any] = None
     guided_decoding_backend: Optional[Any] = None
     guided_whitespace_pattern: Optional[Any] = None
+    # vLLM's: the prefix cache is partitioned by it (and by the caller's API key)
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)
     # mtplx extensions
     generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
     omit_speculative_bonus: bool = False
@@ -735,16 +737,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-# OpenAI's finish reasons this server reports ("content_filter" never happens here; "tool_calls" when
-# the answer's tool calls were parsed, see deployments.ingress.formats).
-FINISH_REASONS = ("stop", "length", "tool_calls")
+# The finish reasons this server reports: OpenAI's ("content_filter" never happens here;
+# "tool_calls" when the answer's tool calls were parsed, see deployments.ingress.formats), and
+# vLLM's "abort" for a row cancelled through the cancel route (it did not finish: OpenAI has no
+# word for that, and "stop" would say it had).
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
+ABORT = "abort"
 
 
 def openai_finish_reason(engine_reason: Optional[str]) -> str:
-    """The engine's reason a row ended, as OpenAI spells it: "length" when the row ran out of budget;
-    "stop" for everything else: a stop token or string, a literal-repetition stop, and a row
-    cancelled through the cancel route (`mtplx_stats.cancelled` says so)."""
-    return "length" if engine_reason == "length" else "stop"
+    """The engine's reason a row ended, as the client reads it: "length" when the row ran out of
+    budget; "abort" when it was cancelled (the cancel route); "stop" for everything else: a stop
+    token or string, a literal-repetition stop."""
+    if engine_reason == "length":
+        return "length"
+    return ABORT if engine_reason == "cancelled" else "stop"
 
 
 def chat_response(rid: str, created: int, model: str, text: Optional[str], finish_reason: str, usage_: dict,
