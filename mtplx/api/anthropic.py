@@ -22,7 +22,7 @@ from mtplx.api.tools import anthropic_tool_choice, anthropic_tools
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
@@ -231,8 +231,8 @@ class MessagesRequest(_MessagesPrompt):
     max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)
     top_k: Optional[int] = Field(default=None, ge=0, strict=True)
     # accepted: bookkeeping, and a prompt-caching hint (the prefix cache is automatic; the hint only
     # asks for usage split into cache reads and uncached input)

@@ -357,12 +357,12 @@ class _GenerationFields(BoundedRequest):
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)       # 0: the heaviest token only (greedy)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0, strict=True)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)       # 0: the heaviest token only (greedy)
     top_k: Optional[int] = Field(default=None, ge=-1, strict=True)     # -1 / 0: off; >= the vocabulary: off
-    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, strict=True)
     seed: Optional[int] = Field(default=None, strict=True)
     stop: Union[str, List[str], None] = None
     stream: bool = False
@@ -380,7 +380,7 @@ class _GenerationFields(BoundedRequest):
     stop_token_ids: Optional[List[Annotated[int, Field(ge=0, strict=True)]]] = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, strict=True)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, strict=True)
     # structured output (mtplx.api.output_plan): OpenAI's response_format, vLLM's structured_outputs;
     # vLLM's deprecated guided_* fields are refused with the name of their replacement
     response_format: Optional[dict] = None
