@@ -127,3 +127,17 @@ def test_the_prefix_cache_is_partitioned_per_key_and_per_cache_salt(serve_app):
         r = c.post("/v1/chat/completions", headers=AUTH_A, json={"messages": [{"role": "user", "content": "x"}],
                                                                  "cache_salt": ""})
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+@RAY_MARK
+def test_the_snapshot_counts_what_grammars_hold(serve_app, http):
+    """Structured output's memory where the replica reports its state: rows with a grammar, the
+    bytes they hold (counted as their masks come and go) and llguidance's bounds."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x = "}],
+                                                "max_tokens": 8, "temperature": 0,
+                                                "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and r.json()["mtplx_stats"]["constraint"] == "json_object", r.text
+    (replica,) = http.get("/v1/mtplx/snapshot").json()["replicas"].values()
+    grammar = replica["grammar"]
+    assert grammar["rows_started"] >= 1 and grammar["peak_row_bytes"] > 0 and grammar["compiled_grammars"] >= 1
+    assert grammar["max_lexer_states"] == 100_000 and grammar["step_lexer_fuel"] == 200_000
