@@ -51,6 +51,26 @@ FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
 TOP_K_MAX = 2 ** 31 - 1
 
 
+# Each setting's range, and what the refusal says. top_p's and temperature's ends are what the
+# device's float32 columns hold; top_k's, int32's.
+SETTING_RANGES = {
+    "temperature": (0.0, FLOAT32_MAX, f"must be >= 0 (0 means greedy) and at most {FLOAT32_MAX:.7g} (float32's "
+                                      f"largest number)"),
+    "top_p": (FLOAT32_TINY, 1.0, f"must be in (0, 1], and at least {FLOAT32_TINY:.8g} (float32's smallest normal "
+                                 f"number: below it the device's float32 rounds top_p to 0, or a GPU flushes it to "
+                                 f"0, and keeps no token); for greedy decoding use temperature 0"),
+    "top_k": (0, TOP_K_MAX, f"must be >= 0 (0 disables top-k) and at most {TOP_K_MAX} (int32); any top_k at or "
+                            f"above the vocabulary size keeps every token, as 0 does"),
+    "min_p": (0.0, 1.0, "must be in [0, 1]"),
+    "presence_penalty": (-PENALTY_LIMIT, PENALTY_LIMIT, f"must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]"),
+    "frequency_penalty": (-PENALTY_LIMIT, PENALTY_LIMIT, f"must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]"),
+}
+
+
+def _refuse(name: str, value, rule: str):
+    raise ValueError(f"SamplerConfig.{name}={shown_value(value)} is invalid: {rule}")
+
+
 def shown_value(value) -> str:
     """A value as an error message shows it: repr, but an integer too long to read (or to print:
     Python refuses ints of more than 4300 digits) by its size."""
@@ -71,39 +91,19 @@ class SamplerConfig:
     frequency_penalty: float = 0.0
 
     def __post_init__(self):
-        def bad(name, value, rule):
-            raise ValueError(f"SamplerConfig.{name}={shown_value(value)} is invalid: {rule}")
-
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                bad(name, value, "must be a finite number")
+                _refuse(name, value, "must be a finite number")
             object.__setattr__(self, name, float(value))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
-            bad("top_k", self.top_k, "must be an integer")
+            _refuse("top_k", self.top_k, "must be an integer")
         object.__setattr__(self, "top_k", int(self.top_k))
-        if self.temperature < 0:
-            bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        for name, (lo, hi, rule) in SETTING_RANGES.items():
+            if not lo <= getattr(self, name) <= hi:
+                _refuse(name, getattr(self, name), rule)
         if self.temperature < GREEDY_BELOW:   # logits / 1e-320 overflow to a NaN distribution
             object.__setattr__(self, "temperature", 0.0)
-        if self.temperature > FLOAT32_MAX:
-            bad("temperature", self.temperature, f"must be at most {FLOAT32_MAX:.7g} (float32's largest number)")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_p < FLOAT32_TINY:
-            bad("top_p", self.top_p, f"must be at least {FLOAT32_TINY:.8g} (float32's smallest normal number: "
-                                     f"below it the device's float32 rounds top_p to 0, or a GPU flushes it "
-                                     f"to 0, and keeps no token); for greedy decoding use temperature 0")
-        if self.top_k < 0:
-            bad("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
-        if self.top_k > TOP_K_MAX:
-            bad("top_k", self.top_k, f"must be at most {TOP_K_MAX} (int32); any top_k at or above the vocabulary "
-                                     f"size keeps every token, as 0 does")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "must be in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if abs(getattr(self, name)) > PENALTY_LIMIT:
-                bad(name, getattr(self, name), f"must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]")
 
     @property
     def is_greedy(self) -> bool:

@@ -29,7 +29,6 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from benchmarks.http import BENCH_PROMPTS as PROMPTS  # noqa: E402
-from conftest import TEST_API_KEY  # noqa: E402
 
 RAY_MARK = pytest.mark.ray
 MODEL = "mtplx-tiny-py"

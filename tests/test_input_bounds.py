@@ -11,10 +11,11 @@ import pytest
 
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.limits import MAX_STOP_STRING_CHARS, RequestLimits
 from mtplx.sampling import FLOAT32_TINY, TOP_K_MAX, SamplerConfig
 
 VOCAB, CONTEXT, ROWS = 4096, 2048, 8
-LIMITS = oa.RequestLimits(vocab_size=VOCAB, max_context=CONTEXT, max_rows=ROWS)
+LIMITS = RequestLimits(vocab_size=VOCAB, max_context=CONTEXT, max_rows=ROWS)
 USER = [{"role": "user", "content": "def f(x):"}]
 HUGE = 10 ** 400        # a valid JSON integer (issue 57's first repro)
 
@@ -95,12 +96,12 @@ def test_anthropic_numbers_are_bounded_too():
 
 
 def test_stop_strings_have_a_count_and_a_length_cap():
-    long_stop = "x" * (oa.MAX_STOP_STRING_CHARS + 1)
+    long_stop = "x" * (MAX_STOP_STRING_CHARS + 1)
     _refused(CHAT, {"messages": USER, "stop": long_stop}, "stop")
     _refused(CHAT, {"messages": USER, "stop": ["a"] * 5}, "stop")
     _refused(anthropic.MessagesRequest, {"model": "m", "max_tokens": 8, "messages": USER,
                                          "stop_sequences": [long_stop]}, "stop_sequences")
-    ok = "y" * oa.MAX_STOP_STRING_CHARS
+    ok = "y" * MAX_STOP_STRING_CHARS
     assert _parse(CHAT, {"messages": USER, "stop": [ok, "a", "b", "c"]}).stop_strings()[0] == ok
 
 

@@ -26,6 +26,7 @@ import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
 from mtplx.api import output_plan
+from mtplx.api.limits import RequestLimits
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
@@ -384,10 +385,10 @@ class OpenAIIngress:
         return min(self.max_batch_size, self.bound.max_waiting_rows)
 
     @property
-    def request_limits(self) -> oa.RequestLimits:
+    def request_limits(self) -> RequestLimits:
         """What a request is parsed against: the model's vocabulary and context window (from its
         files), and the rows one request may ask for."""
-        return oa.RequestLimits(vocab_size=self.meta["vocab_size"], max_context=self.meta["max_context"],
+        return RequestLimits(vocab_size=self.meta["vocab_size"], max_context=self.meta["max_context"],
                                 max_rows=self.max_choices)
 
     def _choice_rows(self, req, spec: RowSpec) -> List[RowSpec]:

@@ -15,6 +15,7 @@ from typing import List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
+from mtplx.api import limits
 from mtplx.api import openai as oa
 from mtplx.api import output_plan
 from mtplx.api.parsing import ParsedAnswer
@@ -134,7 +135,7 @@ class Message(BaseModel):
     content: Union[str, List[ContentBlock]]
 
 
-class _MessagesPrompt(oa.BoundedRequest):
+class _MessagesPrompt(limits.BoundedRequest):
     """The fields that make the prompt (shared by /v1/messages and /v1/messages/count_tokens). A
     field this server does not know is refused with a 400 naming it, as on the OpenAI routes."""
 
@@ -169,7 +170,7 @@ class _MessagesPrompt(oa.BoundedRequest):
             raise oa.invalid_request("thinking.budget_tokens must be a non-negative integer",
                                      param="thinking.budget_tokens")
         try:
-            oa.check_token_count(budget, "thinking.budget_tokens", self._limits)
+            limits.check_token_count(budget, "thinking.budget_tokens", self._limits)
         except ValueError as exc:
             raise oa.invalid_request(str(exc), param="thinking.budget_tokens", code="invalid_value") from None
         max_tokens = getattr(self, "max_tokens", None)
@@ -243,22 +244,22 @@ class MessagesRequest(_MessagesPrompt):
     @field_validator("stop_sequences")
     @classmethod
     def _check_stops(cls, v):
-        return v if v is None else oa.check_stop_strings(v)
+        return v if v is None else limits.check_stop_strings(v)
 
     @field_validator("max_tokens")
     @classmethod
     def _check_max_tokens(cls, v, info: ValidationInfo):
-        return oa.check_token_count(v, "max_tokens", oa.request_limits(info))
+        return limits.check_token_count(v, "max_tokens", limits.request_limits(info))
 
     @field_validator("top_p")
     @classmethod
     def _check_top_p(cls, v):
-        return oa.check_top_p(v)
+        return limits.check_top_p(v)
 
     @field_validator("top_k")
     @classmethod
     def _check_top_k(cls, v):
-        return oa.check_top_k(v)
+        return limits.check_top_k(v)
 
     def to_chat_request(self) -> oa.ChatCompletionRequest:
         """The chat-completions request this one is served as (same sampling, budget and stops)."""

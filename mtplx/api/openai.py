@@ -1,5 +1,7 @@
-"""OpenAI protocol for the HTTP front door: request models, response and log-probability shapes,
-errors. (A row's tokens as text, stop strings included, are `mtplx.api.text`'s.)
+"""OpenAI protocol for the HTTP front door: request models, response and log-probability shapes.
+Errors are `mtplx.api.errors`', the bounds a request is parsed against `mtplx.api.limits`' (both
+re-exported here: the ingress reads the protocol as `oa.`). A row's tokens as text, stop strings
+included, are `mtplx.api.text`'s.
 
 No MLX here: the Ray Serve ingress imports this module, and the ingress must never load MLX
 (`tests/test_http.py` checks it). Only pydantic, numpy-free stdlib and `mtplx.sampling`
@@ -9,267 +11,21 @@ No MLX here: the Ray Serve ingress imports this module, and the ingress must nev
 from __future__ import annotations
 
 import json
-import random
-import re
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Iterable, List, Literal, Optional, Sequence, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+# the errors are re-exported: the ingress and the other protocol modules raise them as `oa.<name>`
+from mtplx.api.errors import (OpenAIError, client_json, context_length_exceeded, error_body,  # noqa: F401
+                              from_validation_error, internal_error, invalid_request, model_not_found, overloaded,
+                              route_not_found, unauthorized, unavailable)
+from mtplx.api.limits import (MAX_TOP_LOGPROBS, NO_LIMITS, BoundedRequest, RequestLimits, check_rows,
+                              check_stop_strings, check_token_count, check_token_ids, check_top_k, check_top_p,
+                              request_limits)
 from mtplx.api.text import TokenBytes
-from mtplx.sampling import FLOAT32_TINY, TOP_K_MAX, SamplerConfig, shown_value
-
-MAX_STOP_STRINGS = 4
-# A stop string is held back while the text may be its start: matching costs the square of its
-# length for every token of the row, on the ingress's event loop.
-MAX_STOP_STRING_CHARS = 256
-MAX_TOP_LOGPROBS = 20
-INT32_MAX = 2 ** 31 - 1
-
-
-# ----------------------------------------------------------------------------------------------
-# Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}
-
-
-class OpenAIError(Exception):
-    """An error answered to the client as {"error": {...}} with an HTTP status."""
-
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[Dict[str, str]] = None):
-        super().__init__(message)
-        self.message = message
-        self.status = int(status)
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    return {"error": {"message": str(message), "type": type, "param": param, "code": code}}
-
-
-def invalid_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
-    return OpenAIError(message, status=400, param=param, code=code)
-
-
-def model_not_found(model: str, served: Sequence[str]) -> OpenAIError:
-    return OpenAIError(f"The model {model!r} does not exist; this server serves {list(served)}",
-                       status=404, param="model", code="model_not_found")
-
-
-def route_not_found(method: str, path: str) -> OpenAIError:
-    return OpenAIError(f"No route for {method} {path}", status=404, type="not_found_error",
-                       code="not_found")
-
-
-def context_length_exceeded(prompt_tokens: int, max_tokens: int, max_context: int,
-                            param: str = "max_tokens") -> OpenAIError:
-    return OpenAIError(
-        f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
-        f"completion). Please reduce the prompt or max_tokens.",
-        status=400, param=param, code="context_length_exceeded")
-
-
-def internal_error(request_id: Optional[str] = None) -> OpenAIError:
-    """A bug of ours. The client learns only that, and the id to quote; the details go to the log."""
-    ref = f" (request id {request_id})" if request_id else ""
-    return OpenAIError(f"The server had an internal error while processing the request{ref}; "
-                       f"the server log has the details", status=500, type="server_error", code="internal_error")
-
-
-def _retry_headers(retry_after_s: Optional[float], spread: bool = False) -> Dict[str, str]:
-    """Retry-After in whole seconds (at least 1). `spread`: a random whole number of seconds from
-    the delay to twice it, so that clients refused together do not all come back together."""
-    if not retry_after_s:
-        return {}
-    seconds = max(1, int(-(-float(retry_after_s) // 1)))
-    return {"retry-after": str(random.randint(seconds, 2 * seconds) if spread else seconds)}
-
-
-def unavailable(message: str, retry_after_s: Optional[float] = None) -> OpenAIError:
-    """503: no model replica can serve now (restarting, shut down); retry after the given delay."""
-    return OpenAIError(message, status=503, type="server_error", code="service_unavailable",
-                       headers=_retry_headers(retry_after_s))
-
-
-def overloaded(message: str, retry_after_s: float, status: int = 429) -> OpenAIError:
-    """429 (or 503, as configured): a bounded queue is full; answered at once with Retry-After."""
-    return OpenAIError(message, status=status, type="server_error" if status == 503 else "rate_limit_error",
-                       code="server_overloaded", headers=_retry_headers(retry_after_s, spread=True))
-
-
-def unauthorized(message: str) -> OpenAIError:
-    return OpenAIError(message, status=401, type="invalid_request_error", code="invalid_api_key",
-                       headers={"www-authenticate": "Bearer"})
-
-
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[a-z_-]+\[.*\])$")
-
-
-_JSON_POSITION = re.compile(r"at line (\d+) column (\d+)")
-_JSON_KEY = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
-
-
-def _key_before(raw: bytes, error: str) -> Optional[str]:
-    """The last object key before where the JSON parser stopped (a number out of range, say): the
-    field the body could not be read at."""
-    at = _JSON_POSITION.search(error)
-    if not raw or at is None:
-        return None
-    lines = raw.split(b"\n")
-    line, column = int(at.group(1)), int(at.group(2))
-    offset = sum(len(x) + 1 for x in lines[:line - 1]) + column
-    keys = _JSON_KEY.findall(raw[:offset])
-    return keys[-1].decode("utf-8", "replace") if keys else None
-
-
-def from_validation_error(exc: ValidationError, raw: Optional[bytes] = None) -> OpenAIError:
-    """The first pydantic error as a 400 naming the offending field (`raw`: the body, to name
-    where a body that is not JSON stopped being read)."""
-    errors = exc.errors(include_url=False)
-    if not errors:
-        return invalid_request(str(exc))
-    err = errors[0]
-    # a union's member tags ("str", "list[str]", "function-after[...]") are not part of the field path
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",) and not _UNION_TAG.match(str(p))]
-    param = ".".join(loc) or None
-    msg = err.get("msg", "invalid value")
-    if msg.startswith("Value error, "):   # our own validators' messages read better without it
-        msg = msg[len("Value error, "):]
-    if err.get("type") == "json_invalid":
-        error = str(err.get("ctx", {}).get("error", msg))
-        param = _key_before(raw, error)
-        return invalid_request(f"The request body is not valid JSON: {error}"
-                               + (f" (in {param!r})" if param else ""), param=param, code="invalid_json")
-    if err.get("type") == "extra_forbidden":
-        return invalid_request(f"Unrecognized request argument supplied: {param}", param=param,
-                               code="unknown_parameter")
-    if err.get("type") == "missing":
-        return invalid_request(f"Missing required parameter: {param!r}", param=param,
-                               code="missing_required_parameter")
-    extra = f" (got {shown_value(err['input'])})" if "input" in err and not isinstance(err["input"], (dict, list)) \
-        else ""
-    where = f"for {param!r}" if param else "in the request body"
-    return invalid_request(f"Invalid value {where}: {msg}{extra}", param=param, code="invalid_value")
-
-
-def client_json(text: Union[str, bytes], param: Optional[str] = None, what: str = "the request body",
-                code: str = "invalid_json"):
-    """A JSON value a client sent as text (a schema given as a string, say); a 400 naming `param`
-    when it is not JSON or nests deeper than Python's parser goes (never a RecursionError)."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise invalid_request(f"{what} nests too deeply to be read", param=param, code=code) from None
-    except ValueError as exc:
-        raise invalid_request(f"{what} is not valid JSON: {exc}", param=param, code=code) from None
-
-
-# ----------------------------------------------------------------------------------------------
-# What the served model and this server bound in a request, checked where the request is parsed
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """The bounds a request is parsed against (pydantic's validation context): the model's
-    vocabulary (token ids), its context window (token counts: max_tokens, thinking budgets) and the
-    rows one request may ask for (n, best_of: one batch window). None: not bounded by it (the
-    request models are then checked only against the fixed ranges)."""
-
-    vocab_size: Optional[int] = None
-    max_context: Optional[int] = None
-    max_rows: Optional[int] = None
-
-
-NO_LIMITS = RequestLimits()
-
-
-def request_limits(info: ValidationInfo) -> RequestLimits:
-    return info.context if isinstance(info.context, RequestLimits) else NO_LIMITS
-
-
-def check_token_count(value: Optional[int], name: str, limits: RequestLimits) -> Optional[int]:
-    """A count of tokens (max_tokens, a thinking budget): at most the model's context window."""
-    bound = limits.max_context or INT32_MAX
-    if value is not None and value > bound:
-        where = f"the model's context window of {bound} tokens" if limits.max_context else f"{bound}"
-        raise ValueError(f"{name}={shown_value(value)} is above {where}; ask for at most {bound}")
-    return value
-
-
-def check_token_ids(ids, name: str, limits: RequestLimits):
-    """Token ids: each in [0, vocabulary size)."""
-    vocab = limits.vocab_size or INT32_MAX + 1
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ValueError(f"token id {shown_value(bad)} in {name} is outside the vocabulary [0, {vocab})")
-    return ids
-
-
-def check_top_p(value: Optional[float]) -> Optional[float]:
-    """0 (the heaviest token only) or a top_p the device's float32 holds as a positive number."""
-    if value is not None and 0.0 < value < FLOAT32_TINY:
-        raise ValueError(f"top_p={value!r} is below {FLOAT32_TINY:.8g}, float32's smallest normal number (the "
-                         f"engine's float32 would keep no token); send 0 for greedy decoding or at least that")
-    return value
-
-
-def check_top_k(value: Optional[int]) -> Optional[int]:
-    """At most int32's largest (as vLLM reads it, a top_k at or above the vocabulary keeps every
-    token: `sampler_from_request` turns it into 0)."""
-    if value is not None and value > TOP_K_MAX:
-        raise ValueError(f"top_k={shown_value(value)} is above {TOP_K_MAX}; any top_k at or above the vocabulary size keeps "
-                         f"every token, as 0 and -1 do")
-    return value
-
-
-def check_stop_strings(items: List[str]) -> List[str]:
-    """Stop strings (OpenAI's `stop`, Anthropic's `stop_sequences`): at most MAX_STOP_STRINGS, each
-    non-empty and at most MAX_STOP_STRING_CHARS characters."""
-    if len(items) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
-    if any(s == "" for s in items):
-        raise ValueError("stop sequences must be non-empty strings")
-    longest = max((len(s) for s in items), default=0)
-    if longest > MAX_STOP_STRING_CHARS:
-        raise ValueError(f"a stop sequence is at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
-    return items
-
-
-MAX_ROWS = 64        # rows one request may ask for when no server bounds it (AppArgs' widest batch window)
-
-
-def check_rows(value: int, name: str, limits: RequestLimits) -> None:
-    """Rows one request asks for (n, best_of): they travel in one batch window to one replica."""
-    bound = limits.max_rows or MAX_ROWS
-    if value > bound:
-        raise invalid_request(f"{name}={shown_value(value)} is above this server's limit of {bound} rows per request (its "
-                              f"batch window holds {bound} rows)", param=name, code="invalid_value")
-
-
-class BoundedRequest(BaseModel):
-    """A request model parsed against `RequestLimits` (its validation context), kept for the
-    checks that need the whole request (`checks()`)."""
-
-    _limits: RequestLimits = PrivateAttr(default=NO_LIMITS)
-
-    @model_validator(mode="after")
-    def _keep_limits(self, info: ValidationInfo):
-        self._limits = request_limits(info)
-        return self
-
-    def checks(self) -> None:
-        pass
+from mtplx.sampling import SamplerConfig, shown_value
 
 
 # ----------------------------------------------------------------------------------------------
