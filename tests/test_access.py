@@ -141,3 +141,17 @@ def test_the_snapshot_counts_what_grammars_hold(serve_app, http):
     grammar = replica["grammar"]
     assert grammar["rows_started"] >= 1 and grammar["peak_row_bytes"] > 0 and grammar["compiled_grammars"] >= 1
     assert grammar["max_lexer_states"] == 100_000 and grammar["step_lexer_fuel"] == 200_000
+
+
+@RAY_MARK
+def test_a_rebound_host_is_refused_through_the_proxy_and_the_direct_port(serve_app):
+    """The served app listens on loopback: a Host that names another site (DNS rebinding) gets 403
+    on every route, /health included, through Serve's proxy and the ingress's own port alike."""
+    import httpx
+
+    for base in filter(None, (serve_app.base, serve_app.direct)):
+        with httpx.Client(base_url=base, timeout=60) as c:
+            for path in ("/health", "/v1/models"):
+                r = c.get(path, headers={**AUTH_A, "host": "evil.example:8000"})
+                assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (base, r.text)
+            assert c.get("/v1/models", headers={**AUTH_A, "host": "localhost"}).status_code == 200

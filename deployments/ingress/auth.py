@@ -122,7 +122,7 @@ class BrowserGuard:
     cross-origin) must name one of those, or this server's own Host. Both refusals are 403."""
 
     def __init__(self, allowed_hosts: Iterable[str], keys_configured: bool):
-        self.allowed = {h.lower().strip("[]") for h in allowed_hosts}
+        self.allowed = {(_hostname(h) or h).lower() for h in allowed_hosts}     # "name", "name:port", "[::1]"
         self.any_host = "*" in self.allowed
         self.keys_configured = keys_configured
 
