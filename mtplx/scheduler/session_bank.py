@@ -104,7 +104,8 @@ class SessionBank:
 
     def hooks(self, prompt, salt: Optional[str] = None):
         """(session_restore, session_commit) for one request's prompt, in partition `salt`."""
-        return (lambda: self.lookup(prompt, salt)), (lambda state: self.commit(state, salt))
+        commit = self.commit if salt is None else (lambda state: self.commit(state, salt))
+        return (lambda: self.lookup(prompt, salt)), commit
 
     def job_hooks(self, job):
         """`hooks` for a job: its prompt, in its `cache_salt`'s partition."""
