@@ -104,6 +104,11 @@ class AppArgs(BaseModel):
         INGRESS["api_keys_env"], description="Environment variable (of the ingress process) holding API keys, "
                                       "comma separated; unset or empty: no key from it")
     api_keys_file: Optional[str] = Field(None, description="File with one API key per line")
+    allowed_hosts: List[str] = Field(
+        default_factory=list, description="Host names (besides localhost and loopback addresses) a request arriving on "
+                                          "loopback may name in its Host header, e.g. a reverse proxy's; \"*\": any. "
+                                          "Other names get 403 (DNS rebinding). With no API key set, the names an "
+                                          "Origin header may name too")
     # Backpressure
     max_waiting_rows: int = Field(
         INGRESS["max_waiting_rows"], ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
@@ -222,7 +227,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "max_concurrent_batches": a.max_concurrent_batches, "default_max_tokens": a.default_max_tokens,
         "default_generation_mode": a.default_generation_mode, "tokenizer_source": a.tokenizer_source, "niceness": a.niceness,
         "max_tokens_limit": a.max_tokens_limit, "max_body_bytes": a.max_body_bytes,
-        "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file,
+        "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file, "allowed_hosts": list(a.allowed_hosts),
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
         "overload_status": a.overload_status, "metrics": a.metrics,
     }

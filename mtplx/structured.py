@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +23,23 @@ import numpy as np
 
 # A grammar that has not compiled within these bounds is refused (400), never left to hang a lane.
 MAX_GRAMMAR_CHARS = 256 * 1024
-PARSER_FUEL = 2_000_000        # llguidance's lexer fuel per step and at the start (its default is 1M-ish)
+# llguidance's parser limits, from what this workload measured it needs (`python -m
+# benchmarks.grammar_fuel`: every schema of benchmarks/schemas.py as a JSON schema and as a forced
+# tool call, its valid example walked, each mask computed). Lexer fuel is llguidance's unit of
+# lexer work (~14k a millisecond per mask): a mask takes at most STEP_LEXER_FUEL of the model
+# owner's time, which every row of the lane waits on. Measured need per mask: 9,280 at the shipped
+# 4k vocabulary, 11,584 at 16k, 14,592 at 56k (it grows slowly with the vocabulary: ~18k by that
+# trend at 262k); at start 2,512 (it grows with the schema, not the vocabulary). So llguidance's
+# own defaults, 13x the largest measured need per mask (this server ran 10x them before).
+INITIAL_LEXER_FUEL = 1_000_000
+STEP_LEXER_FUEL = 200_000
+# A grammar's lexer memory: the lexer builds its states as text meets them, and a grammar's
+# states are shared by every row decoding under it (a row's matcher is a copy of its grammar's
+# template). Measured: at most 346 states on the workload, 41k (18 MB, ~0.45 kB a state) for a
+# 6,000-character free string of `maxLength` 6000; llguidance's default allows 250k, its docs
+# say 1-2 kB a state. A grammar reaching the limit puts its row's matcher in an error state.
+MAX_LEXER_STATES = 100_000
+LEXER_STATE_BYTES = 2048       # llguidance's upper estimate a state: the bound the snapshot reports
 
 # JSON Schema keywords llguidance does not enforce: refused by name and place, never ignored.
 UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
@@ -79,13 +97,18 @@ def json_schema_grammar(schema) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise ConstraintError("the JSON schema nests too deeply to be read") from None
         except ValueError as exc:
             raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from exc
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         raise ConstraintError(f"a JSON schema must be an object (or true), not {json.dumps(schema)[:40]}")
-    bad = _unsupported_keyword(schema, "")
+    try:
+        bad = _unsupported_keyword(schema, "")
+    except RecursionError:
+        raise ConstraintError("the JSON schema nests too deeply to be read") from None
     if bad is not None:
         keyword, where = bad
         raise ConstraintError(f"JSON Schema keyword {keyword!r} at {where or '/'} cannot be enforced by this "
@@ -167,7 +190,8 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: Optional[int] = None):
 
 
 def parser_limits():
-    return _llg().LLParserLimits(step_lexer_fuel=PARSER_FUEL, initial_lexer_fuel=PARSER_FUEL)
+    return _llg().LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, initial_lexer_fuel=INITIAL_LEXER_FUEL,
+                                 max_lexer_states=MAX_LEXER_STATES)
 
 
 def check_constraint(constraint: Constraint, tokenizer, where: Optional[str] = None, schema=None) -> None:
@@ -254,6 +278,57 @@ def _first_line(message: str) -> str:
 
 # -- a row's grammar while it decodes ---------------------------------------------------------------
 
+class GrammarMemory:
+    """What the live rows' grammars hold, counted as they change: each row's masks (a bool a
+    vocabulary token, kept for the positions it has speculated past) and its bitmask buffer, in
+    bytes; and the bounds of what llguidance holds (its lexer states, per compiled grammar, shared
+    by that grammar's rows). The replica's snapshot reports `stats()` (its `grammar` section)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.rows = 0
+        self.row_bytes = 0
+        self.peak_row_bytes = 0          # the most one row has held
+        self.rows_started = 0
+
+    def add_row(self) -> None:
+        with self._lock:
+            self.rows += 1
+            self.rows_started += 1
+
+    def update(self, before: int, now: int) -> None:
+        with self._lock:
+            self.row_bytes += now - before
+            self.peak_row_bytes = max(self.peak_row_bytes, now)
+
+    def end_row(self, held: int) -> None:
+        with self._lock:
+            self.rows -= 1
+            self.row_bytes -= held
+
+    def stats(self) -> dict:
+        grammars = _template_matcher.cache_info().currsize
+        return {"live_rows": self.rows, "rows_started": self.rows_started, "row_bytes": self.row_bytes,
+                "peak_row_bytes": self.peak_row_bytes, "compiled_grammars": grammars,
+                "max_lexer_states": MAX_LEXER_STATES,
+                "lexer_bytes_bound_per_grammar": MAX_LEXER_STATES * LEXER_STATE_BYTES,
+                "step_lexer_fuel": STEP_LEXER_FUEL, "initial_lexer_fuel": INITIAL_LEXER_FUEL}
+
+
+GRAMMAR_MEMORY = GrammarMemory()
+
+
+class _Held:
+    """A row grammar's counted bytes, kept apart from the row so that its end (the row dropped)
+    can give them back (`weakref.finalize`)."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self):
+        self.bytes = 0
+
+
+
 @functools.lru_cache(maxsize=GRAMMAR_CACHE)      # few markers, few prefixes begun
 def _marker_mask(tokenizer, end: bytes, vocab: int, started: tuple) -> np.ndarray:
     """Tokens allowed while thinking before a grammar: none that holds the marker `end` with bytes
@@ -301,6 +376,24 @@ class RowGrammar:
         # (token, mask after it), in case the row emits those tokens again (a kept draft)
         self._masks: dict = {}
         self._unwound: list = []
+        self._held = _Held()
+        GRAMMAR_MEMORY.add_row()
+        weakref.finalize(self, lambda held=self._held: GRAMMAR_MEMORY.end_row(held.bytes))
+        self._count()
+
+    def _count(self) -> None:
+        """Count what the row holds now (its masks, its bitmask buffer) in GRAMMAR_MEMORY."""
+        masks = list(self._masks.values()) + [m for _, m in self._unwound]
+        now = self._bits.nbytes + sum(m.nbytes for m in masks if m is not None)
+        if now != self._held.bytes:
+            GRAMMAR_MEMORY.update(self._held.bytes, now)
+            self._held.bytes = now
+
+    @property
+    def memory_bytes(self) -> int:
+        """The bytes this row's grammar holds of its own (masks, bitmask buffer); llguidance's
+        lexer is its grammar's, shared (GRAMMAR_MEMORY.stats() bounds it)."""
+        return self._held.bytes
 
     # state
 
@@ -334,6 +427,7 @@ class RowGrammar:
         n = len(self.tokens)
         if n not in self._masks:
             self._masks[n] = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+            self._count()
         return self._masks[n]
 
     def _thinking_mask(self, n: int) -> Optional[np.ndarray]:
@@ -372,6 +466,7 @@ class RowGrammar:
         # masks before the committed position are never read again (at a 248k vocabulary a
         # mask is 248 KB: a long row would keep hundreds of megabytes)
         self._masks = {n: m for n, m in self._masks.items() if n >= self.committed}
+        self._count()
 
     def speculate(self, token: int) -> None:
         token = int(token)
@@ -380,8 +475,9 @@ class RowGrammar:
             _, mask = self._unwound.pop(0)
             if mask is not None:
                 self._masks[len(self.tokens)] = mask
-        else:
+        elif self._unwound:
             self._unwound = []
+            self._count()
         if self.thinking:
             self._kinds.append("think")
             self._think_bytes.append(self.tokenizer.decode_bytes([token]))
@@ -405,6 +501,7 @@ class RowGrammar:
         self._unwound = [(t, self._masks.pop(self.committed + 1 + i, None))
                          for i, t in enumerate(self.tokens[self.committed:])]
         self._masks = {n: m for n, m in self._masks.items() if n <= self.committed}
+        self._count()
         del self.tokens[self.committed:], self._kinds[self.committed:]
         if self.answer_at is not None and self.answer_at > self.committed:
             self.answer_at = None

@@ -85,7 +85,8 @@ def test_finish_reasons_are_openais_only():
 
     for engine in ("stop", "length", "cancelled", "repetition_stop", None):
         assert openai_finish_reason(engine) in FINISH_REASONS
-    assert openai_finish_reason("length") == "length" and openai_finish_reason("cancelled") == "stop"
+    assert openai_finish_reason("length") == "length" and openai_finish_reason("cancelled") == "abort"
+    assert openai_finish_reason("stop") == openai_finish_reason("repetition_stop") == "stop"
 
 
 def test_overload_refusals_spread_their_retry_after():
@@ -625,7 +626,8 @@ def test_b1_exact_serves_logprobs_in_the_one_row_lane(tmp_path, head):
 @RAY_MARK
 def test_cancelled_choices_report_openais_finish_reason_in_stats(serve_app, http):
     """A cancel of an n = 2 request's id reaches both rows; every client-visible finish reason,
-    mtplx_stats' included, is OpenAI's (the engine's "cancelled" stays as engine_finish_reason)."""
+    mtplx_stats' included, is the client's "abort" (the engine's "cancelled" stays as
+    engine_finish_reason)."""
     import httpx
 
     body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 400, "n": 2, "stream": True,
@@ -649,10 +651,10 @@ def test_cancelled_choices_report_openais_finish_reason_in_stats(serve_app, http
                     usage_stats = obj["mtplx_stats"]
     assert sorted(finals) == [0, 1]
     for reason, stats in finals.values():
-        assert reason == stats["finish_reason"] == "stop"
+        assert reason == stats["finish_reason"] == "abort"
         assert stats["engine_finish_reason"] == "cancelled" and stats["cancelled"] is True
         assert stats["completion_tokens"] < 400
-    assert all(s["finish_reason"] == "stop" for s in usage_stats["choices"])
+    assert all(s["finish_reason"] == "abort" for s in usage_stats["choices"])
 
 
 def test_bench_load_logprobs_arms_summary():

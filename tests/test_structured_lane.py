@@ -282,3 +282,54 @@ def test_a_rows_grammar_keeps_no_mask_behind_it(model, llg_tokenizer):
         grammar.consume(t)
         assert len(grammar._masks) <= 1
     assert grammar.ended
+
+
+def test_grammar_memory_is_counted_per_row_and_bounded(model, deep_lane, llg_tokenizer):
+    """What the live rows' grammars hold is counted as it changes (the replica's snapshot reports
+    it): each row's masks and bitmask buffer, never more than a mask for each position it has
+    speculated past plus one; given back when the row ends. llguidance's own memory is bounded by
+    the parser limits every grammar is compiled under."""
+    import gc
+
+    from mtplx import structured
+    from mtplx.structured import GRAMMAR_MEMORY, RowGrammar
+
+    limits = structured.parser_limits()
+    assert (limits.step_lexer_fuel, limits.initial_lexer_fuel, limits.max_lexer_states) == (
+        structured.STEP_LEXER_FUEL, structured.INITIAL_LEXER_FUEL, structured.MAX_LEXER_STATES)
+    gc.collect()
+    before = GRAMMAR_MEMORY.stats()
+    grammar = RowGrammar(Constraint(json_schema_grammar(SCHEMAS[0]), "json_schema"), llg_tokenizer, model.vocab_size)
+    assert GRAMMAR_MEMORY.stats()["live_rows"] == before["live_rows"] + 1
+    text = model.tokenizer.encode('{"name":"ab","age":7,"tags":["a"]}')
+    for t in text[:3]:                       # committed
+        grammar.allowed()
+        grammar.consume(t)
+    for t in text[3:7]:                      # a cycle's primary and three drafts, speculated
+        grammar.allowed()
+        grammar.speculate(t)
+    grammar.allowed()
+    held = grammar.memory_bytes
+    bits = (llg_tokenizer.vocab_size + 31) // 32 * 4
+    assert held == bits + sum(m.nbytes for m in grammar._masks.values() if m is not None)
+    assert GRAMMAR_MEMORY.stats()["row_bytes"] - before["row_bytes"] == held > bits
+    grammar.unwind()                         # kept for the tokens the row may emit again
+    assert grammar.memory_bytes <= bits + 6 * model.vocab_size
+    for t in text[3:]:
+        grammar.allowed()
+        grammar.consume(t)
+    assert grammar.memory_bytes <= bits + 2 * model.vocab_size
+    del grammar
+    gc.collect()
+    after = GRAMMAR_MEMORY.stats()
+    assert after["live_rows"] == before["live_rows"] and after["row_bytes"] == before["row_bytes"]
+    assert after["peak_row_bytes"] >= held and after["lexer_bytes_bound_per_grammar"] > 0
+    # through a depth-3 lane: rows start and end, each held at most a few masks
+    tok = model.tokenizer
+    reqs = [_req(i, tok.encode(TEXTS[i]), 24, Constraint(json_schema_grammar(s), "json_schema"))
+            for i, s in enumerate(SCHEMAS)]
+    _run(deep_lane, reqs)
+    gc.collect()
+    done = GRAMMAR_MEMORY.stats()
+    assert done["rows_started"] >= after["rows_started"] + len(SCHEMAS) and done["live_rows"] == before["live_rows"]
+    assert done["peak_row_bytes"] <= bits + (3 + 2) * model.vocab_size

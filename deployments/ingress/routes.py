@@ -98,12 +98,15 @@ def route_path(request: Request) -> str:
 
 @dataclass
 class RequestContext:
-    """One request's ids: the server's (`rid`, made per route), a client's own (validated, echoed)."""
+    """One request's ids: the server's (`rid`, made per route), a client's own (validated, echoed),
+    and who called (the digest of its key)."""
 
     rid: str
     path: str
     params: Dict[str, str] = field(default_factory=dict)
     client_id: Optional[str] = None
+    caller: Optional[str] = None        # a digest of the caller's API key (`auth.caller_digest`); None: no key
+    authenticated: bool = False         # carries a valid key, or no key is configured
 
     @property
     def anthropic(self) -> bool:

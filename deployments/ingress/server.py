@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import secrets
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import List, Optional
@@ -24,6 +26,7 @@ import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
 from mtplx.api import output_plan
+from mtplx.api.limits import RequestLimits
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
@@ -33,7 +36,7 @@ from .._proc import freeze_startup_objects, renice_process, renice_serve_proxy
 from ..live_page import PAGE_HTML, PAGE_PATH
 from ..metrics import INGRESS_SERIES, make_metrics, record
 from .admission import Admission, WaitingBound
-from .auth import authorize, load_api_keys
+from .auth import BrowserGuard, auth_summary, authorize, cache_partition, caller_digest, load_api_keys
 from .constraints import ConstraintChecker
 from .dispatch import ReplicaDispatcher, call
 from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
@@ -52,8 +55,18 @@ INGRESS_DEFAULTS = {
     "niceness": 0, "tokenizer_source": "auto", "default_max_tokens": 512, "default_generation_mode": "auto",
     "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
-    "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True,
+    "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
 }
+# Work on a request's prompt (parse, chat template, tokenize) below this size runs on the event
+# loop: a thread hop would cost more. Above it, in `PROMPT_THREADS` threads, so that one large
+# request does not stall every other request's stream. Sizes: body bytes, prompt characters, and
+# TEMPLATE_COST_PER_MESSAGE per message (a message costs the chat template ~0.14 ms here).
+INLINE_WORK = 16384
+TEMPLATE_COST_PER_MESSAGE = 512
+PROMPT_THREADS = 2
+# Unauthenticated /health (keys set): liveness only, from a replica check made at most this often.
+LIVENESS_TTL_S = 2.0
+CONTENT_TYPES = ("application/json",)
 
 
 class OpenAIIngress:
@@ -85,6 +98,12 @@ class OpenAIIngress:
         self.max_body_bytes = int(cfg["max_body_bytes"])
         self.max_tokens_limit = cfg.get("max_tokens_limit")
         self._api_keys = load_api_keys(cfg["api_keys_env"], cfg.get("api_keys_file"))
+        auth_on, auth_line = auth_summary(self._api_keys, cfg["api_keys_env"], cfg.get("api_keys_file"))
+        (log.info if auth_on else log.warning)(auth_line)
+        self.guard = BrowserGuard(cfg["allowed_hosts"], keys_configured=bool(self._api_keys))
+        self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="mtplx-prompt")
+        self._liveness: Optional[tuple] = None            # (checked at, ok) of the last replica check
+        self._liveness_check: Optional[asyncio.Future] = None
         self.bound = WaitingBound(cfg["max_waiting_rows"], cfg["retry_after_s"],
                                   cfg["overload_status"])
         self.created = oa.now()
@@ -93,7 +112,8 @@ class OpenAIIngress:
         self.max_concurrent_batches = int(cfg["max_concurrent_batches"])
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
                        "cohort_size_histogram": {}, "row_cancels": 0, "stop_string_stops": 0, "errors": 0,
-                       "rejected_overload": 0, "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0}
+                       "rejected_overload": 0, "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0,
+                       "replica_health_checks": 0}
         self._metrics = make_metrics(INGRESS_SERIES, log) if cfg["metrics"] else None
         self.dispatch = ReplicaDispatcher(
             replica, self.bound, self._stats, self._metric, retry_after_s=self.bound.retry_after_s,
@@ -131,6 +151,9 @@ class OpenAIIngress:
         self.meta = load_model_metadata(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.token_bytes = TokenBytes(self.tokenizer)
+        # the most characters one token can stand for (its byte-level piece has a character per
+        # byte): a prompt of N characters is at least N / this many tokens
+        self.longest_token_chars = max((len(piece) for piece in self.tokenizer.get_vocab()), default=1) or 1
 
     async def _ensure_model(self) -> None:
         if self.tokenizer is not None:
@@ -182,16 +205,31 @@ class OpenAIIngress:
 
     async def _handle(self, request: Request, found, ctx: RequestContext) -> Response:
         ctx.read_client_id(request)
-        if not found.open:
-            authorize(request, self._api_keys)
+        self.guard.check(request)
+        if found.open:     # served without a key; a valid one still says who calls (/health's details)
+            try:
+                ctx.caller, ctx.authenticated = caller_digest(authorize(request, self._api_keys)), True
+            except oa.OpenAIError:
+                pass
+        else:
+            ctx.caller, ctx.authenticated = caller_digest(authorize(request, self._api_keys)), True
         route = found.raise_unless_found(request.method, ctx.path)
         if route.needs_model:
             await self._ensure_model()
         return await route.endpoint(request, ctx)
 
     async def _body(self, request: Request) -> bytes:
-        """The body, refused with 413 as soon as it passes the limit: a declared Content-Length
-        before reading, a chunked (or lying) body while it is read."""
+        """The body, refused with 415 unless it is JSON (a declared Content-Type other than JSON: a
+        browser page can post text/plain or a form cross-origin without asking first), and with 413
+        as soon as it passes the limit: a declared Content-Length before reading, a chunked (or
+        lying) body while it is read."""
+        content_type = request.headers.get("content-type")
+        if content_type is not None:
+            media = content_type.split(";", 1)[0].strip().lower()
+            if media not in CONTENT_TYPES and not media.endswith("+json"):
+                raise oa.OpenAIError(f"Content-Type {content_type[:100]!r} is not supported; send the body as "
+                                     f"JSON with Content-Type: application/json", status=415,
+                                     param="content-type", code="unsupported_media_type")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
             raise self._too_large()
@@ -222,10 +260,11 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         body = await self._admitted_body(request)
         with self.bound.admit() as place:
-            req = oa.parse_request(oa.ChatCompletionRequest, body)
+            req = await self._parse(oa.ChatCompletionRequest, body)
             self._check_model(req.model)
             plan = output_plan.for_chat(req)
-            prompt_ids = await _off_loop(_messages_size(req.messages), partial(
+            self._check_prompt_chars(_messages_chars(req.messages), "messages")
+            prompt_ids = await self._off_loop(_messages_size(req.messages), partial(
                 oa.encode_chat, self.tokenizer, req.messages, template_kwargs=plan.template_kwargs))
             return await self._generate(ChatFormat, req, prompt_ids, t0, ctx, place, plan=plan)
 
@@ -233,12 +272,13 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         body = await self._admitted_body(request)
         with self.bound.admit() as place:
-            req = oa.parse_request(oa.CompletionRequest, body)
+            req = await self._parse(oa.CompletionRequest, body)
             self._check_model(req.model)
             plan = output_plan.for_completion(req)
             prompt = req.single_prompt()
-            prompt_ids = await _off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
-                                         self.meta["vocab_size"] or 2 ** 31)
+            if isinstance(prompt, str):
+                self._check_prompt_chars(len(prompt), "prompt")
+            prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt)
             if not prompt_ids:
                 raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
             return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place, plan=plan)
@@ -249,13 +289,37 @@ class OpenAIIngress:
         t0 = time.perf_counter()
         body = await self._admitted_body(request)
         with self.bound.admit() as place:
-            msg = oa.parse_request(anthropic.MessagesRequest, body)
+            msg = await self._parse(anthropic.MessagesRequest, body)
             self._check_model(msg.model)
-            req = msg.to_chat_request()
-            prompt_ids = await _off_loop(_messages_size(req.messages), msg.encode, self.tokenizer)
+            req = await self._off_loop(_messages_size(msg.messages), msg.to_chat_request)
+            self._check_prompt_chars(_messages_chars(req.messages), "messages")
+            prompt_ids = await self._off_loop(_messages_size(req.messages), msg.encode, self.tokenizer)
             answer = partial(AnthropicFormat, cache_split=msg.sends_cache_control)
             return await self._generate(answer, req, prompt_ids, t0, ctx, place, route=AnthropicFormat.name,
                                         plan=msg.output_plan())
+
+    async def _parse(self, cls, body: bytes):
+        """`body` as a `cls` request, against this server's `request_limits` (off the loop when
+        large: a body of many small messages takes pydantic ~30 us a message)."""
+        return await self._off_loop(len(body), oa.parse_request, cls, body, self.request_limits)
+
+    def _check_prompt_chars(self, chars: int, param: str) -> None:
+        """The early size check, before the chat template and the tokenizer run: a prompt of this
+        many characters is at least chars / longest_token_chars tokens; beyond the context window
+        it is refused without that work."""
+        at_least = math.ceil(chars / self.longest_token_chars)
+        if at_least >= self.meta["max_context"]:
+            raise oa.OpenAIError(
+                f"This model's maximum context length is {self.meta['max_context']} tokens; the prompt's "
+                f"{chars} characters are at least {at_least} tokens. Please reduce the prompt.",
+                status=400, param=param, code="context_length_exceeded")
+
+    async def _off_loop(self, size: int, fn, *args):
+        """Small work inline; large work (`INLINE_WORK`) in the prompt threads, so that one large
+        request does not stall every other request's stream on this event loop."""
+        if size < INLINE_WORK:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_pool, partial(fn, *args))
 
     async def _generate(self, answer, req, prompt_ids: List[int], t0: float, ctx: RequestContext,
                         place: Admission, route: Optional[str] = None, plan: OutputPlan = PLAIN) -> Response:
@@ -263,7 +327,7 @@ class OpenAIIngress:
         `plan`: the answer's constraint (checked here: a grammar that does not compile is a 400)
         and how its text is read (thinking, tool calls)."""
         await self.constraints.check(plan, self.tokenizer, self.meta["vocab_size"])
-        spec = self._row_spec(req, prompt_ids, ctx.rid, plan.constraint)
+        spec = self._row_spec(req, prompt_ids, ctx, plan.constraint)
         received_at = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         rows = self._choice_rows(req, spec) if req.requested_rows > 1 else [spec]
@@ -279,20 +343,22 @@ class OpenAIIngress:
             return StreamingResponse(fmt.sse(), media_type="text/event-stream", headers=_SSE_HEADERS)
         return JSONResponse(await fmt.response())
 
-    def _row_spec(self, req, prompt_ids: List[int], rid: str, constraint: Optional[Constraint] = None) -> RowSpec:
-        """The row this request decodes as (its n > 1 choices are copies of it)."""
-        if req.stop_token_ids:
-            self._check_vocab(req.stop_token_ids, "stop_token_ids")
+    def _row_spec(self, req, prompt_ids: List[int], ctx: RequestContext,
+                  constraint: Optional[Constraint] = None) -> RowSpec:
+        """The row this request decodes as (its n > 1 choices are copies of it): the caller owns
+        it (only its key may cancel it), and its prompt is cached in the caller's partition."""
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         return RowSpec(
-            request_id=rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
+            request_id=ctx.rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
             max_tokens=self._max_tokens(req, len(prompt_ids)),
-            sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"]), seed=int(seed) % (2 ** 64),
+            sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"], self.meta["vocab_size"]),
+            seed=int(seed) % (2 ** 64),
             generation_mode=req.generation_mode or self.default_mode,
             omit_speculative_bonus=bool(req.omit_speculative_bonus),
             # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
             stop_token_ids=tuple(sorted(set(req.stop_token_ids or ()))), ignore_eos=bool(req.ignore_eos),
-            logprobs=req.requested_logprobs, constraint=constraint)
+            logprobs=req.requested_logprobs, constraint=constraint, owner=ctx.caller,
+            cache_salt=cache_partition(ctx.caller, getattr(req, "cache_salt", None)))
 
     def _max_tokens(self, req, n_prompt: int) -> int:
         """The row's budget: the request's (within this server's limit and the context window), or
@@ -318,17 +384,20 @@ class OpenAIIngress:
         that they reach one replica together and share one prefill) and the rows waiting here."""
         return min(self.max_batch_size, self.bound.max_waiting_rows)
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What a request is parsed against: the model's vocabulary and context window (from its
+        files), and the rows one request may ask for."""
+        return RequestLimits(vocab_size=self.meta["vocab_size"], max_context=self.meta["max_context"],
+                                max_rows=self.max_choices)
+
     def _choice_rows(self, req, spec: RowSpec) -> List[RowSpec]:
         """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
         replica's lane prefills the prompt once for all of them. Each row has its own id (a stop
         string ends its row only); a cancel of the request's id reaches the group. best_of > n:
-        every row reports log-probabilities, whether or not the client asked, to rank them."""
+        every row reports log-probabilities, whether or not the client asked, to rank them.
+        (`request_limits` bounded n and best_of where the request was parsed.)"""
         n, m = req.requested_n, req.requested_rows
-        if m > self.max_choices:
-            param = "n" if m == n else "best_of"
-            raise oa.invalid_request(f"{param}={m} is above this server's limit of {self.max_choices} rows per "
-                                     f"request (its batch window holds {self.max_batch_size} rows)",
-                                     param=param, code="invalid_value")
         logprobs = spec.logprobs if spec.logprobs is not None or m == n else 0
         return [dataclasses.replace(spec, request_id=f"{spec.request_id}-{i}", seed=(spec.seed + i) % (2 ** 64),
                                     prefill_group=spec.request_id, logprobs=logprobs) for i in range(m)]
@@ -348,39 +417,32 @@ class OpenAIIngress:
     # Token endpoints
 
     async def _count_tokens(self, request: Request, ctx: RequestContext) -> Response:
-        req = oa.parse_request(anthropic.CountTokensRequest, await self._body(request))
+        req = await self._parse(anthropic.CountTokensRequest, await self._body(request))
         self._check_model(req.model)
-        ids = await _off_loop(_messages_size(req.messages), req.encode, self.tokenizer)
+        ids = await self._off_loop(_messages_size(req.messages), req.encode, self.tokenizer)
         return JSONResponse({"input_tokens": len(ids)})
 
     async def _tokenize(self, request: Request, ctx: RequestContext) -> Response:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-        req = oa.parse_tokenize_request(await self._body(request))
+        body = await self._body(request)
+        req = await self._off_loop(len(body), oa.parse_tokenize_request, body, self.request_limits)
         self._check_model(req.model)
         if isinstance(req, oa.TokenizeChatRequest):
-            ids = await _off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages,
-                                  req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
-                                  output_plan.for_tokenize(req).template_kwargs)
+            ids = await self._off_loop(_messages_size(req.messages), oa.encode_chat, self.tokenizer, req.messages,
+                                       req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                                       output_plan.for_tokenize(req).template_kwargs)
         else:
-            ids = await _off_loop(len(req.prompt), lambda: list(
+            ids = await self._off_loop(len(req.prompt), lambda: list(
                 self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse(oa.tokenize_response(ids, self.meta["max_context"], strs))
 
     async def _detokenize(self, request: Request, ctx: RequestContext) -> Response:
         """vLLM's /detokenize: token ids to text (special tokens included)."""
-        req = oa.parse_request(oa.DetokenizeRequest, await self._body(request))
+        req = await self._parse(oa.DetokenizeRequest, await self._body(request))
         self._check_model(req.model)
-        self._check_vocab(req.tokens, "tokens")
-        text = await _off_loop(len(req.tokens), lambda: self.tokenizer.decode(req.tokens))
+        text = await self._off_loop(len(req.tokens), lambda: self.tokenizer.decode(req.tokens))
         return JSONResponse({"prompt": text})
-
-    def _check_vocab(self, ids: List[int], param: str) -> None:
-        vocab = self.meta["vocab_size"] or 2 ** 31
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise oa.invalid_request(f"token id {bad[0]} in {param} is outside the vocabulary [0, {vocab})",
-                                     param=param, code="invalid_value")
 
     # ------------------------------------------------------------------------------------------
     # Models, version, operations
@@ -401,13 +463,19 @@ class OpenAIIngress:
         return HTMLResponse(PAGE_HTML, headers={"Cache-Control": "no-store"})
 
     async def _health(self, request: Request, ctx: RequestContext) -> Response:
+        """Liveness for anyone (load balancers): {"status"}, 200 or 503. With keys set, the details
+        (versions, BLAS, replica ids, CPUs, processes) need one; without a key the status comes from
+        a replica check made at most every LIVENESS_TTL_S, whoever asks how often."""
+        if not ctx.authenticated:
+            ok = await self._liveness_ok()
+            return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
         try:
-            replicas = await self.dispatch.fan_out("health", timeout_s=10)
+            replicas = await self._replica_health()
         except Exception as exc:
             log.warning("mtplx ingress: health: no model replica answered: %s: %s", type(exc).__name__, exc)
             err = oa.unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s)
             return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503, headers=err.headers)
-        ok = any(isinstance(r, dict) and r.get("ok") for r in replicas.values())
+        ok = self._liveness[1]
         ingress = {"mlx_imported": "mlx.core" in sys.modules or "mlx" in sys.modules,
                    "niceness": self._niceness_in_effect,
                    # a restarted proxy starts at Ray's 15 again
@@ -415,6 +483,35 @@ class OpenAIIngress:
         body = {"status": "ok" if ok else "unavailable", "model": self.served_model,
                 "max_context": (self.meta or {}).get("max_context"), "ingress": ingress, "replicas": replicas}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def _replica_health(self) -> dict:
+        """Every replica's health (one RPC each), remembered as the liveness status."""
+        self._stats["replica_health_checks"] += 1
+        try:
+            replicas = await self.dispatch.fan_out("health", timeout_s=10)
+        except Exception:
+            self._liveness = (time.monotonic(), False)
+            raise
+        self._liveness = (time.monotonic(), any(isinstance(r, dict) and r.get("ok") for r in replicas.values()))
+        return replicas
+
+    async def _liveness_ok(self) -> bool:
+        """Whether a model replica serves: the last check's answer while it is younger than
+        LIVENESS_TTL_S, else one new check that every caller meanwhile waits on. A new check also
+        sets a restarted Serve proxy's niceness again (as the detailed /health does)."""
+        if self._liveness is not None and time.monotonic() - self._liveness[0] < LIVENESS_TTL_S:
+            return self._liveness[1]
+        if self._liveness_check is None or self._liveness_check.done():
+            async def check() -> bool:
+                renice_serve_proxy(self.niceness)
+                try:
+                    await self._replica_health()
+                except Exception as exc:
+                    log.warning("mtplx ingress: health: no model replica answered: %s: %s", type(exc).__name__, exc)
+                return self._liveness[1]
+
+            self._liveness_check = asyncio.ensure_future(check())
+        return await asyncio.shield(self._liveness_check)
 
     async def _snapshot_route(self, request: Request, ctx: RequestContext) -> Response:
         try:
@@ -438,21 +535,25 @@ class OpenAIIngress:
 
     async def _cancel(self, request: Request, ctx: RequestContext) -> Response:
         rid = ctx.params["rid"]
-        n = await self.dispatch.cancel_request(rid)
+        n = await self.dispatch.cancel_request(rid, owner=ctx.caller)     # another key's request: not found
         if not n:
             raise oa.OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
                                  param="request_id", code="request_not_found")
         return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
 
 
+def _messages_chars(messages) -> int:
+    """The characters of the messages' text (OpenAI's or Anthropic's content: a string, or parts
+    and blocks with text)."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(getattr(part, "text", None) or "") for part in m.content)
+    return total
+
+
 def _messages_size(messages) -> int:
-    """A prompt's size for `_off_loop` (a list of parts counts as 1 KiB)."""
-    return sum(len(m.content) if isinstance(m.content, str) else 1024 for m in messages)
-
-
-async def _off_loop(size: int, fn, *args):
-    """Small prompts are tokenized inline; long ones in a worker thread so that one big prompt
-    does not stall every other request's stream on this event loop."""
-    if size < 16384:
-        return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    """A chat prompt's size for `_off_loop`: its characters, and the chat template's work per message."""
+    return _messages_chars(messages) + TEMPLATE_COST_PER_MESSAGE * len(messages)

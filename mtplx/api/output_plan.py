@@ -14,7 +14,6 @@ model's tokenizer is checked at the ingress (`param` and `parts` name the field 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
@@ -84,11 +83,7 @@ def _built(builder, value, param: str, kind: str, schema=None) -> tuple:
 
 def _schema_value(value, param: str):
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise oa.invalid_request(f"the JSON schema is not valid JSON: {exc}", param=param,
-                                     code="invalid_schema") from None
+        value = oa.client_json(value, param, what="the JSON schema", code="invalid_schema")
     if value is True:
         value = {}
     if not isinstance(value, dict):

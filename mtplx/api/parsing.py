@@ -86,7 +86,7 @@ class ToolCall:
     def finish(self) -> None:
         try:
             self.complete = isinstance(json.loads(self.arguments), dict)
-        except ValueError:
+        except (ValueError, RecursionError):     # the model's text: not JSON, or nested past the parser
             self.complete = False
 
 
@@ -209,7 +209,7 @@ class ToolCallParser:
         raw = TOOL_CALL_OPEN + block + (TOOL_CALL_CLOSE if closed else "")
         try:
             obj = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
         args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
         call = self._start(out, obj.get("name"), raw) if isinstance(args, (dict, str)) else None

@@ -68,6 +68,10 @@ class RowSpec:
     logprobs: Optional[int] = None          # None, or the alternatives per token (0-20)
     prefill_group: Optional[str] = None
     constraint: Optional[Constraint] = None   # structured output: checked at the ingress, enforced per row
+    # per-caller state, as digests (never an API key): who may cancel the row, and the prefix
+    # cache's partition (the caller's key and the request's cache_salt) its prompt is looked up in
+    owner: Optional[str] = None
+    cache_salt: Optional[str] = None
 
     def __post_init__(self):
         speculation(self.generation_mode)    # a bad mode fails here, where the row is built
