@@ -48,7 +48,7 @@ def prefill_steps(model, prompt: list[int], cache, mtp_cache=None, chunk: int = 
     after the last full chunk boundary m before the final token (prefix snapshots).
     """
     n = len(prompt)
-    last_boundary = ((n - 1) // chunk) * chunk if mtp_cache is not None else 0
+    last_boundary = ((n - 1) // chunk) * chunk       # with a head or without (AR rows bank prefixes too)
     for s in range(start, n, chunk):
         piece = prompt[s:s + chunk]
         h = model.hidden(mx.array([piece]), cache)

@@ -45,7 +45,7 @@ class PrefixState:
 
 def snapshot(prompt: list, m: int, cache: list, mtp_cache: list) -> PrefixState:
     return PrefixState(tuple(prompt[:m + 1]), tuple(snapshot_layer(c, m) for c in cache),
-                       tuple(snapshot_layer(c, m) for c in mtp_cache))
+                       tuple(snapshot_layer(c, m) for c in mtp_cache or ()))
 
 
 def snapshot_whole(prompt: list, cache: list, mtp_cache: list, out: tuple) -> PrefixState:
@@ -60,6 +60,8 @@ def snapshot_whole(prompt: list, cache: list, mtp_cache: list, out: tuple) -> Pr
                        kept)
 
 
-def restore(state: PrefixState) -> tuple[list, list]:
-    """Fresh per-row caches holding the state (the snapshot itself stays immutable)."""
-    return [restore_layer(s) for s in state.target_layers], [restore_layer(s) for s in state.mtp_layers]
+def restore(state: PrefixState) -> tuple[list, Optional[list]]:
+    """Fresh per-row caches holding the state (the snapshot itself stays immutable); the head's
+    None when the state has none (a model without a head: its prefill primes no history)."""
+    mtp = [restore_layer(s) for s in state.mtp_layers] if state.mtp_layers else None
+    return [restore_layer(s) for s in state.target_layers], mtp

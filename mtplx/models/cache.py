@@ -127,10 +127,17 @@ class RaggedKVCache:
         return self.keys[..., :span, :], self.values[..., :span, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None) -> mx.array:
-        """[B, 1, N, S]: query i of row b (at position offset_b + i) sees keys j <= offset_b + i."""
+        """[B, 1, N, S]: query i of row b (at position q = offset_b + i) sees keys j <= q, and
+        with a `window_size` W (a sliding-window layer) only j > q - W: the W keys mlx-lm's
+        `RotatingKVCache` and window mask give that query. Per row and per position, so rows
+        of any lengths, a verify's speculative positions and a row moved back over rejected
+        drafts each see exactly their own window."""
         span = self._span(N)
-        q_pos = self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None]       # [B, N]
-        mask = mx.arange(span, dtype=mx.int32)[None, None, :] <= q_pos[:, :, None]
+        q_pos = (self.offset[:, None] + mx.arange(N, dtype=mx.int32)[None])[:, :, None]      # [B, N, 1]
+        k_pos = mx.arange(span, dtype=mx.int32)[None, None, :]
+        mask = k_pos <= q_pos
+        if window_size is not None:
+            mask = mask & (k_pos > q_pos - window_size)
         return mask[:, None]
 
     def advance(self, delta, offset: Optional[mx.array] = None) -> None:
@@ -168,6 +175,44 @@ class RaggedKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+# A sliding layer reads its window band rather than the whole span only when the span is at least
+# this many times the band: below, the band's gather costs about what it saves (BENCHMARKS.md,
+# "Measurements behind the engine's constants").
+BAND_MIN_RATIO = 1.5
+
+
+def window_band(cache, keys: mx.array, values: mx.array, mask: mx.array, offset, window: int):
+    """The keys, values and mask a sliding-window layer's queries can see, out of a full cache's
+    span (`keys`, `values`, `mask` as the layer got them): per row, the W + T - 1 positions from
+    max(0, offset - W + 1), `offset` being the row's length before this forward's T positions.
+    Every position left out is masked for every query of that row (a window never reaches below
+    it), so attention over the band equals attention over the span, reading W + T - 1 keys a row
+    instead of the whole context. A ragged lane cache takes each row's own band from its buffer
+    (rows of that buffer, one gather) with the band's window mask; one row (mlx-lm's `KVCache`,
+    an int offset) slices. Unchanged (None) when the span is not long enough to pay for it."""
+    T, S = mask.shape[-2], keys.shape[2]
+    band = window + T - 1
+    if S < BAND_MIN_RATIO * band:
+        return None
+    if not isinstance(offset, mx.array):
+        lo = max(0, int(offset) - window + 1)
+        return keys[..., lo:, :], values[..., lo:, :], mask[..., lo:]
+    B, H, cap, _ = cache.keys.shape
+    start = mx.maximum(offset.astype(mx.int32) - (window - 1), 0)
+    pos = start[:, None] + mx.arange(band, dtype=mx.int32)[None]                  # [B, band]
+    # band end = max(band, offset_b + T) <= S <= capacity: every position is a slot of row b
+    rows = pos[:, None, :] + (mx.arange(B * H, dtype=mx.int32) * cap).reshape(B, H, 1)
+    rows = rows.reshape(-1)
+
+    def take(buf):      # rows of the flat buffer: a row gather, ~5x cheaper than take_along_axis here
+        return mx.take(buf.reshape(B * H * cap, -1), rows, axis=0).reshape(B, H, band, -1)
+
+    q_pos = (offset.astype(mx.int32)[:, None] + mx.arange(T, dtype=mx.int32)[None])[:, :, None]   # [B, T, 1]
+    k_pos = pos[:, None, :]
+    band_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return take(cache.keys), take(cache.values), band_mask[:, None]
 
 
 def empty_batch_layer(per_row, width: int):

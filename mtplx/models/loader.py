@@ -32,10 +32,10 @@ def _text_config(config: dict) -> dict:
 
 
 def _architectures() -> dict[str, ModuleType]:
-    from . import qwen3, qwen3_5, qwen3_next
+    from . import gemma3, qwen3, qwen3_5, qwen3_next
 
     table = {}
-    for module in (qwen3, qwen3_5, qwen3_next):
+    for module in (qwen3, qwen3_5, qwen3_next, gemma3):
         for model_type in module.MODEL_TYPES:
             table[model_type] = module
     return table

@@ -174,7 +174,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         ``b1-exact`` installs no lane: every row decodes in the one-row lane."""
         if numerics not in NUMERICS:
             raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS}")
-        if "session_bank" not in kwargs and getattr(model, "mtp", None) is not None:
+        if "session_bank" not in kwargs:        # with a head or without: AR rows reuse prefixes too
             from mtplx.scheduler.session_bank import SessionBank
 
             kwargs["session_bank"] = SessionBank(f"{model.model_id}:{model.fingerprint}")
