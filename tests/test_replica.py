@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import process_state
 from mtplx.api.rows import RowSpec
 from mtplx.sampling import SamplerConfig
 
@@ -18,9 +19,12 @@ from mtplx.sampling import SamplerConfig
 def replica():
     from deployments.replica import MTPReplica
 
-    rep = MTPReplica(widths=(3,), warmup=False, max_waiting_rows_per_key=2, retry_after_s=2.0, watchdog_s=0.3)
-    yield rep
-    rep.service.shutdown(timeout_s=10)
+    # the replica sets what a serving process wants (BLAS threads, niceness, a frozen heap):
+    # for this module only
+    with process_state.restored():
+        rep = MTPReplica(widths=(3,), warmup=False, max_waiting_rows_per_key=2, retry_after_s=2.0, watchdog_s=0.3)
+        yield rep
+        rep.__del__()          # what Serve calls when it stops a replica
 
 
 def _row(rep, i: int, max_tokens: int = 6, prompt_ids=None, **fields) -> RowSpec:
@@ -77,9 +81,10 @@ def test_check_health_catches_a_stuck_model_thread(replica):
 def test_a_closed_service_answers_unavailable():
     from deployments.replica import MTPReplica
 
-    rep = MTPReplica(widths=(3,), warmup=False)
-    rep.service.shutdown(timeout_s=10)
-    finals = _finals(rep, [_row(rep, 30)])
+    with process_state.restored():
+        rep = MTPReplica(widths=(3,), warmup=False)
+        rep.__del__()          # what Serve calls when it stops a replica: the service shuts down
+        finals = _finals(rep, [_row(rep, 30)])
     err = finals[0]["error"]
     assert err["kind"] == "unavailable" and err["retry_after_s"] == 1.0 and "shut" in err["message"]
     with pytest.raises(RuntimeError, match="shut down"):
