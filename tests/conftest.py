@@ -17,9 +17,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import mtplx  # noqa: E402  (before MLX: it puts an optimized BLAS under mlx.core on Linux)
 
+# Importing these sets process-wide state once (Ray: RAY_CLIENT_MODE and sys.excepthook; mlx-lm:
+# TRANSFORMERS_NO_ADVISORY_WARNINGS): here, so that it is every test's starting point.
 import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402, F401
 import process_state  # noqa: E402
 import pytest  # noqa: E402
+import ray  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")
