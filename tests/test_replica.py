@@ -43,8 +43,21 @@ def _finals(rep, rows) -> dict:
     return asyncio.run(go())
 
 
+def _until_idle(rep, timeout_s: float = 30.0) -> None:
+    """Wait for the rows earlier tests ended to leave their lane: a cancelled row's final goes out
+    at once, and the row holds its slot (and counts against the key's bound) until the model
+    thread's next step removes it."""
+    from mtplx.api.rows import mtp_batch_compatibility_key
+
+    key, deadline = mtp_batch_compatibility_key(rep.model.model_id), time.monotonic() + timeout_s
+    while rep.service.rows_wanting(key):
+        assert time.monotonic() < deadline, "the replica's lane never emptied"
+        time.sleep(0.05)
+
+
 def test_rows_beyond_the_per_key_bound_are_refused_at_once(replica):
     # widest lane 3 + 2 waiting rows = 5 rows of one key; the other 3 are refused with Retry-After
+    _until_idle(replica)
     t0 = time.perf_counter()
     finals = _finals(replica, [_row(replica, i) for i in range(8)])
     refused = [f for f in finals.values() if "error" in f]
