@@ -45,7 +45,8 @@ async def _wave(base: str, n: int, max_tokens: int) -> list:
 
 
 def _ray_on_loopback():
-    """Ray, imported with every node address on loopback (`LOOPBACK_RAY_ENV` must come first)."""
+    """Ray, imported after its environment is set: every node on loopback, no usage reports. Refused
+    where this process imported Ray before (its nodes would take the machine's network address)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.update(LOOPBACK_RAY_ENV)
     import ray
@@ -68,7 +69,9 @@ def _serve_waves(cluster, t0: float, waves: int, rows_per_wave: int, max_tokens:
     ray.init(address=cluster.address, log_to_driver=False, namespace="mtplx-scaleout")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpus": 1,
+    # (lanes up to B8 show the spread as well; B16 and B32 would only add start-up time, each
+    # installed and warmed up on a shared core; rows beyond a full B8 wait for a slot)
+    app = build_app({"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpus": 1, "widths": [3, 8],
                      "blas_threads": 1, "max_concurrent_batches": 4, "batch_wait_timeout_s": 0.05,
                      # the ingress may land on the head node: get the tokenizer from a replica
                      "tokenizer_source": "replica"})

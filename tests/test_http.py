@@ -721,7 +721,7 @@ def test_scale_out_two_nodes_two_replicas():
     Runs `python -m deployments.scaleout` in a subprocess: a multi-node Ray cluster of its own, on
     loopback, with its files (and the cluster address Ray records for `ray.init()`) in a temporary
     folder of its own, so it does not clash with the session's Ray or any other on this machine.
-    About 70-100 s on a 2-core machine: marked slow."""
+    About 70 s on a 2-core machine shared with other jobs: marked slow."""
     from deployments._proc import DIRECT_HTTP_ENV, is_loopback
 
     # (without the session's direct port: its own ingress would find it taken)
