@@ -10,9 +10,11 @@ max_ongoing_requests, ray_actor_options...).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Dict, List, Literal, Optional
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -21,11 +23,13 @@ from mtplx.engine.repetition import RepetitionLimits
 from mtplx.models.registry import model_not_installed, resolve_model_path
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
-from ._proc import direct_http_enabled
+from ._proc import direct_http_enabled, is_loopback
 from .ingress import OpenAIIngress
 from .ingress.server import INGRESS_DEFAULTS as INGRESS
 from .replica import (DEFAULT_MAX_WAITING_ROWS_PER_KEY, DEFAULT_NICENESS, DEFAULT_RETRY_AFTER_S,
                       DEFAULT_STREAM_INTERVAL_MS, DEFAULT_SUMMARY_INTERVAL_S, DEFAULT_WATCHDOG_S, MTPReplica)
+
+log = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "OpenAIIngress"
 REFUSAL_SLOTS = 256
@@ -180,8 +184,21 @@ def ingress_max_ongoing(a: AppArgs) -> int:
     return a.max_batch_size * a.max_concurrent_batches + a.max_waiting_rows + REFUSAL_SLOTS
 
 
+def warn_if_ray_is_reachable() -> None:
+    """`serve run` starts its Ray before anything of ours runs, on Linux on the machine's network
+    address unless its environment keeps it on loopback (`deployments._proc.LOOPBACK_RAY_ENV`, which
+    scripts/serve.sh exports). Say so at build time."""
+    if not ray.is_initialized() or is_loopback(node := ray.util.get_node_ip_address()):
+        return
+    log.warning("mtplx: this Ray node's address is %s: its GCS, raylet, object manager and workers listen "
+                "there, reachable from the network (README: Ray's ports). Expected on a cluster of several "
+                "machines; on one machine start with scripts/serve.sh, or export "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `serve run`.", node)
+
+
 def build_app(args: Optional[Dict[str, Any]] = None):
     """The application builder named by `import_path: deployments:build_app`."""
+    warn_if_ray_is_reachable()
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     if a.model_path:
         # a registered name becomes its directory here, so the ingress (tokenizer) and the replica

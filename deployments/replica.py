@@ -77,10 +77,12 @@ def _rss_bytes() -> Optional[int]:
 
 
 def _node_id() -> Optional[str]:
+    """The Ray node this replica runs on; None outside Ray (a direct construction in a test or the
+    bench: asking Ray's runtime context there would start a local Ray in that process)."""
     try:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:
         return None
 

@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+import process_state
 from conftest import TEST_API_KEY
 
 RAY_MARK = pytest.mark.ray
@@ -196,9 +197,12 @@ def test_anthropic_request_translates_to_the_chat_path(model):
 def replica():
     from deployments.replica import MTPReplica
 
-    rep = MTPReplica(widths=(3,), warmup=False)
-    yield rep
-    rep.service.shutdown(timeout_s=10)
+    # the replica sets what a serving process wants (BLAS threads, niceness, a frozen heap):
+    # for this module only
+    with process_state.restored():
+        rep = MTPReplica(widths=(3,), warmup=False)
+        yield rep
+        rep.__del__()          # what Serve calls when it stops a replica
 
 
 def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monkeypatch):

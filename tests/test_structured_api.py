@@ -19,6 +19,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
+import process_state
 from conftest import TEST_API_KEY
 
 RAY_MARK = pytest.mark.ray
@@ -404,8 +405,9 @@ def ingress(tmp_path_factory):
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text("structured-key\n")
-    return OpenAIIngress(_UnreachedReplica(), {"metrics": False, "niceness": None, "api_keys_file": str(keys),
-                                               "api_keys_env": None})
+    with process_state.restored():          # a serving process freezes its startup heap
+        yield OpenAIIngress(_UnreachedReplica(), {"metrics": False, "niceness": None, "api_keys_file": str(keys),
+                                                  "api_keys_env": None})
 
 
 def _post(ingress, path: str, body: dict):
