@@ -20,7 +20,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtplx.engine.repetition import RepetitionLimits
-from mtplx.models.registry import model_not_installed, resolve_model_path
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
 from ._proc import direct_http_enabled, is_loopback
@@ -201,6 +200,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     warn_if_ray_is_reachable()
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     if a.model_path:
+        from mtplx.models.registry import model_not_installed, resolve_model_path   # no MLX: only here
+
         # a registered name becomes its directory here, so the ingress (tokenizer) and the replica
         # (weights) read the same one; not installed on this node: a replica elsewhere may have it
         if (hint := model_not_installed(a.model_path)) is not None:
