@@ -49,19 +49,23 @@ def test_stop_string_matcher_names_the_earliest_match():
     assert StopStringMatcher(["x"]).matched is None
 
 
-def test_detokenizer_returns_special_tokens_as_text(model):
-    """Special tokens inside the output are text (every returned token is in the text, as
-    mlx_lm.server returns them); a multi-byte character split over tokens is never cut."""
-    from mtplx.api.text import IncrementalDetokenizer
+def test_detokenizer_skips_special_tokens_unless_asked(model):
+    """Special tokens inside the output (the template's `<|im_start|>` too) are left out of the
+    text by default (vLLM's skip_special_tokens); with skip_special_tokens false they are text like
+    any other. A multi-byte character split over tokens is never cut."""
+    from mtplx.api.text import IncrementalDetokenizer, special_token_ids
 
     tok = model.tokenizer
-    special = sorted(model.eos_token_ids)
+    special = sorted(model.eos_token_ids) + [tok.convert_tokens_to_ids("<|im_start|>")]
+    assert set(special) <= special_token_ids(tok)
     ids = (list(tok.encode("def f(x):", add_special_tokens=False)) + special
            + list(tok.encode(" return \u2192 \u00e9", add_special_tokens=False)))
-    detok = IncrementalDetokenizer(tok)
-    text = "".join(detok.push([t]) for t in ids) + detok.flush()
-    assert text == tok.decode(ids) and all(tok.decode([t]) in text for t in special)
-    assert "\ufffd" not in text
+    for skip in (False, True):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        text = "".join(detok.push([t]) for t in ids) + detok.flush()
+        assert text == tok.decode(ids, skip_special_tokens=skip) and "\ufffd" not in text
+        assert all((tok.decode([t]) in text) is not skip for t in special)
+    assert text == "def f(x): return \u2192 \u00e9"
 
 
 def test_anthropic_usage_splits_the_prompt_only_for_cache_control():

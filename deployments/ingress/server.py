@@ -26,7 +26,7 @@ import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
 from mtplx.api import output_plan
-from mtplx.api.limits import RequestLimits
+from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS, RequestLimits
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
@@ -56,6 +56,7 @@ INGRESS_DEFAULTS = {
     "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
     "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
+    "max_tool_calls": DEFAULT_MAX_TOOL_CALLS,
 }
 # Work on a request's prompt (parse, chat template, tokenize) below this size runs on the event
 # loop: a thread hop would cost more. Above it, in `PROMPT_THREADS` threads, so that one large
@@ -97,6 +98,7 @@ class OpenAIIngress:
         self.stop_wait_s = float(cfg["stop_wait_s"])
         self.max_body_bytes = int(cfg["max_body_bytes"])
         self.max_tokens_limit = cfg.get("max_tokens_limit")
+        self.max_tool_calls = int(cfg["max_tool_calls"])
         self._api_keys = load_api_keys(cfg["api_keys_env"], cfg.get("api_keys_file"))
         auth_on, auth_line = auth_summary(self._api_keys, cfg["api_keys_env"], cfg.get("api_keys_file"))
         (log.info if auth_on else log.warning)(auth_line)
@@ -365,8 +367,7 @@ class OpenAIIngress:
         the default that fits."""
         max_context, limit = self.meta["max_context"], self.max_tokens_limit
         if n_prompt >= max_context:
-            raise oa.context_length_exceeded(n_prompt, 1, max_context, param="messages"
-                                             if isinstance(req, oa.ChatCompletionRequest) else "prompt")
+            raise oa.context_length_exceeded(n_prompt, 1, max_context, param=req.prompt_param)
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             return int(min(self.default_max_tokens, max_context - n_prompt, limit or max_context))
@@ -387,9 +388,9 @@ class OpenAIIngress:
     @property
     def request_limits(self) -> RequestLimits:
         """What a request is parsed against: the model's vocabulary and context window (from its
-        files), and the rows one request may ask for."""
+        files), the rows one request may ask for and the tool calls one answer may make."""
         return RequestLimits(vocab_size=self.meta["vocab_size"], max_context=self.meta["max_context"],
-                                max_rows=self.max_choices)
+                             max_rows=self.max_choices, max_tool_calls=self.max_tool_calls)
 
     def _choice_rows(self, req, spec: RowSpec) -> List[RowSpec]:
         """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
