@@ -25,7 +25,7 @@ from starlette.routing import Router
 import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
-from mtplx.api import output_plan
+from mtplx.api import output_plan, responses
 from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS, RequestLimits
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
@@ -42,6 +42,8 @@ from .dispatch import ReplicaDispatcher, call
 from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
 from .model_files import load_model_metadata, load_tokenizer, resolve_model_dir
 from .pending import PendingRow
+from .response_store import DEFAULT_STORE_PATH, LocalStoreClient
+from .responses import ResponsesFormat
 from .routes import IngressRoute, RequestContext, match, request_id, route_path
 from .row_stream import RowStream
 
@@ -56,7 +58,8 @@ INGRESS_DEFAULTS = {
     "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
     "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
-    "max_tool_calls": DEFAULT_MAX_TOOL_CALLS,
+    "max_tool_calls": DEFAULT_MAX_TOOL_CALLS, "responses_store_path": DEFAULT_STORE_PATH,
+    "responses_store_max_age_s": 30 * 24 * 3600.0,
 }
 # Work on a request's prompt (parse, chat template, tokenize) below this size runs on the event
 # loop: a thread hop would cost more. Above it, in `PROMPT_THREADS` threads, so that one large
@@ -122,6 +125,7 @@ class OpenAIIngress:
             max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
             max_concurrent_batches=self.max_concurrent_batches)
         self.constraints = ConstraintChecker()
+        self.responses_store = self._open_store(cfg)
         self._router = self._routes()
         try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
             from ..grafana import provision
@@ -138,6 +142,9 @@ class OpenAIIngress:
             R("/v1/completions", self._completions, "POST", needs_model=True, new_id=request_id("cmpl")),
             R("/v1/messages", self._messages, "POST", needs_model=True, new_id=anthropic.new_message_id),
             R("/v1/messages/count_tokens", self._count_tokens, "POST", needs_model=True),
+            R("/v1/responses", self._responses, "POST", needs_model=True, new_id=responses.new_response_id),
+            R("/v1/responses/{response_id}", self._stored_response, "GET", tag="/v1/responses/{id}"),
+            R("/v1/responses/{response_id}", self._delete_response, "DELETE", tag="/v1/responses/{id}"),
             R("/tokenize", self._tokenize, "POST", needs_model=True),
             R("/detokenize", self._detokenize, "POST", needs_model=True),
             R("/version", self._version, "GET"),
@@ -148,6 +155,16 @@ class OpenAIIngress:
             R(PAGE_PATH, self._page, "GET", open=True),   # holds no data; its snapshot calls carry the key
             R("/v1/mtplx/cancel/{rid}", self._cancel, "POST", tag="/v1/mtplx/cancel"),
         ])
+
+    @staticmethod
+    def _open_store(cfg: dict):
+        """The responses store: the SQLite file at `responses_store_path` (None: responses are not
+        stored)."""
+        path = cfg["responses_store_path"]
+        if not path:
+            log.info("mtplx ingress: no responses store (responses_store_path is null): store is ignored")
+            return None
+        return LocalStoreClient(path, cfg["responses_store_max_age_s"])
 
     def _load_model_files(self, model_dir: Path) -> None:
         self.meta = load_model_metadata(model_dir)
@@ -299,6 +316,57 @@ class OpenAIIngress:
             answer = partial(AnthropicFormat, cache_split=msg.sends_cache_control)
             return await self._generate(answer, req, prompt_ids, t0, ctx, place, route=AnthropicFormat.name,
                                         plan=msg.output_plan())
+
+    async def _responses(self, request: Request, ctx: RequestContext) -> Response:
+        """OpenAI's Responses API, served as the chat completion of its conversation (a stored
+        response it continues, then its input), answered and kept as a response."""
+        t0 = time.perf_counter()
+        body = await self._admitted_body(request)
+        with self.bound.admit() as place:
+            req = await self._parse(responses.ResponsesRequest, body)
+            self._check_model(req.model)
+            previous = await self._previous_response(req.previous_response_id, ctx)
+            turn = responses.prepare_turn(req, previous and previous.context, previous and previous.response["output"])
+            messages = turn.messages()
+            self._check_prompt_chars(_messages_chars(messages), "input")
+            prompt_ids = await self._off_loop(_messages_size(messages), partial(
+                oa.encode_chat, self.tokenizer, messages, template_kwargs=turn.plan.template_kwargs))
+            answer = partial(ResponsesFormat, turn=turn, store=self.responses_store, owner=ctx.caller or "")
+            return await self._generate(answer, req.chat_request(messages), prompt_ids, t0, ctx, place,
+                                        route=ResponsesFormat.name, plan=turn.plan)
+
+    async def _previous_response(self, response_id: Optional[str], ctx: RequestContext):
+        if response_id is None:
+            return None
+        if self.responses_store is None:
+            raise oa.invalid_request("previous_response_id needs the responses store, which this server runs "
+                                     "without (responses_store_path is null)", param="previous_response_id",
+                                     code="unsupported_value")
+        found = await self.responses_store.get(ctx.caller or "", response_id)
+        if found is None:
+            raise oa.OpenAIError(f"Previous response with id {response_id!r} not found.", status=404,
+                                 param="previous_response_id", code="previous_response_not_found")
+        return found
+
+    def _stored(self, ctx: RequestContext) -> str:
+        response_id = ctx.params["response_id"]
+        if self.responses_store is None:
+            raise oa.OpenAIError("This server stores no responses (responses_store_path is null)", status=404,
+                                 param="response_id", code="not_found")
+        return response_id
+
+    async def _stored_response(self, request: Request, ctx: RequestContext) -> Response:
+        response_id = self._stored(ctx)
+        found = await self.responses_store.get(ctx.caller or "", response_id)
+        if found is None:
+            raise _response_not_found(response_id)
+        return JSONResponse(found.response)
+
+    async def _delete_response(self, request: Request, ctx: RequestContext) -> Response:
+        response_id = self._stored(ctx)
+        if not await self.responses_store.delete(ctx.caller or "", response_id):
+            raise _response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def _parse(self, cls, body: bytes):
         """`body` as a `cls` request, against this server's `request_limits` (off the loop when
@@ -541,6 +609,12 @@ class OpenAIIngress:
             raise oa.OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
                                  param="request_id", code="request_not_found")
         return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
+
+
+def _response_not_found(response_id: str) -> oa.OpenAIError:
+    """Another key's response is not found either (the store is partitioned by caller)."""
+    return oa.OpenAIError(f"Response with id {response_id!r} not found.", status=404, type="invalid_request_error",
+                          param="response_id", code="response_not_found")
 
 
 def _messages_chars(messages) -> int:

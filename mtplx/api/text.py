@@ -153,3 +153,18 @@ class StopStringMatcher:
     def flush(self) -> str:
         out, self._buf = ("" if self.stopped else self._buf), ""
         return out
+
+
+def tokens_through(tokenizer, ids: Sequence[int], marker: str) -> int:
+    """How many of `ids` it takes for their text to contain `marker` (all of them when it never
+    does): a thinking section's tokens, `</think>` included."""
+    def holds(k: int) -> bool:
+        return marker in tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
+
+    if not holds(len(ids)):
+        return len(ids)
+    low, high = 1, len(ids)          # the least k that holds is in [low, high]
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(mid) else (mid + 1, high)
+    return low
