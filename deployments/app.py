@@ -104,9 +104,13 @@ class AppArgs(BaseModel):
                                                              "on (a forced choice's grammar ends the answer there; an "
                                                              "unforced answer's further calls are dropped)")
     # The Responses API's stored responses
+    responses_store: Literal["sqlite", "actor"] = Field(
+        INGRESS["responses_store"], description="sqlite: each ingress replica opens the file itself (the replicas "
+                                                "of one machine); actor: one Ray actor on the head node owns it "
+                                                "and every replica, on any machine, calls it")
     responses_store_path: Optional[str] = Field(
-        INGRESS["responses_store_path"], description="SQLite file of stored responses, shared by every ingress "
-                                                     "replica of a machine (on a local disk); null: responses are "
+        INGRESS["responses_store_path"], description="SQLite file of stored responses, on a local disk (of the "
+                                                     "head node with responses_store: actor); null: responses are "
                                                      "not stored")
     responses_store_max_age_s: Optional[float] = Field(
         INGRESS["responses_store_max_age_s"], gt=0.0, description="Stored responses older than this are deleted "
@@ -242,7 +246,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file, "allowed_hosts": list(a.allowed_hosts),
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
         "overload_status": a.overload_status, "metrics": a.metrics, "max_tool_calls": a.max_tool_calls,
-        "responses_store_path": a.responses_store_path, "responses_store_max_age_s": a.responses_store_max_age_s,
+        "responses_store": a.responses_store, "responses_store_path": a.responses_store_path,
+        "responses_store_max_age_s": a.responses_store_max_age_s,
     }
     ingress_actor: Dict[str, Any] = {"num_cpus": a.ingress_num_cpus, "num_gpus": 0}
     if direct_http_enabled():

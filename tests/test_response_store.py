@@ -83,3 +83,38 @@ def test_a_failed_write_leaves_nothing_half_written(tmp_path):
         assert store.count() == 1 and store.get("alice", "resp_bad") is None
     finally:
         store.close()
+
+
+@pytest.mark.ray
+def test_the_actor_store_is_one_for_every_ingress_and_survives_a_restart(serve_app, tmp_path):
+    """`responses_store: actor` (several machines): every ingress's client reaches one actor that
+    owns the file; killed, Ray restarts it and the records are still there (they are in the file,
+    not in the actor)."""
+    import asyncio
+
+    import ray
+
+    from deployments.ingress.response_store import STORE_ACTOR_NAME, STORE_ACTOR_NAMESPACE, ActorStoreClient
+
+    path = str(tmp_path / "actor.sqlite3")
+    ingresses = [ActorStoreClient(path), ActorStoreClient(path)]
+
+    async def write_then_read():
+        await asyncio.gather(*(ingresses[i % 2].put(_record(i)) for i in range(20)))
+        return await asyncio.gather(*(ingresses[(i + 1) % 2].get("alice", f"resp_{i:05d}") for i in range(20)))
+
+    try:
+        found = asyncio.run(write_then_read())
+        assert [f.response for f in found] == [_record(i).response for i in range(20)]
+        actor = ray.get_actor(STORE_ACTOR_NAME, namespace=STORE_ACTOR_NAMESPACE)
+        first = ray.get(actor.where.remote())
+        ray.kill(actor, no_restart=False)
+        again = asyncio.run(ingresses[0].get("alice", "resp_00007"))
+        assert again is not None and again.response == _record(7).response
+        assert asyncio.run(ingresses[1].delete("alice", "resp_00007"))
+        assert ray.get(actor.where.remote()) == first
+        later = ResponseStore(path)          # the file itself, read directly
+        assert later.count() == 19
+        later.close()
+    finally:
+        ray.kill(ray.get_actor(STORE_ACTOR_NAME, namespace=STORE_ACTOR_NAMESPACE), no_restart=True)

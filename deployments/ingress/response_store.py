@@ -144,3 +144,64 @@ class LocalStoreClient:
 
     async def delete(self, owner: str, response_id: str) -> bool:
         return await self._run("delete", owner, response_id)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several machines: one actor owns the file
+
+
+STORE_ACTOR_NAME = "mtplx-responses-store"
+STORE_ACTOR_NAMESPACE = "mtplx"
+HEAD_NODE = {"node:__internal_head__": 0.001}       # Ray's resource of the head node
+
+
+class ResponseStoreActor:
+    """A Ray actor (named, detached, on the head node) that owns the store file: every ingress
+    replica, on any machine, reads and writes through it. Ray restarts it when it dies (its
+    records are in the file, not in it); Ray's object store is not durable, the file is."""
+
+    def __init__(self, path: str, max_age_s: Optional[float] = None):
+        self.store = ResponseStore(path, max_age_s)
+
+    def put(self, record: StoredResponse) -> None:
+        self.store.put(record)
+
+    def get(self, owner: str, response_id: str) -> Optional[StoredResponse]:
+        return self.store.get(owner, response_id)
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        return self.store.delete(owner, response_id)
+
+    def where(self) -> str:
+        import ray
+
+        return f"{ray.get_runtime_context().get_node_id()}:{self.store.path}"
+
+
+class ActorStoreClient:
+    """The ingress's view of the store actor (`responses_store: actor`): the actor is found, or
+    made by the first replica that asks (on the head node, `path` on that node's disk)."""
+
+    def __init__(self, path: str, max_age_s: Optional[float] = None, resources: Optional[dict] = None):
+        self.where = f"actor:{STORE_ACTOR_NAMESPACE}/{STORE_ACTOR_NAME}:{path}"
+        self._args = (path, max_age_s)
+        self._resources = dict(HEAD_NODE if resources is None else resources)
+        self._actor = None
+
+    def _handle(self):
+        if self._actor is None:
+            import ray
+
+            self._actor = ray.remote(ResponseStoreActor).options(
+                name=STORE_ACTOR_NAME, namespace=STORE_ACTOR_NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, resources=self._resources, max_restarts=-1, max_task_retries=3).remote(*self._args)
+        return self._actor
+
+    async def put(self, record: StoredResponse) -> None:
+        await self._handle().put.remote(record)
+
+    async def get(self, owner: str, response_id: str) -> Optional[StoredResponse]:
+        return await self._handle().get.remote(owner, response_id)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        return await self._handle().delete.remote(owner, response_id)

@@ -27,6 +27,7 @@ from mtplx.api import anthropic
 from mtplx.api import openai as oa
 from mtplx.api import output_plan, responses
 from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS, RequestLimits
+from mtplx.api.openapi import document as openapi_document
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
@@ -42,7 +43,7 @@ from .dispatch import ReplicaDispatcher, call
 from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
 from .model_files import load_model_metadata, load_tokenizer, resolve_model_dir
 from .pending import PendingRow
-from .response_store import DEFAULT_STORE_PATH, LocalStoreClient
+from .response_store import DEFAULT_STORE_PATH, ActorStoreClient, LocalStoreClient
 from .responses import ResponsesFormat
 from .routes import IngressRoute, RequestContext, match, request_id, route_path
 from .row_stream import RowStream
@@ -58,7 +59,7 @@ INGRESS_DEFAULTS = {
     "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
     "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
-    "max_tool_calls": DEFAULT_MAX_TOOL_CALLS, "responses_store_path": DEFAULT_STORE_PATH,
+    "max_tool_calls": DEFAULT_MAX_TOOL_CALLS, "responses_store": "sqlite", "responses_store_path": DEFAULT_STORE_PATH,
     "responses_store_max_age_s": 30 * 24 * 3600.0,
 }
 # Work on a request's prompt (parse, chat template, tokenize) below this size runs on the event
@@ -71,6 +72,7 @@ PROMPT_THREADS = 2
 # Unauthenticated /health (keys set): liveness only, from a replica check made at most this often.
 LIVENESS_TTL_S = 2.0
 CONTENT_TYPES = ("application/json",)
+OPENAPI_PATH = "/openapi.json"
 
 
 class OpenAIIngress:
@@ -127,6 +129,7 @@ class OpenAIIngress:
         self.constraints = ConstraintChecker()
         self.responses_store = self._open_store(cfg)
         self._router = self._routes()
+        self._openapi_doc: Optional[dict] = None
         try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
             from ..grafana import provision
 
@@ -137,34 +140,50 @@ class OpenAIIngress:
 
     def _routes(self) -> Router:
         R = IngressRoute
+        rr = responses.ResponsesRequest
         return Router(routes=[
-            R("/v1/chat/completions", self._chat, "POST", needs_model=True, new_id=request_id("chatcmpl")),
-            R("/v1/completions", self._completions, "POST", needs_model=True, new_id=request_id("cmpl")),
-            R("/v1/messages", self._messages, "POST", needs_model=True, new_id=anthropic.new_message_id),
-            R("/v1/messages/count_tokens", self._count_tokens, "POST", needs_model=True),
-            R("/v1/responses", self._responses, "POST", needs_model=True, new_id=responses.new_response_id),
-            R("/v1/responses/{response_id}", self._stored_response, "GET", tag="/v1/responses/{id}"),
-            R("/v1/responses/{response_id}", self._delete_response, "DELETE", tag="/v1/responses/{id}"),
-            R("/tokenize", self._tokenize, "POST", needs_model=True),
-            R("/detokenize", self._detokenize, "POST", needs_model=True),
-            R("/version", self._version, "GET"),
-            R("/v1/models", self._models, "GET", needs_model=True),
-            R("/v1/models/{model:path}", self._model, "GET", needs_model=True, tag="/v1/models/{model}"),
-            R("/health", self._health, "GET", open=True),
-            R("/v1/mtplx/snapshot", self._snapshot_route, "GET"),
-            R(PAGE_PATH, self._page, "GET", open=True),   # holds no data; its snapshot calls carry the key
-            R("/v1/mtplx/cancel/{rid}", self._cancel, "POST", tag="/v1/mtplx/cancel"),
+            R("/v1/chat/completions", self._chat, "POST", needs_model=True, new_id=request_id("chatcmpl"),
+              summary="OpenAI chat completion", bodies=(oa.ChatCompletionRequest,), streams=True),
+            R("/v1/completions", self._completions, "POST", needs_model=True, new_id=request_id("cmpl"),
+              summary="OpenAI text completion", bodies=(oa.CompletionRequest,), streams=True),
+            R("/v1/messages", self._messages, "POST", needs_model=True, new_id=anthropic.new_message_id,
+              summary="Anthropic message", bodies=(anthropic.MessagesRequest,), streams=True),
+            R("/v1/messages/count_tokens", self._count_tokens, "POST", needs_model=True,
+              summary="Anthropic token count", bodies=(anthropic.CountTokensRequest,)),
+            R("/v1/responses", self._responses, "POST", needs_model=True, new_id=responses.new_response_id,
+              summary="OpenAI response (stored unless store is false)", bodies=(rr,), streams=True),
+            R("/v1/responses/{response_id}", self._stored_response, "GET", tag="/v1/responses/{id}",
+              summary="A stored response"),
+            R("/v1/responses/{response_id}", self._delete_response, "DELETE", tag="/v1/responses/{id}",
+              summary="Delete a stored response"),
+            R("/tokenize", self._tokenize, "POST", needs_model=True, summary="vLLM's tokenize (prompt or chat)",
+              bodies=(oa.TokenizeCompletionRequest, oa.TokenizeChatRequest)),
+            R("/detokenize", self._detokenize, "POST", needs_model=True, summary="vLLM's detokenize",
+              bodies=(oa.DetokenizeRequest,)),
+            R("/version", self._version, "GET", summary="The server's version"),
+            R("/v1/models", self._models, "GET", needs_model=True, summary="The served model"),
+            R("/v1/models/{model:path}", self._model, "GET", needs_model=True, tag="/v1/models/{model}",
+              summary="One served model"),
+            R("/health", self._health, "GET", open=True, summary="Liveness (details with a key)"),
+            R("/v1/mtplx/snapshot", self._snapshot_route, "GET", summary="Ingress and replica stats"),
+            R(PAGE_PATH, self._page, "GET", open=True,     # holds no data; its snapshot calls carry the key
+              summary="The live stats page (HTML)"),
+            R("/v1/mtplx/cancel/{rid}", self._cancel, "POST", tag="/v1/mtplx/cancel",
+              summary="Cancel a request in flight"),
+            R(OPENAPI_PATH, self._openapi, "GET", open=True, summary="This document"),
         ])
 
     @staticmethod
     def _open_store(cfg: dict):
-        """The responses store: the SQLite file at `responses_store_path` (None: responses are not
-        stored)."""
+        """The responses store: the SQLite file at `responses_store_path`, opened here (`sqlite`:
+        the replicas of one machine share it) or by one actor every replica calls (`actor`:
+        several machines). None: responses are not stored."""
         path = cfg["responses_store_path"]
         if not path:
             log.info("mtplx ingress: no responses store (responses_store_path is null): store is ignored")
             return None
-        return LocalStoreClient(path, cfg["responses_store_max_age_s"])
+        client = ActorStoreClient if cfg["responses_store"] == "actor" else LocalStoreClient
+        return client(path, cfg["responses_store_max_age_s"])
 
     def _load_model_files(self, model_dir: Path) -> None:
         self.meta = load_model_metadata(model_dir)
@@ -524,6 +543,13 @@ class OpenAIIngress:
         if name not in self.model_aliases:
             raise oa.model_not_found(name, [self.served_model])
         return JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"])["data"][0])
+
+    async def _openapi(self, request: Request, ctx: RequestContext) -> Response:
+        """Every route and every field this server accepts (mtplx.api.openapi), from its routes."""
+        if self._openapi_doc is None:
+            self._openapi_doc = openapi_document([r.operation() for r in self._router.routes], mtplx.__version__,
+                                                 description="OpenAI- and Anthropic-compatible MTP serving")
+        return JSONResponse(self._openapi_doc)
 
     async def _version(self, request: Request, ctx: RequestContext) -> Response:
         return JSONResponse({"version": mtplx.__version__})
