@@ -286,7 +286,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     ids = list(tok.encode(PROMPT, add_special_tokens=False))
     ref = _greedy(ref_model, ids, 24).tokens
     k = _first_new_token(ref)
-    text_k = tok.decode(ref[:k])
+    text_k = tok.decode(ref[:k], skip_special_tokens=True)
     # a requested stop token ends the row there; it is not returned (no text, not counted)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                   extra_body={"stop_token_ids": [ref[k]], "ignore_eos": False})
@@ -296,7 +296,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     # no stop: stop_reason null; a stop string: the string
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
-    full = tok.decode(ref)
+    full = tok.decode(ref, skip_special_tokens=True)
     at = next(i for i in range(2, len(full) - 3) if full[i:i + 3].strip() and full.find(full[i:i + 3]) == i)
     stop = full[at:at + 3]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
@@ -309,7 +309,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
                                                  stream=True, extra_body={"stop_token_ids": [cref[kc]]}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert text == tok.decode(cref[:kc])
+    assert text == tok.decode(cref[:kc], skip_special_tokens=True)
     reasons = [(ch.choices[0].finish_reason, ch.choices[0].model_extra["stop_reason"]) for ch in chunks]
     assert reasons[-1] == ("stop", cref[kc]) and all(r == (None, None) for r in reasons[:-1])
     # refused fields name themselves
@@ -474,7 +474,7 @@ def test_logprobs_through_chat_and_completions(client, ref_model):
         assert all(abs(t.logprob - float(v)) < 1e-4 for t, v in zip(c.top_logprobs, ref_top))
         assert c.top_logprobs[0].logprob == c.logprob          # greedy: the heaviest token
     assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == \
-        tok.decode(tokens, skip_special_tokens=False)
+        tok.decode(tokens, skip_special_tokens=True)         # a special token: counted, no text
     # streaming: the same entries, spread over the chunks
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
                                                  logprobs=True, top_logprobs=3, stream=True))
@@ -565,7 +565,7 @@ def test_n_choices_through_chat_and_completions(client, ref_model):
     import openai
 
     ids = _chat_ids(ref_model, PROMPT)
-    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens)
+    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens, skip_special_tokens=True)
     msgs = [{"role": "user", "content": PROMPT}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]
