@@ -132,13 +132,19 @@ def openai_tools(raw) -> List[ToolSpec]:
         extra = sorted(set(fn) - _OPENAI_FUNCTION_KEYS)
         if extra:
             raise oa.invalid_request(f"Unrecognized function field: {extra[0]}", param=f"{where}.function.{extra[0]}")
-        name = _check_name(fn.get("name"), f"{where}.function.name", seen)
-        description = fn.get("description")
-        if description is not None and not isinstance(description, str):
-            raise oa.invalid_request("a tool's description must be a string", param=f"{where}.function.description")
-        params = _check_schema(fn.get("parameters"), f"{where}.function.parameters")
-        out.append(ToolSpec(name, description, params, f"{where}.function.parameters"))
+        out.append(_function_spec(fn, f"{where}.function", seen))
     return out
+
+
+def _function_spec(fn: dict, where: str, seen: set) -> ToolSpec:
+    """A function tool's name, description and parameters schema (`where`: the path of the object
+    that holds them: chat's `function`, the Responses API's tool itself)."""
+    name = _check_name(fn.get("name"), f"{where}.name", seen)
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise oa.invalid_request("a tool's description must be a string", param=f"{where}.description")
+    params = _check_schema(fn.get("parameters"), f"{where}.parameters")
+    return ToolSpec(name, description, params, f"{where}.parameters")
 
 
 def _mode_choice(raw: str, tools: Sequence[ToolSpec], parallel: bool, max_calls: int) -> ToolChoice:
@@ -187,12 +193,7 @@ def responses_tools(raw) -> List[ToolSpec]:
         extra = sorted(set(tool) - _RESPONSES_FUNCTION_KEYS)
         if extra:
             raise oa.invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
-        name = _check_name(tool.get("name"), f"{where}.name", seen)
-        description = tool.get("description")
-        if description is not None and not isinstance(description, str):
-            raise oa.invalid_request("a tool's description must be a string", param=f"{where}.description")
-        params = _check_schema(tool.get("parameters"), f"{where}.parameters")
-        out.append(ToolSpec(name, description, params, f"{where}.parameters"))
+        out.append(_function_spec(tool, where, seen))
     return out
 
 
