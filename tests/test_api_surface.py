@@ -1,5 +1,5 @@
 """The API surface beyond text and usage: vLLM's /tokenize, /detokenize and /version, the vLLM
-sampling fields (stop_token_ids, ignore_eos; min_tokens and repetition_penalty refused), stop_reason,
+sampling fields (stop_token_ids, ignore_eos; min_tokens above max_tokens and repetition_penalty refused), stop_reason,
 OpenAI-only finish reasons, and Anthropic's /v1/messages through the real `anthropic` client.
 
 The HTTP tests share the session's served app (tests/conftest.py); references come from the engine
@@ -105,7 +105,7 @@ def test_overload_refusals_spread_their_retry_after():
     assert "retry-after" not in oa.unavailable("down").headers
 
 
-@pytest.mark.parametrize("field,value", [("min_tokens", 4), ("repetition_penalty", 1.3)])
+@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.3)])
 def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
     from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
 
@@ -115,7 +115,7 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
             parse_request(cls, json.dumps({**base, field: value}).encode())
         assert exc.value.status == 400 and exc.value.param == field and field in exc.value.message
         # their no-op values are accepted
-        parse_request(cls, json.dumps({**base, field: {"min_tokens": 0, "repetition_penalty": 1.0}[field]}).encode())
+        parse_request(cls, json.dumps({**base, field: {"repetition_penalty": 1.0}[field]}).encode())
 
 
 def test_logprobs_fields_are_validated():
@@ -317,7 +317,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     reasons = [(ch.choices[0].finish_reason, ch.choices[0].model_extra["stop_reason"]) for ch in chunks]
     assert reasons[-1] == ("stop", cref[kc]) and all(r == (None, None) for r in reasons[:-1])
     # refused fields name themselves
-    for extra, param in [({"min_tokens": 2}, "min_tokens"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    for extra, param in [({"min_tokens": 5}, "min_tokens"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
                          ({"stop_token_ids": [ref_model.vocab_size]}, "stop_token_ids")]:
         r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

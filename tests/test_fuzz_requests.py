@@ -91,7 +91,7 @@ SAMPLING = [
     one("ignore_eos", [True, False], ["maybe", 2]),
     one("generation_mode", ["auto", "mtp", "ar"], ["turbo", 1]),
     one("omit_speculative_bonus", [True, False], ["x"]),
-    one("min_tokens", [0], [1, 3, HUGE, -1]),
+    one("min_tokens", [0, 1], [HUGE, -1, 1.5]),
     one("repetition_penalty", [1.0], [1.3, 0.0, 1e300, HUGE]),
     one("model", [MODEL], ["gpt-4o", 5]),
     one("user", ["u-1"], [5]),

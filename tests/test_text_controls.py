@@ -1,8 +1,9 @@
 """vLLM's text controls on chat and completions, through the session's served app: special tokens
 left out of the text by default (`skip_special_tokens`), each token's log-probability entry still
 there and aligned with the text (their texts join to it, their offsets point into it);
-`spaces_between_special_tokens`; `include_stop_str_in_output`. (`ignore_eos` and `stop_token_ids`:
-tests/test_api_surface.py; `min_tokens` is refused by name: tests/test_fuzz_requests.py.)
+`spaces_between_special_tokens`; `include_stop_str_in_output`; `min_tokens` (stop strings and
+stop tokens held back; the engine's side: tests/test_structured_lane.py). (`ignore_eos` and
+`stop_token_ids`: tests/test_api_surface.py.)
 
 The shipped model writes its template's `<|im_start|>` often (a chat answer begins with it, a
 completion of `<|endoftext|>` repeats it). Greedy throughout."""
@@ -94,3 +95,26 @@ def test_include_stop_str_in_output(client, http):
                          ("spaces_between_special_tokens", None)):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@RAY_MARK
+def test_min_tokens_holds_stop_strings_and_tokens_back(http):
+    def complete(**extra):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "import os\n", "max_tokens": 24,
+                                                "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+
+    whole, _ = complete(ignore_eos=True)
+    cut, k = complete(stop=["path"])
+    assert whole.startswith(cut + "path") and k < 20
+    # the first "path" is within the minimum: the text runs past it, to the next or to max_tokens
+    held, n = complete(stop=["path"], min_tokens=k + 2)
+    assert held.startswith(cut + "path") and n >= k + 2
+    # stop tokens the greedy text writes early are held back too
+    stop_ids = http.post("/tokenize", json={"model": MODEL, "prompt": whole}).json()["tokens"][1:6]
+    early, k = complete(stop_token_ids=stop_ids)
+    held, n = complete(stop_token_ids=stop_ids, min_tokens=k + 3)
+    assert k <= 8 and n >= k + 3 and held.startswith(early)
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text

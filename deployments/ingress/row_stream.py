@@ -201,7 +201,7 @@ class RowStream:
         text = ""
         for k, token in enumerate(tokens):
             self._returned([token], entries[k:k + 1] if entries else None)
-            text += self.stops.push(self.detok.push([token]))
+            text += self.stops.push(self.detok.push([token]), armed=self.n_tokens >= self.spec.min_tokens)
             if self.stops.stopped:
                 self.ing.dispatch.end_row(self.row, STOP_STRING)
                 break

@@ -437,9 +437,13 @@ class OpenAIIngress:
         """The row this request decodes as (its n > 1 choices are copies of it): the caller owns
         it (only its key may cancel it), and its prompt is cached in the caller's partition."""
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        max_tokens, min_tokens = self._max_tokens(req, len(prompt_ids)), getattr(req, "min_tokens", 0)
+        if min_tokens > max_tokens:
+            raise oa.invalid_request(f"min_tokens={min_tokens} is above this request's max_tokens={max_tokens}; "
+                                     f"ask for at most {max_tokens}", param="min_tokens")
         return RowSpec(
             request_id=ctx.rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
-            max_tokens=self._max_tokens(req, len(prompt_ids)),
+            max_tokens=max_tokens, min_tokens=min_tokens,
             sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"], self.meta["vocab_size"]),
             seed=int(seed) % (2 ** 64),
             generation_mode=req.generation_mode or self.default_mode,

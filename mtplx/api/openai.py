@@ -161,8 +161,9 @@ class _GenerationFields(SamplingFields):
     service_tier: Optional[str] = None
     logit_bias: Optional[dict] = None
     # vLLM's sampling extensions: stop_token_ids and ignore_eos act on the row's stop set;
-    # include_stop_str_in_output keeps a matched stop string in the text; min_tokens and
-    # repetition_penalty are accepted only at their no-op values (see checks)
+    # min_tokens holds that set and the stop strings back until the row has that many tokens;
+    # include_stop_str_in_output keeps a matched stop string in the text; repetition_penalty
+    # is accepted only at its no-op value (see checks)
     stop_token_ids: Optional[List[Annotated[int, Field(ge=0, strict=True)]]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = Field(default=False, strict=True)
@@ -194,6 +195,11 @@ class _GenerationFields(SamplingFields):
     def _check_max_tokens(cls, v, info: ValidationInfo):
         return check_token_count(v, "max_tokens", request_limits(info))
 
+    @field_validator("min_tokens")
+    @classmethod
+    def _check_min_tokens(cls, v, info: ValidationInfo):
+        return check_token_count(v, "min_tokens", request_limits(info))
+
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_token_ids(cls, v, info: ValidationInfo):
@@ -208,11 +214,6 @@ class _GenerationFields(SamplingFields):
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true",
                                   param="stream_options")
-        if self.min_tokens:
-            raise invalid_request(f"min_tokens={shown_value(self.min_tokens)} is not supported: this server cannot keep a row "
-                                  f"from stopping early (the row's stop tokens would have to be masked in every "
-                                  f"distribution its lane draws from, drafts and verified positions alike, until "
-                                  f"then); send 0 or omit it", param="min_tokens", code="unsupported_value")
         if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
             raise invalid_request(f"repetition_penalty={self.repetition_penalty:g} is not supported; use "
                                   f"presence_penalty / frequency_penalty, and send 1.0 or omit it",

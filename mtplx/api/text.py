@@ -129,13 +129,15 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: Optional[str] = None
 
-    def push(self, delta: str) -> str:
+    def push(self, delta: str, armed: bool = True) -> str:
+        """`delta`'s text that can be returned now. Unarmed (a `min_tokens` row before its minimum)
+        nothing matches, but a held tail can still begin a stop string that ends once armed."""
         if self.stopped or not delta:
             return ""
         if not self.stops:
             return delta
         text = self._buf + delta
-        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0] if armed else []
         if hits:
             at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
