@@ -27,6 +27,12 @@ def run(a) -> None:
         if run_structured(a):
             sys.exit(1)
         return
+    if a.what == "exactness":
+        from benchmarks.exactness import bench_exactness, render
+
+        result = bench_exactness(a.model, a.prompts, a.tokens or 64)
+        print(json.dumps(result) if a.json else render(result))
+        return
     if a.what == "soak":
         from benchmarks.soak import run_cli as run_soak
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from benchmarks.report import ROOT
-from deployments._proc import DIRECT_HTTP_ENV, direct_http_env, free_port
+from deployments._proc import DIRECT_HTTP_ENV, LOOPBACK_RAY_ENV, direct_http_env, free_port
 
 SHIPPED_MODEL = ROOT / "mtplx" / "assets" / "mtplx-tiny-py"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -170,7 +170,8 @@ class ServerProcess:
 def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float,
                args_overrides: Optional[dict] = None, direct_http: bool = False) -> ServerProcess:
     """`serve run` of the shipped config with a free port (and `model_path` when given, and any
-    app `args` overridden), on a fresh local Ray whose temp dir is private to this start. With
+    app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
+    loopback as scripts/serve.sh starts it (`LOOPBACK_RAY_ENV`). With
     `direct_http` the ingress replica also answers HTTP on a port of its own (`direct_http_env`),
     and the returned server's url is that port's."""
     import yaml
@@ -186,7 +187,7 @@ def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     ray_tmp = Path(tempfile.mkdtemp(prefix="mtplx-bl-", dir="/tmp"))   # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in DIRECT_HTTP_ENV}
-    env.update({"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0"})
+    env.update({"RAY_TMPDIR": str(ray_tmp), "RAY_USAGE_STATS_ENABLED": "0", **LOOPBACK_RAY_ENV})
     direct_port = free_port() if direct_http else None
     env.update(direct_http_env(direct_port))
     server = ServerProcess("ours", [_venv_bin("serve"), "run", "--address", "local", str(cfg_path)], env,

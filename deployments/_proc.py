@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import ipaddress
 import logging
 import os
 import socket
@@ -11,6 +12,25 @@ import time
 from typing import Optional
 
 log = logging.getLogger("ray.serve")
+
+
+# Ray on this machine only. On Linux Ray takes a node's address from the route to the outside (it
+# turns an explicit 127.0.0.1 into that address too), and its GCS, raylet, object manager, agents
+# and workers listen there; with this variable at 0 (macOS's and Windows's default) every node
+# address is 127.0.0.1. Ray reads it when `ray` is imported: it belongs in the environment of the
+# process that starts Ray (scripts/serve.sh exports it). A cluster of several machines is started
+# without it (README: several machines).
+LOOPBACK_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address as sockets and Ray report it) is this machine's loopback."""
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(addr, "ipv4_mapped", None)     # ::ffff:127.0.0.1, a dual-stack socket's view
+    return (mapped or addr).is_loopback
 
 
 def free_port() -> int:

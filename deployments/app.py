@@ -10,22 +10,25 @@ max_ongoing_requests, ray_actor_options...).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Dict, List, Literal, Optional
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtplx.engine.repetition import RepetitionLimits
-from mtplx.models.registry import model_not_installed, resolve_model_path
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
-from ._proc import direct_http_enabled
+from ._proc import direct_http_enabled, is_loopback
 from .ingress import OpenAIIngress
 from .ingress.server import INGRESS_DEFAULTS as INGRESS
 from .replica import (DEFAULT_MAX_WAITING_ROWS_PER_KEY, DEFAULT_NICENESS, DEFAULT_RETRY_AFTER_S,
                       DEFAULT_STREAM_INTERVAL_MS, DEFAULT_SUMMARY_INTERVAL_S, DEFAULT_WATCHDOG_S, MTPReplica)
+
+log = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "OpenAIIngress"
 REFUSAL_SLOTS = 256
@@ -99,11 +102,32 @@ class AppArgs(BaseModel):
         None, ge=1, description="Most completion tokens one request may ask for (400 above it); "
                                 "None: only the context window limits it")
     max_body_bytes: int = Field(INGRESS["max_body_bytes"], ge=1024, description="Request bodies above this get 413")
+    max_tool_calls: int = Field(
+        INGRESS["max_tool_calls"], ge=1, le=256, description="Most tool calls one answer may make with parallel calls "
+                                                             "on (a forced choice's grammar ends the answer there; an "
+                                                             "unforced answer's further calls are dropped)")
+    # The Responses API's stored responses
+    responses_store: Literal["sqlite", "actor"] = Field(
+        INGRESS["responses_store"], description="sqlite: each ingress replica opens the file itself (the replicas "
+                                                "of one machine); actor: one Ray actor on the head node owns it "
+                                                "and every replica, on any machine, calls it")
+    responses_store_path: Optional[str] = Field(
+        INGRESS["responses_store_path"], description="SQLite file of stored responses, on a local disk (of the "
+                                                     "head node with responses_store: actor); null: responses are "
+                                                     "not stored")
+    responses_store_max_age_s: Optional[float] = Field(
+        INGRESS["responses_store_max_age_s"], gt=0.0, description="Stored responses older than this are deleted "
+                                                                  "(OpenAI keeps them 30 days); null: kept")
     # Access
     api_keys_env: Optional[str] = Field(
         INGRESS["api_keys_env"], description="Environment variable (of the ingress process) holding API keys, "
                                       "comma separated; unset or empty: no key from it")
     api_keys_file: Optional[str] = Field(None, description="File with one API key per line")
+    allowed_hosts: List[str] = Field(
+        default_factory=list, description="Host names (besides localhost and loopback addresses) a request arriving on "
+                                          "loopback may name in its Host header, e.g. a reverse proxy's; \"*\": any. "
+                                          "Other names get 403 (DNS rebinding). With no API key set, the names an "
+                                          "Origin header may name too")
     # Backpressure
     max_waiting_rows: int = Field(
         INGRESS["max_waiting_rows"], ge=1, description="Ingress: requests waiting for a batch window to a replica; beyond: 429/503")
@@ -175,10 +199,25 @@ def ingress_max_ongoing(a: AppArgs) -> int:
     return a.max_batch_size * a.max_concurrent_batches + a.max_waiting_rows + REFUSAL_SLOTS
 
 
+def warn_if_ray_is_reachable() -> None:
+    """`serve run` starts its Ray before anything of ours runs, on Linux on the machine's network
+    address unless its environment keeps it on loopback (`deployments._proc.LOOPBACK_RAY_ENV`, which
+    scripts/serve.sh exports). Say so at build time."""
+    if not ray.is_initialized() or is_loopback(node := ray.util.get_node_ip_address()):
+        return
+    log.warning("mtplx: this Ray node's address is %s: its GCS, raylet, object manager and workers listen "
+                "there, reachable from the network (README: Ray's ports). Expected on a cluster of several "
+                "machines; on one machine start with scripts/serve.sh, or export "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `serve run`.", node)
+
+
 def build_app(args: Optional[Dict[str, Any]] = None):
     """The application builder named by `import_path: deployments:build_app`."""
+    warn_if_ray_is_reachable()
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     if a.model_path:
+        from mtplx.models.registry import model_not_installed, resolve_model_path   # no MLX: only here
+
         # a registered name becomes its directory here, so the ingress (tokenizer) and the replica
         # (weights) read the same one; not installed on this node: a replica elsewhere may have it
         if (hint := model_not_installed(a.model_path)) is not None:
@@ -222,9 +261,11 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "max_concurrent_batches": a.max_concurrent_batches, "default_max_tokens": a.default_max_tokens,
         "default_generation_mode": a.default_generation_mode, "tokenizer_source": a.tokenizer_source, "niceness": a.niceness,
         "max_tokens_limit": a.max_tokens_limit, "max_body_bytes": a.max_body_bytes,
-        "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file,
+        "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file, "allowed_hosts": list(a.allowed_hosts),
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
-        "overload_status": a.overload_status, "metrics": a.metrics,
+        "overload_status": a.overload_status, "metrics": a.metrics, "max_tool_calls": a.max_tool_calls,
+        "responses_store": a.responses_store, "responses_store_path": a.responses_store_path,
+        "responses_store_max_age_s": a.responses_store_max_age_s,
     }
     ingress_actor: Dict[str, Any] = {"num_cpus": a.ingress_num_cpus, "num_gpus": 0}
     if direct_http_enabled():

@@ -86,6 +86,12 @@ REPLICA_SERIES = {
     "prefix_queries": ("counter", "mtplx_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", (), None),
     "prefix_hits": ("counter", "mtplx_prefix_cache_hits", "Prompt tokens served from the prefix cache", (), None),
     "finished": ("counter", "mtplx_requests_finished", "Rows ended, by finish reason", ("finish_reason",), None),
+    # a lane step that raised ends at most the row it is blamed on; the lane is rebuilt with the rest
+    "rows_failed": ("counter", "mtplx_rows_failed",
+                    "Rows a lane fault was blamed on (their own work raised or went non-finite), failed alone",
+                    (), None),
+    "lanes_rebuilt": ("counter", "mtplx_lanes_rebuilt",
+                      "Lanes rebuilt after a fault, their other rows resumed where they were", (), None),
     "ttft": ("histogram", "mtplx_time_to_first_token_seconds",
              "Cohort call received to a row's first token (replica)", (), SECONDS_BOUNDARIES),
     "tpot": ("histogram", "mtplx_request_time_per_output_token_seconds",
@@ -254,7 +260,8 @@ class CohortMonitor:
         keys = ("accepted_draft_tokens", "rejected_draft_tokens", "draft_proposals", "draft_tokens",
                 "lane_row_cycles", "admissions",
                 "cycle_seconds_total", "prefill_seconds_total", "completion_tokens", "requests_completed",
-                "requests_failed", "requests_cancelled", "lane_cycles", "mtp_cycles", "ar_steps")
+                "requests_failed", "requests_cancelled", "lane_cycles", "mtp_cycles", "ar_steps", "rows_failed",
+                "lanes_rebuilt")
         out = {k: snap.get(k) or 0 for k in keys}
         out["by_width"] = dict(snap.get("fixed_width_histogram") or {})
         out["by_position"] = list(snap.get("accepted_by_position") or [])
@@ -286,6 +293,8 @@ class CohortMonitor:
         record(m, "steps", d["mtp_cycles"], {"kind": "mtp"})
         record(m, "steps", d["ar_steps"], {"kind": "ar"})
         record(m, "row_cycles", d["lane_row_cycles"])
+        record(m, "rows_failed", d["rows_failed"])
+        record(m, "lanes_rebuilt", d["lanes_rebuilt"])
         record(m, "admissions", d["admissions"])
         record(m, "cycle_seconds", d["cycle_seconds_total"])
         record(m, "prefill_seconds", d["prefill_seconds_total"])

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 from ray import serve
 
 from mtplx.api.rows import RowSpec, mtp_batch_compatibility_key
+from mtplx.structured import GRAMMAR_MEMORY, holding_back
 from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST,
                                      checked_cancel_reason)
 
@@ -76,10 +77,12 @@ def _rss_bytes() -> Optional[int]:
 
 
 def _node_id() -> Optional[str]:
+    """The Ray node this replica runs on; None outside Ray (a direct construction in a test or the
+    bench: asking Ray's runtime context there would start a local Ray in that process)."""
     try:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:
         return None
 
@@ -269,6 +272,7 @@ class MTPReplica:
         self.watchdog_s = float(watchdog_s)   # check_health fails when one owner step runs longer
         self.summary_interval_s = float(summary_interval_s)   # cohort summaries in the replica log (0: none)
         self._jobs: Dict[str, list] = {}
+        self._owners: Dict[str, Optional[str]] = {}     # a live row's id -> its caller's key digest (RowSpec.owner)
         self._cohorts_started = 0
         self._overload_rejections = 0
         self._stream_messages = 0
@@ -343,7 +347,8 @@ class MTPReplica:
         jobs = [self._job(i, row, buf) for i, row in enumerate(rows)]
         with self._buffers_lock:
             self._buffers.add(buf)
-        for i, job in enumerate(jobs):
+        for i, (job, row) in enumerate(zip(jobs, rows)):
+            self._owners[job.request_id] = row.owner
             for key in _cancel_keys(job):
                 self._jobs.setdefault(key, []).append(job)
             job.future.add_done_callback(lambda f, i=i: buf.push_final(i, f))
@@ -360,17 +365,24 @@ class MTPReplica:
 
     def _job(self, i: int, row: RowSpec, buf: "_CohortBuffer"):
         """The scheduler's job for row `i` of a cohort: its tokens go to the cohort's buffer; the
-        model's EOS joins the row's own stop tokens unless it ignores EOS."""
+        model's EOS joins the row's own stop tokens unless it ignores EOS; a `min_tokens` row's
+        constraint holds those stops back until then."""
         eos = frozenset() if row.ignore_eos else self.model.eos_token_ids
-        return self._mtp_batch.MTPBatchJob(
+        stops = eos | frozenset(row.stop_token_ids)
+        job = self._mtp_batch.MTPBatchJob(
             request_id=row.request_id, prompt_ids=row.prompt_ids, max_tokens=row.max_tokens,
             sampler=row.sampler, draft_sampler=row.draft_sampler, seed=row.seed,
-            stop_token_ids=eos | frozenset(row.stop_token_ids),
+            stop_token_ids=stops,
             token_callback=lambda toks, lps=None: buf.push_tokens(i, toks, lps), logprobs=row.logprobs,
             compatibility_key=row.compatibility_key, speculative=row.speculative, adaptive=row.adaptive,
             cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
             omit_speculative_bonus=row.omit_speculative_bonus, prefill_group=row.prefill_group,
-            constraint=row.constraint, request_observability={"replica_id": self.replica_id})
+            constraint=holding_back(row.constraint, stops, row.min_tokens), cache_salt=row.cache_salt,
+            request_observability={"replica_id": self.replica_id})
+        bank = self.service.session_bank     # the row's prompt is looked up and banked in its caller's partition
+        if bank is not None:
+            job.session_restore, job.session_commit = bank.job_hooks(job)
+        return job
 
     async def _stream(self, buf: "_CohortBuffer", rows: List[RowSpec], jobs: list, started: float,
                       received_at: float) -> AsyncIterator[dict]:
@@ -416,6 +428,7 @@ class MTPReplica:
         for job in jobs:
             if not job.future.done():
                 job.cancel()
+            self._owners.pop(job.request_id, None)
             for key in _cancel_keys(job):
                 lst = self._jobs.get(key)
                 if lst is not None and job in lst:
@@ -503,12 +516,16 @@ class MTPReplica:
                   exc_info=(type(exc), exc, exc.__traceback__))
         return {"kind": "internal"}
 
-    async def cancel(self, request_id: str, reason: str = "cancelled", **_pin) -> int:
+    async def cancel(self, request_id: str, reason: str = "cancelled", owner: Optional[str] = None, **_pin) -> int:
         """End every row with this request id on this replica; returns how many were live.
         "cancelled": the rows fail as cancelled; "stop_string" (the ingress matched a stop string):
-        they end as a normal stop, finish_reason "stop", with their results."""
+        they end as a normal stop, finish_reason "stop", with their results. `owner` (a client's
+        cancel, with API keys set): only the rows that caller's key created (another key's are not
+        found); None: the ingress's own cancels (a client gone, a stop string), or no keys set."""
         checked_cancel_reason(reason)
-        return sum(1 for job in list(self._jobs.get(request_id, ())) if job.cancel(reason))
+        jobs = [j for j in list(self._jobs.get(request_id, ()))
+                if owner is None or self._owners.get(j.request_id) == owner]
+        return sum(1 for job in jobs if job.cancel(reason))
 
     async def snapshot(self, **_pin) -> dict:
         snap = self.service.snapshot()
@@ -517,6 +534,8 @@ class MTPReplica:
                      "rss_bytes": _rss_bytes(), "mlx_memory": self._mlx_memory(),
                      "live_requests": len({j.request_id for lst in self._jobs.values() for j in lst}), "overload_rejections": self._overload_rejections,
                      "max_waiting_rows_per_key": self.max_waiting_rows_per_key,
+                     # structured output: what the live rows' grammars hold, and llguidance's bounds
+                     "grammar": GRAMMAR_MEMORY.stats(),
                      # tokens/s over the last 5 s (None without metrics or before two samples)
                      "decode_tok_s_5s": self._monitor.decode_tok_s() if self._monitor is not None else None})
         return snap

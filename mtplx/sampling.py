@@ -43,6 +43,40 @@ PENALTY_LIMIT = 2.0
 DRAFT_CANDIDATES = 64      # a device-drawn draft's q: the draft sampler over the row's heaviest tokens
 UNIFORM_BITS = 24          # a device draw's uniform: m / 2**24, exact in float32
 GREEDY_BELOW = 1e-5        # a temperature below this decodes greedy (as vLLM's sampling epsilon)
+# What the device's float32 columns hold (`_column`): a top_p below float32's smallest normal
+# number rounds to 0 there (or a GPU flushes it to 0) and keeps no token; a temperature above
+# float32's largest is infinite there; a top_k beyond int32 is no top_k an engine holds.
+FLOAT32_TINY = 2.0 ** -126             # float32's smallest normal number (1.1754944e-38)
+FLOAT32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
+TOP_K_MAX = 2 ** 31 - 1
+
+
+# Each setting's range, and what the refusal says. top_p's and temperature's ends are what the
+# device's float32 columns hold; top_k's, int32's.
+SETTING_RANGES = {
+    "temperature": (0.0, FLOAT32_MAX, f"must be >= 0 (0 means greedy) and at most {FLOAT32_MAX:.7g} (float32's "
+                                      f"largest number)"),
+    "top_p": (FLOAT32_TINY, 1.0, f"must be in (0, 1], and at least {FLOAT32_TINY:.8g} (float32's smallest normal "
+                                 f"number: below it the device's float32 rounds top_p to 0, or a GPU flushes it to "
+                                 f"0, and keeps no token); for greedy decoding use temperature 0"),
+    "top_k": (0, TOP_K_MAX, f"must be >= 0 (0 disables top-k) and at most {TOP_K_MAX} (int32); any top_k at or "
+                            f"above the vocabulary size keeps every token, as 0 does"),
+    "min_p": (0.0, 1.0, "must be in [0, 1]"),
+    "presence_penalty": (-PENALTY_LIMIT, PENALTY_LIMIT, f"must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]"),
+    "frequency_penalty": (-PENALTY_LIMIT, PENALTY_LIMIT, f"must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]"),
+}
+
+
+def _refuse(name: str, value, rule: str):
+    raise ValueError(f"SamplerConfig.{name}={shown_value(value)} is invalid: {rule}")
+
+
+def shown_value(value) -> str:
+    """A value as an error message shows it: repr, but an integer too long to read (or to print:
+    Python refuses ints of more than 4300 digits) by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    return repr(value)
 
 
 @dataclass(frozen=True)
@@ -57,30 +91,19 @@ class SamplerConfig:
     frequency_penalty: float = 0.0
 
     def __post_init__(self):
-        def bad(name, value, rule):
-            raise ValueError(f"SamplerConfig.{name}={value!r} is invalid: {rule}")
-
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                bad(name, value, "must be a finite number")
+                _refuse(name, value, "must be a finite number")
             object.__setattr__(self, name, float(value))
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
-            bad("top_k", self.top_k, "must be an integer")
+            _refuse("top_k", self.top_k, "must be an integer")
         object.__setattr__(self, "top_k", int(self.top_k))
-        if self.temperature < 0:
-            bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        for name, (lo, hi, rule) in SETTING_RANGES.items():
+            if not lo <= getattr(self, name) <= hi:
+                _refuse(name, getattr(self, name), rule)
         if self.temperature < GREEDY_BELOW:   # logits / 1e-320 overflow to a NaN distribution
             object.__setattr__(self, "temperature", 0.0)
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k < 0:
-            bad("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", self.min_p, "must be in [0, 1]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if abs(getattr(self, name)) > PENALTY_LIMIT:
-                bad(name, getattr(self, name), f"must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]")
 
     @property
     def is_greedy(self) -> bool:

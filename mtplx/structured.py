@@ -14,19 +14,42 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass
+import threading
+import weakref
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
 # A grammar that has not compiled within these bounds is refused (400), never left to hang a lane.
 MAX_GRAMMAR_CHARS = 256 * 1024
-PARSER_FUEL = 2_000_000        # llguidance's lexer fuel per step and at the start (its default is 1M-ish)
+# llguidance's parser limits, from what this workload measured it needs (`python -m
+# benchmarks.grammar_fuel`: every schema of benchmarks/schemas.py as a JSON schema and as a forced
+# tool call, its valid example walked, each mask computed). Lexer fuel is llguidance's unit of
+# lexer work (~14k a millisecond per mask): a mask takes at most STEP_LEXER_FUEL of the model
+# owner's time, which every row of the lane waits on. Measured need per mask: 9,280 at the shipped
+# 4k vocabulary, 11,584 at 16k, 14,592 at 56k (it grows slowly with the vocabulary: ~18k by that
+# trend at 262k); at start 2,512 (it grows with the schema, not the vocabulary). So llguidance's
+# own defaults, 13x the largest measured need per mask (this server ran 10x them before).
+INITIAL_LEXER_FUEL = 1_000_000
+STEP_LEXER_FUEL = 200_000
+# A grammar's lexer memory: the lexer builds its states as text meets them, and a grammar's
+# states are shared by every row decoding under it (a row's matcher is a copy of its grammar's
+# template). Measured: at most 346 states on the workload, 41k (18 MB, ~0.45 kB a state) for a
+# 6,000-character free string of `maxLength` 6000; llguidance's default allows 250k, its docs
+# say 1-2 kB a state. A grammar reaching the limit puts its row's matcher in an error state.
+MAX_LEXER_STATES = 100_000
+LEXER_STATE_BYTES = 2048       # llguidance's upper estimate a state: the bound the snapshot reports
 
 # JSON Schema keywords llguidance does not enforce: refused by name and place, never ignored.
 UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
                         "minContains", "maxContains", "uniqueItems", "propertyNames", "unevaluatedProperties",
                         "unevaluatedItems")
+
+
+class GrammarError(RuntimeError):
+    """A row's grammar entered llguidance's error state while the row decoded (a token it did not
+    allow reached it, or the parser ran out of its limits): the row fails, alone."""
 
 
 class ConstraintError(ValueError):
@@ -41,23 +64,48 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """A row's constraint. `grammar`: an llguidance grammar (from the builders below; None: no
-    grammar, a thinking budget only). `kind` names it for stats and errors ("json_schema",
-    "json_object", "regex", "grammar", "choice", "tool_call"). `think_end`: the grammar starts
-    after this text; `think_budget`: thinking tokens before `think_end` is forced."""
+    grammar). `kind` names it for stats and errors ("json_schema", "json_object", "regex",
+    "grammar", "choice", "tool_call", "thinking", "min_tokens"). `think_end`: the grammar starts
+    after this text; `think_budget`: thinking tokens before `think_end` is forced. `hold_ids`
+    are not allowed among the row's first `hold_until` tokens (vLLM's `min_tokens`: the row's
+    stop tokens, held back as if the model never gave them weight)."""
 
     grammar: Optional[str] = None
     kind: str = "grammar"
     think_end: Optional[str] = None
     think_budget: Optional[int] = None
+    hold_ids: frozenset = frozenset()
+    hold_until: int = 0
 
     def __post_init__(self):
-        if self.grammar is None and self.think_budget is None:
-            raise ValueError("a Constraint needs a grammar or a thinking budget")
+        if self.grammar is None and self.think_budget is None and not self.holds:
+            raise ValueError("a Constraint needs a grammar, a thinking budget or tokens to hold back")
         if self.think_budget is not None and (self.think_end is None or self.think_budget < 0):
             raise ValueError("think_budget needs think_end and must be >= 0")
 
+    @property
+    def reads_text(self) -> bool:
+        """Enforcing it reads the tokens' text (a grammar, a thinking marker): it needs
+        llguidance's tokenizer. Holding tokens back needs only their ids."""
+        return self.grammar is not None or self.think_end is not None
+
+    @property
+    def holds(self) -> bool:
+        return self.hold_until > 0 and bool(self.hold_ids)
+
     def with_thinking(self, think_end: Optional[str], think_budget: Optional[int] = None) -> "Constraint":
-        return Constraint(self.grammar, self.kind, think_end, think_budget)
+        return replace(self, think_end=think_end, think_budget=think_budget)
+
+
+def holding_back(constraint: Optional[Constraint], stop_ids, min_tokens: int) -> Optional[Constraint]:
+    """`constraint` with the row's stop tokens `stop_ids` held back for its first `min_tokens`
+    tokens (a constraint of its own when the row has none). A grammar's end still ends the row."""
+    stop_ids = frozenset(int(t) for t in stop_ids)
+    if min_tokens <= 0 or not stop_ids:
+        return constraint
+    if constraint is None:
+        return Constraint(kind="min_tokens", hold_ids=stop_ids, hold_until=int(min_tokens))
+    return replace(constraint, hold_ids=stop_ids, hold_until=int(min_tokens))
 
 
 # -- building grammars ------------------------------------------------------------------------------
@@ -74,13 +122,18 @@ def json_schema_grammar(schema) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise ConstraintError("the JSON schema nests too deeply to be read") from None
         except ValueError as exc:
             raise ConstraintError(f"the JSON schema is not valid JSON: {exc}") from exc
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         raise ConstraintError(f"a JSON schema must be an object (or true), not {json.dumps(schema)[:40]}")
-    bad = _unsupported_keyword(schema, "")
+    try:
+        bad = _unsupported_keyword(schema, "")
+    except RecursionError:
+        raise ConstraintError("the JSON schema nests too deeply to be read") from None
     if bad is not None:
         keyword, where = bad
         raise ConstraintError(f"JSON Schema keyword {keyword!r} at {where or '/'} cannot be enforced by this "
@@ -162,7 +215,8 @@ def grammar_tokenizer(hf_tokenizer, vocab_size: Optional[int] = None):
 
 
 def parser_limits():
-    return _llg().LLParserLimits(step_lexer_fuel=PARSER_FUEL, initial_lexer_fuel=PARSER_FUEL)
+    return _llg().LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL, initial_lexer_fuel=INITIAL_LEXER_FUEL,
+                                 max_lexer_states=MAX_LEXER_STATES)
 
 
 def check_constraint(constraint: Constraint, tokenizer, where: Optional[str] = None, schema=None) -> None:
@@ -249,6 +303,57 @@ def _first_line(message: str) -> str:
 
 # -- a row's grammar while it decodes ---------------------------------------------------------------
 
+class GrammarMemory:
+    """What the live rows' grammars hold, counted as they change: each row's masks (a bool a
+    vocabulary token, kept for the positions it has speculated past) and its bitmask buffer, in
+    bytes; and the bounds of what llguidance holds (its lexer states, per compiled grammar, shared
+    by that grammar's rows). The replica's snapshot reports `stats()` (its `grammar` section)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.rows = 0
+        self.row_bytes = 0
+        self.peak_row_bytes = 0          # the most one row has held
+        self.rows_started = 0
+
+    def add_row(self) -> None:
+        with self._lock:
+            self.rows += 1
+            self.rows_started += 1
+
+    def update(self, before: int, now: int) -> None:
+        with self._lock:
+            self.row_bytes += now - before
+            self.peak_row_bytes = max(self.peak_row_bytes, now)
+
+    def end_row(self, held: int) -> None:
+        with self._lock:
+            self.rows -= 1
+            self.row_bytes -= held
+
+    def stats(self) -> dict:
+        grammars = _template_matcher.cache_info().currsize
+        return {"live_rows": self.rows, "rows_started": self.rows_started, "row_bytes": self.row_bytes,
+                "peak_row_bytes": self.peak_row_bytes, "compiled_grammars": grammars,
+                "max_lexer_states": MAX_LEXER_STATES,
+                "lexer_bytes_bound_per_grammar": MAX_LEXER_STATES * LEXER_STATE_BYTES,
+                "step_lexer_fuel": STEP_LEXER_FUEL, "initial_lexer_fuel": INITIAL_LEXER_FUEL}
+
+
+GRAMMAR_MEMORY = GrammarMemory()
+
+
+class _Held:
+    """A row grammar's counted bytes, kept apart from the row so that its end (the row dropped)
+    can give them back (`weakref.finalize`)."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self):
+        self.bytes = 0
+
+
+
 @functools.lru_cache(maxsize=GRAMMAR_CACHE)      # few markers, few prefixes begun
 def _marker_mask(tokenizer, end: bytes, vocab: int, started: tuple) -> np.ndarray:
     """Tokens allowed while thinking before a grammar: none that holds the marker `end` with bytes
@@ -283,7 +388,8 @@ class RowGrammar:
                         else _template_matcher(tokenizer, constraint.grammar).deep_copy())
         if self.matcher is not None and self.matcher.is_error():
             raise ConstraintError(f"{constraint.kind} cannot be enforced: {_first_line(self.matcher.get_error())}")
-        self._bits = np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        self._bits = (None if self.matcher is None      # a thinking budget or min_tokens only
+                      else np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32))
         self.tokens: list = []                 # consumed: committed, then speculated
         self.committed = 0
         self.answer_at: Optional[int] = 0 if constraint.think_end is None else None
@@ -296,6 +402,24 @@ class RowGrammar:
         # (token, mask after it), in case the row emits those tokens again (a kept draft)
         self._masks: dict = {}
         self._unwound: list = []
+        self._held = _Held()
+        GRAMMAR_MEMORY.add_row()
+        weakref.finalize(self, lambda held=self._held: GRAMMAR_MEMORY.end_row(held.bytes))
+        self._count()
+
+    def _count(self) -> None:
+        """Count what the row holds now (its masks, its bitmask buffer) in GRAMMAR_MEMORY."""
+        masks = list(self._masks.values()) + [m for _, m in self._unwound]
+        now = (0 if self._bits is None else self._bits.nbytes) + sum(m.nbytes for m in masks if m is not None)
+        if now != self._held.bytes:
+            GRAMMAR_MEMORY.update(self._held.bytes, now)
+            self._held.bytes = now
+
+    @property
+    def memory_bytes(self) -> int:
+        """The bytes this row's grammar holds of its own (masks, bitmask buffer); llguidance's
+        lexer is its grammar's, shared (GRAMMAR_MEMORY.stats() bounds it)."""
+        return self._held.bytes
 
     # state
 
@@ -305,12 +429,30 @@ class RowGrammar:
 
     @property
     def ended(self) -> bool:
-        return not self.thinking and self.matcher is not None and self.matcher.is_stopped()
+        """The grammar is complete. A matcher in llguidance's error state is not an end but a
+        fault (`GrammarError`): the row fails rather than return its text as if it were whole."""
+        if self.thinking or self.matcher is None:
+            return False
+        self._check_error()
+        return self.matcher.is_stopped()
+
+    @property
+    def spent(self) -> bool:
+        """Nothing is left to enforce: no grammar, no thinking budget, the held-back tokens allowed
+        again (a `min_tokens` row past its minimum decodes as an unconstrained row from here)."""
+        return (self.matcher is None and self.constraint.think_budget is None
+                and len(self.tokens) >= self.constraint.hold_until)
+
+    def _check_error(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the {self.constraint.kind} grammar failed after {len(self.tokens)} tokens: "
+                               f"{_first_line(self.matcher.get_error())}")
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next: a check of one token (a few microseconds),
         where `allowed()` computes the whole mask (about a hundred)."""
-        if self.thinking or self.matcher is None or self.matcher.is_stopped():
+        if (self.thinking or self.matcher is None or self.matcher.is_stopped()
+                or (self._holding(len(self.tokens)) and int(token) in self.constraint.hold_ids)):
             mask = self.allowed()
             return mask is None or bool(mask[int(token)])
         return self.matcher.validate_tokens([int(token)]) == 1
@@ -318,8 +460,20 @@ class RowGrammar:
     def allowed(self) -> Optional[np.ndarray]:
         n = len(self.tokens)
         if n not in self._masks:
-            self._masks[n] = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+            mask = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+            self._masks[n] = self._held_back(mask) if self._holding(n) else mask
+            self._count()
         return self._masks[n]
+
+    def _holding(self, n: int) -> bool:
+        return n < self.constraint.hold_until and bool(self.constraint.hold_ids)
+
+    def _held_back(self, mask: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        """`mask` without the held-back tokens; unchanged where they are all it allows (a grammar
+        at its end: the end wins over min_tokens)."""
+        held = np.ones(self.vocab, dtype=bool) if mask is None else mask.copy()
+        held[[t for t in self.constraint.hold_ids if t < self.vocab]] = False
+        return held if held.any() else mask
 
     def _thinking_mask(self, n: int) -> Optional[np.ndarray]:
         """Free thinking, but for a grammar after it no token that would end the marker and go on
@@ -343,7 +497,8 @@ class RowGrammar:
         mask = np.unpackbits(self._bits.view(np.uint8), count=n, bitorder="little").view(bool)
         if n < self.vocab:            # the embedding's rows past the tokenizer's are never allowed
             mask = np.concatenate([mask, np.zeros(self.vocab - n, dtype=bool)])
-        if not mask.any():                     # an error state: end the row rather than draw from nothing
+        if not mask.any():                     # an error state fails the row rather than draw from nothing
+            self._check_error()
             mask[self.tokenizer.eos_token] = True
         return mask
 
@@ -356,6 +511,7 @@ class RowGrammar:
         # masks before the committed position are never read again (at a 248k vocabulary a
         # mask is 248 KB: a long row would keep hundreds of megabytes)
         self._masks = {n: m for n, m in self._masks.items() if n >= self.committed}
+        self._count()
 
     def speculate(self, token: int) -> None:
         token = int(token)
@@ -364,8 +520,9 @@ class RowGrammar:
             _, mask = self._unwound.pop(0)
             if mask is not None:
                 self._masks[len(self.tokens)] = mask
-        else:
+        elif self._unwound:
             self._unwound = []
+            self._count()
         if self.thinking:
             self._kinds.append("think")
             self._think_bytes.append(self.tokenizer.decode_bytes([token]))
@@ -389,6 +546,7 @@ class RowGrammar:
         self._unwound = [(t, self._masks.pop(self.committed + 1 + i, None))
                          for i, t in enumerate(self.tokens[self.committed:])]
         self._masks = {n: m for n, m in self._masks.items() if n <= self.committed}
+        self._count()
         del self.tokens[self.committed:], self._kinds[self.committed:]
         if self.answer_at is not None and self.answer_at > self.committed:
             self.answer_at = None

@@ -13,4 +13,6 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1 \
 fi
 # the layer contract (pyproject.toml [tool.importlinter]): a broken one fails the run before any test
 .venv/bin/lint-imports
+# pytest-randomly (installed with [dev]) shuffles the order; the seed is printed at the start and the
+# end: `bash scripts/test.sh --randomly-seed=N` replays an order, `-p no:randomly` keeps the files'
 exec .venv/bin/python -m pytest -q "$@"

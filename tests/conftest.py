@@ -1,13 +1,29 @@
 """Shared fixtures: one loaded shipped model per test session, and one served app (a real Ray
-Serve on loopback, started on first use) for every module that talks to it over HTTP."""
+Serve on loopback, started on first use) for every module that talks to it over HTTP. Every test
+must leave the process-wide settings as it found them (`process_state`), and runs in an order
+pytest-randomly shuffles (the seed is printed at the start and the end: replay an order with
+`--randomly-seed=N`, keep the file order with `-p no:randomly`)."""
 
 import os
 from types import SimpleNamespace
 
-import pytest
+from deployments._proc import LOOPBACK_RAY_ENV, direct_http_env, free_port
 
-import mtplx
-from deployments._proc import direct_http_env, free_port
+# Every Ray this session starts (the served app's, the scale-out test's, `serve run` in a
+# subprocess) listens on 127.0.0.1 only. Ray reads this when it is imported: before anything here
+# imports it.
+os.environ.update(LOOPBACK_RAY_ENV)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import mtplx  # noqa: E402  (before MLX: it puts an optimized BLAS under mlx.core on Linux)
+
+# Importing these sets process-wide state once (Ray: RAY_CLIENT_MODE and sys.excepthook; mlx-lm:
+# TRANSFORMERS_NO_ADVISORY_WARNINGS): here, so that it is every test's starting point.
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402, F401
+import process_state  # noqa: E402
+import pytest  # noqa: E402
+import ray  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")
@@ -27,12 +43,49 @@ TEST_APP_ARGS = {"batch_wait_timeout_s": 0.25, "max_concurrent_batches": 4, "def
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 
-# Serve's direct ingress for whichever Ray this test process starts (an in-process replica's
-# metrics start one on first use, before the served app may): the app's ingress then answers on a
-# port of its own too, so that both HTTP fronts are tested. Ray's processes read it at start. The
-# range holds the ingresses of test_real_shape's two extra applications too.
+# Serve's direct ingress for the Ray this test process starts (`serve_app`): the app's ingress then
+# answers on a port of its own too, so that both HTTP fronts are tested. Ray's processes read it at
+# start. The range holds the ingresses of test_real_shape's two extra applications too.
 DIRECT_PORT = free_port()
 os.environ.update(direct_http_env(DIRECT_PORT, ports=8))
+
+
+def _seed_line(config) -> str:
+    seed = config.getoption("randomly_seed", None)
+    if not isinstance(seed, int):
+        return "test order: as in the files (pytest-randomly off)"
+    return f"test order shuffled by pytest-randomly, seed {seed}: replay with --randomly-seed={seed}"
+
+
+def pytest_sessionstart(session):
+    # (pytest-randomly's own header line is hidden under -q, which scripts/test.sh passes)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(_seed_line(session.config))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    terminalreporter.write_line(_seed_line(config))
+
+
+@pytest.fixture(autouse=True)
+def _process_settings_unchanged(request):
+    """A test (with its function-scoped fixtures) leaves the process-wide settings as it found
+    them; fixtures of a wider scope restore theirs with `process_state.restored()`."""
+    before = process_state.snapshot()
+    yield
+    changed = process_state.changes(before, process_state.snapshot())
+    if changed:
+        process_state.restore(before)
+        pytest.fail(f"left process-wide settings changed (now restored): {changed}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _mlx_random_seeded(request):
+    """MLX's global random state, reset before each test from pytest-randomly's seed as that plugin
+    resets Python's and NumPy's: a test that draws from it gets the same values whatever ran before."""
+    seed = request.config.getoption("randomly_seed", None)
+    mx.random.seed(seed if isinstance(seed, int) else 0)
 
 
 def _answers(url: str) -> bool:
@@ -46,9 +99,9 @@ def _answers(url: str) -> bool:
 
 @pytest.fixture(scope="session")
 def serve_app(tmp_path_factory):
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     key_file = tmp_path_factory.mktemp("keys") / "api_keys"
     key_file.write_text(f"# test keys\n{TEST_API_KEY}\nsecond-key-for-rotation\n")
+    store_path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"     # the Responses API's store
     import ray
     from ray import serve
 
@@ -56,16 +109,16 @@ def serve_app(tmp_path_factory):
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="mtplx-tests",
-                 _node_ip_address="127.0.0.1")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="mtplx-tests")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(dict(TEST_APP_ARGS, api_keys_file=str(key_file))), name="mtplx", route_prefix="/")
+    serve.run(build_app(dict(TEST_APP_ARGS, api_keys_file=str(key_file), responses_store_path=str(store_path))),
+              name="mtplx", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     direct = f"http://127.0.0.1:{DIRECT_PORT}"
     try:
         yield SimpleNamespace(base=base, api=f"{base}/v1", headers=dict(AUTH),
-                              direct=direct if _answers(direct) else None)
+                              direct=direct if _answers(direct) else None, store_path=str(store_path))
     finally:
         serve.shutdown()
         if started_ray:

@@ -1,8 +1,11 @@
 """The code's shape, checked like the layer contract: no function or method of the library or the
 application above cyclomatic complexity 15 (radon's count; the benchmarks are exempt), and no
-Python file of the library, the application or the benchmarks above 700 lines. A failure names
-every offender, so that one run shows all that is left to split."""
+Python file of the library, the application or the benchmarks above 700 lines unless its
+docstring says why it is one file (a paragraph starting "Why one file:"), and none above 900.
+Caps are not the goal: nothing is split only to fit one. A failure names every offender, so that
+one run shows all that is left to split."""
 
+import ast
 from pathlib import Path
 
 from radon.complexity import cc_visit
@@ -10,6 +13,8 @@ from radon.complexity import cc_visit
 ROOT = Path(__file__).resolve().parents[1]
 MAX_COMPLEXITY = 15
 MAX_LINES = 700
+MAX_LINES_SAID_WHY = 900
+SAYS_WHY = "Why one file:"
 COMPLEXITY_PACKAGES = ("mtplx", "deployments")
 LENGTH_PACKAGES = ("mtplx", "deployments", "benchmarks")
 
@@ -47,11 +52,22 @@ def test_no_function_is_too_complex():
                            + "\n".join(f"  {c:3d}  {where}" for c, where in offenders))
 
 
+def _cap(text: str) -> int:
+    """A file's line cap: higher where its docstring says why it is one file."""
+    docstring = ast.get_docstring(ast.parse(text)) or ""
+    return MAX_LINES_SAID_WHY if SAYS_WHY in docstring else MAX_LINES
+
+
 def test_no_file_is_too_long():
-    lengths = ((len(path.read_text().splitlines()), path.relative_to(ROOT))
-               for path in _python_files(LENGTH_PACKAGES))
-    offenders = sorted(((n, path) for n, path in lengths if n > MAX_LINES), reverse=True)
-    assert not offenders, (f"{len(offenders)} files above {MAX_LINES} lines:\n"
+    offenders = []
+    for path in _python_files(LENGTH_PACKAGES):
+        text = path.read_text()
+        n = len(text.splitlines())
+        if n > _cap(text):
+            offenders.append((n, path.relative_to(ROOT)))
+    offenders.sort(reverse=True)
+    assert not offenders, (f"{len(offenders)} files above {MAX_LINES} lines whose docstring does not say why "
+                           f"they are one file, or above {MAX_LINES_SAID_WHY}:\n"
                            + "\n".join(f"  {n:5d}  {path}" for n, path in offenders))
 
 

@@ -9,6 +9,8 @@ import json
 import pytest
 from starlette.requests import Request
 
+import process_state
+
 KEY = "routes-test-key"
 
 
@@ -23,8 +25,9 @@ def ingress(tmp_path_factory):
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text(KEY + "\n")
-    return OpenAIIngress(UnreachedReplica(), {"metrics": False, "niceness": None, "api_keys_file": str(keys),
-                                              "api_keys_env": None})
+    with process_state.restored():          # a serving process freezes its startup heap
+        yield OpenAIIngress(UnreachedReplica(), {"metrics": False, "niceness": None, "api_keys_file": str(keys),
+                                                 "api_keys_env": None})
 
 
 def call(ingress, method: str, path: str, key: bool = True, headers: dict = None):

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import process_state
 from mtplx.api.rows import RowSpec
 from mtplx.sampling import SamplerConfig
 
@@ -18,9 +19,12 @@ from mtplx.sampling import SamplerConfig
 def replica():
     from deployments.replica import MTPReplica
 
-    rep = MTPReplica(widths=(3,), warmup=False, max_waiting_rows_per_key=2, retry_after_s=2.0, watchdog_s=0.3)
-    yield rep
-    rep.service.shutdown(timeout_s=10)
+    # the replica sets what a serving process wants (BLAS threads, niceness, a frozen heap):
+    # for this module only
+    with process_state.restored():
+        rep = MTPReplica(widths=(3,), warmup=False, max_waiting_rows_per_key=2, retry_after_s=2.0, watchdog_s=0.3)
+        yield rep
+        rep.__del__()          # what Serve calls when it stops a replica
 
 
 def _row(rep, i: int, max_tokens: int = 6, prompt_ids=None, **fields) -> RowSpec:
@@ -39,8 +43,21 @@ def _finals(rep, rows) -> dict:
     return asyncio.run(go())
 
 
+def _until_idle(rep, timeout_s: float = 30.0) -> None:
+    """Wait for the rows earlier tests ended to leave their lane: a cancelled row's final goes out
+    at once, and the row holds its slot (and counts against the key's bound) until the model
+    thread's next step removes it."""
+    from mtplx.api.rows import mtp_batch_compatibility_key
+
+    key, deadline = mtp_batch_compatibility_key(rep.model.model_id), time.monotonic() + timeout_s
+    while rep.service.rows_wanting(key):
+        assert time.monotonic() < deadline, "the replica's lane never emptied"
+        time.sleep(0.05)
+
+
 def test_rows_beyond_the_per_key_bound_are_refused_at_once(replica):
     # widest lane 3 + 2 waiting rows = 5 rows of one key; the other 3 are refused with Retry-After
+    _until_idle(replica)
     t0 = time.perf_counter()
     finals = _finals(replica, [_row(replica, i) for i in range(8)])
     refused = [f for f in finals.values() if "error" in f]
@@ -77,9 +94,10 @@ def test_check_health_catches_a_stuck_model_thread(replica):
 def test_a_closed_service_answers_unavailable():
     from deployments.replica import MTPReplica
 
-    rep = MTPReplica(widths=(3,), warmup=False)
-    rep.service.shutdown(timeout_s=10)
-    finals = _finals(rep, [_row(rep, 30)])
+    with process_state.restored():
+        rep = MTPReplica(widths=(3,), warmup=False)
+        rep.__del__()          # what Serve calls when it stops a replica: the service shuts down
+        finals = _finals(rep, [_row(rep, 30)])
     err = finals[0]["error"]
     assert err["kind"] == "unavailable" and err["retry_after_s"] == 1.0 and "shut" in err["message"]
     with pytest.raises(RuntimeError, match="shut down"):

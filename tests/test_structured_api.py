@@ -19,6 +19,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
+import process_state
 from conftest import TEST_API_KEY
 
 RAY_MARK = pytest.mark.ray
@@ -187,13 +188,18 @@ def test_tool_call_arguments_fragments_are_incremental():
 
 
 def test_tool_blocks_that_are_not_calls_stay_content():
+    """A closed block that is not a call is the model's text; a call cut short is dropped, never
+    content (tests/test_tool_limits.py has the rest of what a cut or unusable call becomes)."""
     from mtplx.api.parsing import OutputParser
 
-    for text in ["a <tool_call>\nnot json</tool_call> b", '<tool_call>\n{"name": "f", "arguments": {"a": [1,']:
-        parser = OutputParser(thinking=False, tools=True)
-        _feed(parser, text, [3, 9])
-        result = parser.result()
-        assert result.tool_calls == [] and result.content == text
+    text = "a <tool_call>\nnot json</tool_call> b"
+    parser = OutputParser(thinking=False, tools=True)
+    _feed(parser, text, [3, 9])
+    assert parser.result().tool_calls == [] and parser.result().content == text
+    parser = OutputParser(thinking=False, tools=True)
+    _feed(parser, 'x <tool_call>\n{"name": "f", "arguments": {"a": [1,', [3, 9])
+    result = parser.result()
+    assert result.tool_calls == [] and result.content == "x " and [d.reason for d in result.dropped_calls] == ["truncated"]
 
 
 def test_reasoning_splits_at_the_first_think_end():
@@ -404,8 +410,9 @@ def ingress(tmp_path_factory):
 
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
     keys.write_text("structured-key\n")
-    return OpenAIIngress(_UnreachedReplica(), {"metrics": False, "niceness": None, "api_keys_file": str(keys),
-                                               "api_keys_env": None})
+    with process_state.restored():          # a serving process freezes its startup heap
+        yield OpenAIIngress(_UnreachedReplica(), {"metrics": False, "niceness": None, "api_keys_file": str(keys),
+                                                  "api_keys_env": None})
 
 
 def _post(ingress, path: str, body: dict):

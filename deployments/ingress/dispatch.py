@@ -182,25 +182,27 @@ class ReplicaDispatcher:
 
         self._keep(detached(send()))
 
-    async def cancel_request(self, rid: str) -> int:
-        """The cancel route: every row of request `rid` (a client's cancel); how many were live."""
+    async def cancel_request(self, rid: str, owner: Optional[str]) -> int:
+        """The cancel route: every row of request `rid` that `owner` (the caller's key digest; None:
+        no keys configured) created; how many were live. The replica checks the owner, so a cancel
+        through another ingress replica is checked alike."""
         replica_id = self.row_replica.get(rid)
         if replica_id is not None:
-            return await call(self._replica.cancel, rid, timeout_s=10, **{PIN_KWARG: replica_id})
+            return await call(self._replica.cancel, rid, owner=owner, timeout_s=10, **{PIN_KWARG: replica_id})
         # maybe in flight through another ingress replica: ask every model replica
-        results = await self.fan_out("cancel", rid, timeout_s=10)
+        results = await self.fan_out("cancel", rid, owner=owner, timeout_s=10)
         return sum(v for v in results.values() if isinstance(v, int))
 
-    async def fan_out(self, method: str, *args, timeout_s: float = 10.0) -> Dict[str, Any]:
+    async def fan_out(self, method: str, *args, timeout_s: float = 10.0, **kwargs) -> Dict[str, Any]:
         """Call `method` on every live replica (pinned); one unpinned call if none is known yet.
         A replica that fails to answer is logged and answers {"ok": False, ...}."""
         ids = known_replicas(self.replica_name)
         handle = getattr(self._replica, method)
         if not ids:
-            res = await call(handle, *args, timeout_s=timeout_s)
+            res = await call(handle, *args, timeout_s=timeout_s, **kwargs)
             return {res.get("replica_id", "unknown") if isinstance(res, dict) else "unknown": res}
-        results = await asyncio.gather(*(call(handle, *args, timeout_s=timeout_s, **{PIN_KWARG: r}) for r in ids),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(call(handle, *args, timeout_s=timeout_s, **kwargs, **{PIN_KWARG: r})
+                                         for r in ids), return_exceptions=True)
         out = {}
         for rid, res in zip(ids, results):
             if isinstance(res, BaseException):

@@ -13,8 +13,9 @@ import json
 import uuid
 from typing import List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
+from mtplx.api import limits
 from mtplx.api import openai as oa
 from mtplx.api import output_plan
 from mtplx.api.parsing import ParsedAnswer
@@ -22,7 +23,7 @@ from mtplx.api.tools import anthropic_tool_choice, anthropic_tools
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
@@ -134,7 +135,7 @@ class Message(BaseModel):
     content: Union[str, List[ContentBlock]]
 
 
-class _MessagesPrompt(BaseModel):
+class _MessagesPrompt(limits.BoundedRequest):
     """The fields that make the prompt (shared by /v1/messages and /v1/messages/count_tokens). A
     field this server does not know is refused with a 400 naming it, as on the OpenAI routes."""
 
@@ -168,6 +169,10 @@ class _MessagesPrompt(BaseModel):
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise oa.invalid_request("thinking.budget_tokens must be a non-negative integer",
                                      param="thinking.budget_tokens")
+        try:
+            limits.check_token_count(budget, "thinking.budget_tokens", self._limits)
+        except ValueError as exc:
+            raise oa.invalid_request(str(exc), param="thinking.budget_tokens", code="invalid_value") from None
         max_tokens = getattr(self, "max_tokens", None)
         if max_tokens is not None and budget >= max_tokens:
             raise oa.invalid_request(f"thinking.budget_tokens ({budget}) must be below max_tokens ({max_tokens})",
@@ -179,7 +184,7 @@ class _MessagesPrompt(BaseModel):
         thinking split off and budgeted (mtplx.api.output_plan)."""
         if self._plan is None:
             tools = anthropic_tools(self.tools)
-            choice = anthropic_tool_choice(self.tool_choice, tools)
+            choice = anthropic_tool_choice(self.tool_choice, tools, self._limits.tool_calls)
             thinking, budget = self._thinking()
             if thinking and self.continues_final_message:
                 raise oa.invalid_request("thinking cannot be combined with a final assistant turn (a prefill): the "
@@ -227,8 +232,8 @@ class MessagesRequest(_MessagesPrompt):
     max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)
     top_k: Optional[int] = Field(default=None, ge=0, strict=True)
     # accepted: bookkeeping, and a prompt-caching hint (the prefix cache is automatic; the hint only
     # asks for usage split into cache reads and uncached input)
@@ -239,13 +244,22 @@ class MessagesRequest(_MessagesPrompt):
     @field_validator("stop_sequences")
     @classmethod
     def _check_stops(cls, v):
-        if v is None:
-            return None
-        if len(v) > oa.MAX_STOP_STRINGS:
-            raise ValueError(f"at most {oa.MAX_STOP_STRINGS} stop sequences are allowed, got {len(v)}")
-        if any(s == "" for s in v):
-            raise ValueError("stop sequences must be non-empty strings")
-        return v
+        return v if v is None else limits.check_stop_strings(v)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _check_max_tokens(cls, v, info: ValidationInfo):
+        return limits.check_token_count(v, "max_tokens", limits.request_limits(info))
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        return limits.check_top_p(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        return limits.check_top_k(v)
 
     def to_chat_request(self) -> oa.ChatCompletionRequest:
         """The chat-completions request this one is served as (same sampling, budget and stops)."""
@@ -271,10 +285,13 @@ class MessagesRequest(_MessagesPrompt):
 
 
 def stop_reason(finish_reason: str, stop_sequence: Optional[str], tool_use: bool = False) -> str:
-    """Anthropic's stop_reason from the row's OpenAI finish_reason, the stop string it matched and
-    whether it made tool calls."""
+    """Anthropic's stop_reason from the row's finish_reason, the stop string it matched and
+    whether it made tool calls; a row cancelled through the cancel route keeps "abort" (Anthropic
+    has no word for an answer that did not finish)."""
     if finish_reason == "length":
         return "max_tokens"
+    if finish_reason == oa.ABORT:
+        return oa.ABORT
     if stop_sequence is not None:
         return "stop_sequence"
     return "tool_use" if tool_use else "end_turn"

@@ -1,5 +1,7 @@
-"""OpenAI protocol for the HTTP front door: request models, response and log-probability shapes,
-errors. (A row's tokens as text, stop strings included, are `mtplx.api.text`'s.)
+"""OpenAI protocol for the HTTP front door: request models, response and log-probability shapes.
+Errors are `mtplx.api.errors`', the bounds a request is parsed against `mtplx.api.limits`' (both
+re-exported here: the ingress reads the protocol as `oa.`). A row's tokens as text, stop strings
+included, are `mtplx.api.text`'s.
 
 No MLX here: the Ray Serve ingress imports this module, and the ingress must never load MLX
 (`tests/test_http.py` checks it). Only pydantic, numpy-free stdlib and `mtplx.sampling`
@@ -9,131 +11,21 @@ No MLX here: the Ray Serve ingress imports this module, and the ingress must nev
 from __future__ import annotations
 
 import json
-import random
-import re
 import time
 import uuid
-from typing import Annotated, Any, Dict, Iterable, List, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Iterable, List, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+# the errors are re-exported: the ingress and the other protocol modules raise them as `oa.<name>`
+from mtplx.api.errors import (OpenAIError, client_json, context_length_exceeded, error_body,  # noqa: F401
+                              from_validation_error, internal_error, invalid_request, model_not_found, overloaded,
+                              route_not_found, unauthorized, unavailable)
+from mtplx.api.limits import (MAX_TOP_LOGPROBS, NO_LIMITS, BoundedRequest, RequestLimits, check_rows,
+                              check_stop_strings, check_token_count, check_token_ids, check_top_k, check_top_p,
+                              request_limits)
 from mtplx.api.text import TokenBytes
-from mtplx.sampling import SamplerConfig
-
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20
-
-
-# ----------------------------------------------------------------------------------------------
-# Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}
-
-
-class OpenAIError(Exception):
-    """An error answered to the client as {"error": {...}} with an HTTP status."""
-
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[Dict[str, str]] = None):
-        super().__init__(message)
-        self.message = message
-        self.status = int(status)
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    return {"error": {"message": str(message), "type": type, "param": param, "code": code}}
-
-
-def invalid_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> OpenAIError:
-    return OpenAIError(message, status=400, param=param, code=code)
-
-
-def model_not_found(model: str, served: Sequence[str]) -> OpenAIError:
-    return OpenAIError(f"The model {model!r} does not exist; this server serves {list(served)}",
-                       status=404, param="model", code="model_not_found")
-
-
-def route_not_found(method: str, path: str) -> OpenAIError:
-    return OpenAIError(f"No route for {method} {path}", status=404, type="not_found_error",
-                       code="not_found")
-
-
-def context_length_exceeded(prompt_tokens: int, max_tokens: int, max_context: int,
-                            param: str = "max_tokens") -> OpenAIError:
-    return OpenAIError(
-        f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
-        f"completion). Please reduce the prompt or max_tokens.",
-        status=400, param=param, code="context_length_exceeded")
-
-
-def internal_error(request_id: Optional[str] = None) -> OpenAIError:
-    """A bug of ours. The client learns only that, and the id to quote; the details go to the log."""
-    ref = f" (request id {request_id})" if request_id else ""
-    return OpenAIError(f"The server had an internal error while processing the request{ref}; "
-                       f"the server log has the details", status=500, type="server_error", code="internal_error")
-
-
-def _retry_headers(retry_after_s: Optional[float], spread: bool = False) -> Dict[str, str]:
-    """Retry-After in whole seconds (at least 1). `spread`: a random whole number of seconds from
-    the delay to twice it, so that clients refused together do not all come back together."""
-    if not retry_after_s:
-        return {}
-    seconds = max(1, int(-(-float(retry_after_s) // 1)))
-    return {"retry-after": str(random.randint(seconds, 2 * seconds) if spread else seconds)}
-
-
-def unavailable(message: str, retry_after_s: Optional[float] = None) -> OpenAIError:
-    """503: no model replica can serve now (restarting, shut down); retry after the given delay."""
-    return OpenAIError(message, status=503, type="server_error", code="service_unavailable",
-                       headers=_retry_headers(retry_after_s))
-
-
-def overloaded(message: str, retry_after_s: float, status: int = 429) -> OpenAIError:
-    """429 (or 503, as configured): a bounded queue is full; answered at once with Retry-After."""
-    return OpenAIError(message, status=status, type="server_error" if status == 503 else "rate_limit_error",
-                       code="server_overloaded", headers=_retry_headers(retry_after_s, spread=True))
-
-
-def unauthorized(message: str) -> OpenAIError:
-    return OpenAIError(message, status=401, type="invalid_request_error", code="invalid_api_key",
-                       headers={"www-authenticate": "Bearer"})
-
-
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[a-z_-]+\[.*\])$")
-
-
-def from_validation_error(exc: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming the offending field."""
-    errors = exc.errors(include_url=False)
-    if not errors:
-        return invalid_request(str(exc))
-    err = errors[0]
-    # a union's member tags ("str", "list[str]", "function-after[...]") are not part of the field path
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body",) and not _UNION_TAG.match(str(p))]
-    param = ".".join(loc) or None
-    msg = err.get("msg", "invalid value")
-    if msg.startswith("Value error, "):   # our own validators' messages read better without it
-        msg = msg[len("Value error, "):]
-    if err.get("type") == "json_invalid":
-        return invalid_request(f"The request body is not valid JSON: {err.get('ctx', {}).get('error', msg)}",
-                               code="invalid_json")
-    if err.get("type") == "extra_forbidden":
-        return invalid_request(f"Unrecognized request argument supplied: {param}", param=param,
-                               code="unknown_parameter")
-    if err.get("type") == "missing":
-        return invalid_request(f"Missing required parameter: {param!r}", param=param,
-                               code="missing_required_parameter")
-    extra = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], (dict, list)) else ""
-    where = f"for {param!r}" if param else "in the request body"
-    return invalid_request(f"Invalid value {where}: {msg}{extra}", param=param, code="invalid_value")
+from mtplx.sampling import SamplerConfig, shown_value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,21 +104,51 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class _GenerationFields(BaseModel):
-    """Fields shared by chat and completions requests (plus the mtplx extensions). A field this
-    server does not know is refused (as OpenAI does), never silently dropped."""
+class SamplingFields(BoundedRequest):
+    """The sampling and text fields every generation route shares (chat, completions, responses):
+    OpenAI's, vLLM's extensions and mtplx's. A field this server does not know is refused (as
+    OpenAI does), never silently dropped. Every number has a range, checked here."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)       # 0: the heaviest token only (greedy)
-    top_k: Optional[int] = Field(default=None, ge=-1, strict=True)
-    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0, strict=True)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)       # 0: the heaviest token only (greedy)
+    top_k: Optional[int] = Field(default=None, ge=-1, strict=True)     # -1 / 0: off; >= the vocabulary: off
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, strict=True)
     seed: Optional[int] = Field(default=None, strict=True)
+    # vLLM's text controls (mtplx.api.text): special tokens left out of the text (their default,
+    # true), and whether a decoder may space adjacent special tokens (no effect with fast tokenizers)
+    skip_special_tokens: bool = Field(default=True, strict=True)
+    spaces_between_special_tokens: bool = Field(default=True, strict=True)
+    # mtplx extensions
+    generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
+    omit_speculative_bonus: bool = False
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        return check_top_p(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        return check_top_k(v)
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v):
+        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
+            raise ValueError("seed must fit in 64 bits")
+        return v
+
+
+class _GenerationFields(SamplingFields):
+    """Fields shared by chat and completions requests (plus the mtplx extensions)."""
+
+    max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -239,11 +161,14 @@ class _GenerationFields(BaseModel):
     service_tier: Optional[str] = None
     logit_bias: Optional[dict] = None
     # vLLM's sampling extensions: stop_token_ids and ignore_eos act on the row's stop set;
-    # min_tokens and repetition_penalty are accepted only at their no-op values (see checks)
+    # min_tokens holds that set and the stop strings back until the row has that many tokens;
+    # include_stop_str_in_output keeps a matched stop string in the text; repetition_penalty
+    # is accepted only at its no-op value (see checks)
     stop_token_ids: Optional[List[Annotated[int, Field(ge=0, strict=True)]]] = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(default=False, strict=True)
     min_tokens: int = Field(default=0, ge=0, strict=True)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, strict=True)
     # structured output (mtplx.api.output_plan): OpenAI's response_format, vLLM's structured_outputs;
     # vLLM's deprecated guided_* fields are refused with the name of their replacement
     response_format: Optional[dict] = None
@@ -255,40 +180,40 @@ class _GenerationFields(BaseModel):
     guided_json_object: Optional[Any] = None
     guided_decoding_backend: Optional[Any] = None
     guided_whitespace_pattern: Optional[Any] = None
-    # mtplx extensions
-    generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
-    omit_speculative_bonus: bool = False
+    # vLLM's: the prefix cache is partitioned by it (and by the caller's API key)
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, v):
         if v is None:
             return None
-        items = [v] if isinstance(v, str) else list(v)
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(items)}")
-        if any(s == "" for s in items):
-            raise ValueError("stop sequences must be non-empty strings")
-        return items
+        return check_stop_strings([v] if isinstance(v, str) else list(v))
 
-    @field_validator("seed")
+    @field_validator("max_tokens")
     @classmethod
-    def _check_seed(cls, v):
-        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
-            raise ValueError("seed must fit in 64 bits")
-        return v
+    def _check_max_tokens(cls, v, info: ValidationInfo):
+        return check_token_count(v, "max_tokens", request_limits(info))
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _check_min_tokens(cls, v, info: ValidationInfo):
+        return check_token_count(v, "min_tokens", request_limits(info))
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v, info: ValidationInfo):
+        return v if v is None else check_token_ids(v, "stop_token_ids", request_limits(info))
 
     def common_checks(self) -> None:
+        if self.requested_rows > 1:
+            check_rows(self.requested_rows, "n" if self.requested_rows == self.requested_n else "best_of",
+                       self._limits)
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported", param="logit_bias", code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true",
                                   param="stream_options")
-        if self.min_tokens:
-            raise invalid_request(f"min_tokens={self.min_tokens} is not supported: this server cannot keep a row "
-                                  f"from stopping early (it would have to mask the stop tokens for the target "
-                                  f"and the draft alike); send 0 or omit it", param="min_tokens",
-                                  code="unsupported_value")
         if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
             raise invalid_request(f"repetition_penalty={self.repetition_penalty:g} is not supported; use "
                                   f"presence_penalty / frequency_penalty, and send 1.0 or omit it",
@@ -325,6 +250,11 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: Optional[bool] = Field(default=None, strict=True)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
 
+    @field_validator("max_completion_tokens", "thinking_budget")
+    @classmethod
+    def _check_token_counts(cls, v, info: ValidationInfo):
+        return check_token_count(v, info.field_name, request_limits(info))
+
     @property
     def requested_logprobs(self) -> Optional[int]:
         """Alternatives per token asked for (0: the chosen token's log-probability only); None: off."""
@@ -351,6 +281,11 @@ class ChatCompletionRequest(_GenerationFields):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    @property
+    def prompt_param(self) -> str:
+        """The field the prompt came from (a context-length error names it)."""
+        return "messages"
+
 
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, List[int], List[str], List[List[int]]]
@@ -373,6 +308,14 @@ class CompletionRequest(_GenerationFields):
         if isinstance(v, str) or ids(v) or (isinstance(v, list) and all(isinstance(p, str) or ids(p) for p in v)):
             return v
         raise ValueError("prompt must be a string, a list of token ids (integers), or a list of those")
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt_ids(cls, v, info: ValidationInfo):
+        if isinstance(v, list):
+            for ids in ([v] if all(isinstance(t, int) for t in v) else [p for p in v if isinstance(p, list)]):
+                check_token_ids(ids, "prompt", request_limits(info))
+        return v
 
     def checks(self) -> None:
         self.common_checks()
@@ -399,6 +342,10 @@ class CompletionRequest(_GenerationFields):
     def max_tokens_param(self) -> str:
         return "max_tokens"
 
+    @property
+    def prompt_param(self) -> str:
+        return "prompt"
+
     def single_prompt(self) -> Union[str, List[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -413,7 +360,7 @@ class CompletionRequest(_GenerationFields):
         return p[0]
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(BoundedRequest):
     """vLLM's POST /tokenize, prompt form."""
 
     model_config = ConfigDict(extra="forbid")
@@ -422,11 +369,8 @@ class TokenizeCompletionRequest(BaseModel):
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
-    def checks(self) -> None:
-        pass
 
-
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(BoundedRequest):
     """vLLM's POST /tokenize, chat form: the messages through the model's chat template."""
 
     model_config = ConfigDict(extra="forbid")
@@ -446,42 +390,55 @@ class TokenizeChatRequest(BaseModel):
                                   param="continue_final_message")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(BoundedRequest):
     """vLLM's POST /detokenize."""
 
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     tokens: List[Annotated[int, Field(ge=0, strict=True)]]
 
-    def checks(self) -> None:
-        pass
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, v, info: ValidationInfo):
+        return check_token_ids(v, "tokens", request_limits(info))
 
 
-def parse_tokenize_request(raw: bytes) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
+class _TokenizeForm(BaseModel):
+    """Which form a /tokenize body is: only whether it has "messages" (pydantic's parser, whose
+    nesting limit answers a 400, reads it; Python's `json` would raise RecursionError)."""
+
+    model_config = ConfigDict(extra="ignore")
+    messages: Any = None
+
+
+def parse_tokenize_request(raw: bytes, limits: RequestLimits = NO_LIMITS
+                           ) -> Union[TokenizeCompletionRequest, TokenizeChatRequest]:
     """A /tokenize body is the chat form when it has "messages", the prompt form otherwise."""
     try:
-        obj = json.loads(raw) if raw else None
-    except ValueError:
-        obj = None
-    cls = TokenizeChatRequest if isinstance(obj, dict) and "messages" in obj else TokenizeCompletionRequest
-    return parse_request(cls, raw)
+        chat = raw and _TokenizeForm.model_validate_json(raw).messages is not None
+    except ValidationError:
+        chat = False                    # not a JSON object: the prompt form's parse says why
+    return parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, raw, limits)
 
 
-def parse_request(cls, raw: bytes):
-    """Validate a JSON body into `cls`, raising OpenAIError(400) naming the field on failure."""
+def parse_request(cls, raw: bytes, limits: RequestLimits = NO_LIMITS):
+    """Validate a JSON body into `cls` against `limits` (the served model's and this server's
+    bounds), raising OpenAIError(400) naming the field on failure."""
     if not raw:
         raise invalid_request("The request body is empty; send a JSON object", code="invalid_json")
     try:
-        req = cls.model_validate_json(raw)
+        req = cls.model_validate_json(raw, context=limits)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, raw) from None
     req.checks()
     return req
 
 
-def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None) -> SamplerConfig:
+def sampler_from_request(req: SamplingFields, defaults: Optional[dict] = None,
+                         vocab_size: Optional[int] = None) -> SamplerConfig:
     """SamplerConfig from the request; omitted fields take the model's / mtplx defaults. top_p 0
-    keeps only the heaviest token: greedy decoding."""
+    keeps only the heaviest token: greedy decoding. top_k -1 (vLLM's "off") and, as vLLM reads
+    it, a top_k at or above the vocabulary size keep every token: top_k 0."""
     values = dict(defaults or {})
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
         v = getattr(req, name)
@@ -490,7 +447,8 @@ def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None
     if req.top_p == 0:
         values["temperature"] = 0.0
         values["top_p"] = 1.0
-    if values.get("top_k", 0) == -1:  # vLLM's spelling of "disabled"
+    top_k = values.get("top_k", 0)
+    if top_k == -1 or (vocab_size and top_k >= vocab_size):
         values["top_k"] = 0
     try:
         return SamplerConfig(**values)
@@ -530,15 +488,12 @@ def encode_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: b
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def encode_prompt(tokenizer, prompt: Union[str, List[int]], vocab_size: int) -> List[int]:
+def encode_prompt(tokenizer, prompt: Union[str, List[int]]) -> List[int]:
+    """A completion's prompt as token ids (ids were checked against the vocabulary at parse)."""
     if isinstance(prompt, str):
         if prompt == "":
             raise invalid_request("prompt is empty", param="prompt")
         return list(tokenizer.encode(prompt, add_special_tokens=False))
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise invalid_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                              param="prompt", code="invalid_value")
     return list(prompt)
 
 
@@ -559,16 +514,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-# OpenAI's finish reasons this server reports ("content_filter" never happens here; "tool_calls" when
-# the answer's tool calls were parsed, see deployments.ingress.formats).
-FINISH_REASONS = ("stop", "length", "tool_calls")
+# The finish reasons this server reports: OpenAI's ("content_filter" never happens here;
+# "tool_calls" when the answer's tool calls were parsed, see deployments.ingress.formats), and
+# vLLM's "abort" for a row cancelled through the cancel route (it did not finish: OpenAI has no
+# word for that, and "stop" would say it had).
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
+ABORT = "abort"
 
 
 def openai_finish_reason(engine_reason: Optional[str]) -> str:
-    """The engine's reason a row ended, as OpenAI spells it: "length" when the row ran out of budget;
-    "stop" for everything else: a stop token or string, a literal-repetition stop, and a row
-    cancelled through the cancel route (`mtplx_stats.cancelled` says so)."""
-    return "length" if engine_reason == "length" else "stop"
+    """The engine's reason a row ended, as the client reads it: "length" when the row ran out of
+    budget; "abort" when it was cancelled (the cancel route); "stop" for everything else: a stop
+    token or string, a literal-repetition stop."""
+    if engine_reason == "length":
+        return "length"
+    return ABORT if engine_reason == "cancelled" else "stop"
 
 
 def chat_response(rid: str, created: int, model: str, text: Optional[str], finish_reason: str, usage_: dict,

@@ -65,9 +65,14 @@ class RowSpec:
     omit_speculative_bonus: bool = False
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    min_tokens: int = 0                     # the row's stop tokens are held back until it has this many
     logprobs: Optional[int] = None          # None, or the alternatives per token (0-20)
     prefill_group: Optional[str] = None
     constraint: Optional[Constraint] = None   # structured output: checked at the ingress, enforced per row
+    # per-caller state, as digests (never an API key): who may cancel the row, and the prefix
+    # cache's partition (the caller's key and the request's cache_salt) its prompt is looked up in
+    owner: Optional[str] = None
+    cache_salt: Optional[str] = None
 
     def __post_init__(self):
         speculation(self.generation_mode)    # a bad mode fails here, where the row is built

@@ -11,7 +11,7 @@ import numpy as np
 
 from mtplx.engine.commit import HeadHistory
 from mtplx.engine.prefill import start_prefill
-from mtplx.engine.row import LaneRow, host_logprob
+from mtplx.engine.row import LaneRow, RowFailure, host_logprob, row_work
 from mtplx.models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from mtplx.sampling import sample, to_host
 
@@ -31,21 +31,23 @@ class Admission:
         """Start the prefill: the prefix restore, the caches, the chunks to run."""
         if self.steps is None:
             req = self.row.req
-            self.row.prefill_started_s = time.perf_counter()
-            try:
-                req.on_admit()
-            except Exception:
-                pass
+            if req.resume is None:        # a resumed row's prefill was reported when it first ran
+                self.row.prefill_started_s = time.perf_counter()
+                try:
+                    req.on_admit()
+                except Exception:
+                    pass
             self.cache, self.mtp_cache, self.steps, cached = start_prefill(
-                self.model, list(req.prompt_ids), self.chunk, req.session_restore, req.session_commit)
-            self.row.result.cached_tokens = cached
+                self.model, list(self.row.prefill_ids), self.chunk, req.session_restore, req.session_commit)
+            if req.resume is None:
+                self.row.result.cached_tokens = cached
             self.fed = cached
         return self
 
     @property
     def left(self) -> int:
         """Prompt tokens still to prefill."""
-        return len(self.row.req.prompt_ids) - self.fed
+        return len(self.row.prefill_ids) - self.fed
 
     @property
     def one_final_chunk(self) -> bool:
@@ -60,7 +62,7 @@ class Admission:
             n = next(self.steps)
         except StopIteration as done:     # the final chunk ran and returned the prefill's output
             self.out = done.value
-            n = len(self.row.req.prompt_ids) - self.fed
+            n = len(self.row.prefill_ids) - self.fed
         self.fed += n
         return n
 
@@ -109,7 +111,7 @@ def prefill_together(model, admissions: list) -> None:
     (causal attention never reaches the padding after it), and the ragged commit keeps each
     row's own. The same partition and the same history entries as each row's own prefill; each
     admission ends with its output and its rows of the batched caches (and its prefix banked)."""
-    prompts = [list(a.row.req.prompt_ids) for a in admissions]
+    prompts = [list(a.row.prefill_ids) for a in admissions]
     pieces = [p[a.fed:] for p, a in zip(prompts, admissions)]
     follow = [p[a.fed + 1:] for p, a in zip(prompts, admissions)]        # one short: the prompt ends
     lengths = np.array([len(x) for x in pieces])
@@ -256,24 +258,33 @@ class LaneAdmission:
         row = adm.row
         r = row.result
         self.rows[b] = row
-        r.admitted_at_cycle, r.fixed_width, r.route_id = self.cycles, self.width, self.lane.route_id
-        r.real_width = self.live_rows
+        if row.req.resume is None:        # a resumed row's placement stats go on from its first lane
+            r.admitted_at_cycle, r.fixed_width, r.route_id = self.cycles, self.width, self.lane.route_id
+            r.real_width = self.live_rows
         self.admitted += 1
-        row.decode_started_s = time.perf_counter()
-        try:
-            row.req.on_decode_start()
-        except Exception:
-            row.finish("cancelled")
-            self.rows[b] = None
-            return
+        if not mx.isfinite(hidden).all().item():
+            raise RowFailure(row.req.request_id, "its hidden state went non-finite (NaN or inf) in its prefill")
+        if row.req.resume is not None:     # resumed: its last token, emitted before, is fed next (if not fed)
+            row.pending = row.resumed_pending
+            if row.pending is not None:
+                return
+        else:
+            row.decode_started_s = time.perf_counter()
+            try:
+                row.req.on_decode_start()
+            except Exception:
+                row.finish("cancelled")
+                self.rows[b] = None
+                return
         # The first token comes from the prefill's logits: emit it now rather than after a cycle
         # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
-        if row.greedy:
-            first = int(mx.argmax(logits).item())
-            first = first if row.grammar is None else row.constrained_argmax(first, lambda: to_host(logits))
-        else:
-            first = sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
-        if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
-            self.rows[b] = None
-        else:
-            row.pending = first
+        with row_work(row):
+            if row.greedy:
+                first = int(mx.argmax(logits).item())
+                first = first if row.grammar is None else row.constrained_argmax(first, lambda: to_host(logits))
+            else:
+                first = sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
+            if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
+                self.rows[b] = None
+            else:
+                row.pending = first

@@ -5,6 +5,10 @@ Each step, for all rows at once: rows whose prefill is done take free slots, the
 0..depth of them per row with the row's own RNG, the commit keeps each row's positions) or,
 where no row drafts or drafting does not pay (`StepPolicy`), one plain AR step. The lane name
 and route ids follow MTPLX's A3B lane; the lane here is architecture-neutral.
+
+Why one file: a cycle's parts (primaries, the proposer's call, the verify, each row's decisions,
+the commit) read and write one set of per-cycle state (the rows, their slots, the last logits and
+hidden states), in an order that exactness depends on; read top to bottom, a cycle is here.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterable, Optional
 
 import mlx.core as mx
@@ -29,7 +34,7 @@ from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.repetition import RepetitionLimits
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
-                              host_logprob, validate_request)
+                              check_finite, host_logprob, row_work, validate_request)
 from mtplx.engine.shape import LaneShape, lanes_by_depth
 from mtplx.engine.step import Step
 from mtplx.models.cache import commit_rows
@@ -211,7 +216,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         validate_request(self.model, req)
         prior = draft_acceptance_prior(self.model) if req.speculative and req.adaptive else ROW_ACCEPT_PRIOR
         row = LaneRow(req, self.model.vocab_size, prior, self.repetition_limits,
-                      self._grammar_tokenizer() if req.constraint is not None else None)
+                      self._grammar_tokenizer() if req.constraint is not None and req.constraint.reads_text else None)
         if not row.greedy:
             row.chain_depth = self._checked_depth(req)
         self.waiting.append(row)
@@ -264,6 +269,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._reporting += self._all_rows()
         if self._launched is None:
             self._boundary()
+            self._mark_rows()
         return self.drain_events()
 
     def _boundary(self) -> None:
@@ -307,6 +313,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                 self._run_step(kind)
             self._observe_step(previous, time.perf_counter() - t1 - ahead_s)
             self._launch_s = ahead_s
+        self._mark_rows()           # before a launch: its primaries' draws belong to the next step
         if self.overlap and self._launched is None and self._boundary_idle():
             self._launch_next()
         return self.drain_events()
@@ -324,6 +331,26 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             return False
         fit = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
         return fit == self.width and self._lane_at(self.width) is self.lane and self.inject_drafts is None
+
+    def _mark_rows(self) -> None:
+        """Each live row's state now that its step completed: where it resumes if a later step fails."""
+        for row in self.rows:
+            if row is not None:
+                row.mark()
+
+    def salvage(self) -> list[A3BMTPBatchRequest]:
+        """After a step raised: the request of every row that had not ended, to re-admit in a new
+        lane, each resuming from the end of its last completed step (`LaneRow.mark`): the tokens
+        it emitted and reported then, its RNG and drafting policy. What the failed step did to it
+        is dropped (the lane's caches may be half-written); it does it again. Rows that ended
+        before the fault keep their ends (`drain_events`)."""
+        requests = []
+        for row in self._all_rows():
+            if row.live:
+                at = row.resume_point()
+                requests.append(row.req if at is None else replace(row.req, resume=at, prefill_group=None,
+                                                                    session_restore=None, session_commit=None))
+        return requests
 
     def drain_events(self) -> list[RowEvent]:
         """Each row's news not yet returned, for the rows the lane held when its last step (or
@@ -431,7 +458,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         t_host = time.perf_counter()
         x0_host = pending.copy()
         for b in draw:
-            x0_host[b] = sample(rows[b].dist(self.logits_host[b], allowed=rows[b].allowed()), rows[b].rng)
+            with row_work(rows[b]) as row:
+                x0_host[b] = sample(row.dist(self.logits_host[b], allowed=row.allowed()), row.rng)
         self._host_s += time.perf_counter() - t_host
         return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
 
@@ -443,10 +471,11 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             row = self.rows[b]
             if row.grammar is None:
                 continue
-            if not step.has_pending[b]:
-                row.grammar.speculate(int(step.x0_host[b]))
-            if row.masked:
-                step.allowed[b] = [row.grammar.allowed()]
+            with row_work(row):
+                if not step.has_pending[b]:
+                    row.grammar.speculate(int(step.x0_host[b]))
+                if row.masked:
+                    step.allowed[b] = [row.grammar.allowed()]
 
     def _verify(self, step: Step, tokens: mx.array, graph: Optional[str] = None):
         """The target forward over `tokens` [W, T]; the step learns its targets, its primaries and
@@ -459,7 +488,9 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         H, L = self._forwards().verify(tokens, graph=graph)
         if self.device_judging and not step.greedy and step.proposal is not None and self.inject_drafts is None:
             step.verdicts = DeviceVerdicts.launch(L, self.rows, step.row_depth, step.proposal)
-        read = [tokens, mx.argmax(L, axis=-1), *(step.verdicts.lazy if step.verdicts else ())]
+        # a row whose hidden state went non-finite (NaN, inf) fails alone: its logits are garbage
+        finite = mx.isfinite(H).all(axis=(1, 2))
+        read = [tokens, mx.argmax(L, axis=-1), finite, *(step.verdicts.lazy if step.verdicts else ())]
         t_device = time.perf_counter()
         mx.async_eval(read)          # on MLX's CPU backend this computes most of the graph
         self._wait_s += time.perf_counter() - t_device
@@ -471,6 +502,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         mx.eval(read)
         self._wait_s += time.perf_counter() - t_wait
         host = np.array(tokens)
+        check_finite(np.array(read[2]), self.rows, step.active)
         step.targets = Targets(self.model.vocab_size, np.array(read[1]), L, allowed=step.allowed,
                                verdicts=step.verdicts.read() if step.verdicts else None)
         step.x0_host, step.d_host = host[:, 0], host[:, 1:]
@@ -483,7 +515,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         decisions then emit, and their grammars consume, what it keeps."""
         for row in self.rows:
             if row is not None and row.grammar is not None:
-                row.grammar.unwind()
+                with row_work(row):
+                    row.grammar.unwind()
 
     def _emit_primary(self, b: int, row: LaneRow, token: int) -> bool:
         """Emit row b's primary token (not yet emitted: it came from last step's logits); True
@@ -503,7 +536,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         (their state frozen: keep 0)."""
         for b, row in enumerate(self.rows):
             if step.active[b] and row.live and row.req.repetition_stop:
-                row.check_repetition()
+                with row_work(row):
+                    row.check_repetition()
             if step.active[b] and not row.live:
                 step.keep[b] = 0
                 self.rows[b] = None
@@ -529,9 +563,9 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._unwind(step)
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):
-            row = self.rows[b]
-            if step.has_pending[b] or not self._emit_primary(b, row, int(step.x0_host[b])):
-                self._keep_target(step, b, row)
+            with row_work(self.rows[b]) as row:
+                if step.has_pending[b] or not self._emit_primary(b, row, int(step.x0_host[b])):
+                    self._keep_target(step, b, row)
         self._end_decisions(step)
         self._host_s += time.perf_counter() - t_host
         commit_rows(self.caches, 1, step.keep)
@@ -585,12 +619,14 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         for b, masks in (step.allowed or {}).items():    # a sampled constrained row's bonus position
             depth = int(step.row_depth[b])
             if depth:
-                self.rows[b].grammar.speculate(int(step.d_host[b, depth - 1]))
-                masks.append(self.rows[b].grammar.allowed())
+                with row_work(self.rows[b]) as row:
+                    row.grammar.speculate(int(step.d_host[b, depth - 1]))
+                    masks.append(row.grammar.allowed())
         self._unwind(step)
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):
-            self._decide(step, b, self.rows[b])
+            with row_work(self.rows[b]) as row:
+                self._decide(step, b, row)
         self._end_decisions(step)
         self.policy.observe(step.drafted, step.accepted)
         self._host_s += time.perf_counter() - t_host

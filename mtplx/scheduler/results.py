@@ -132,7 +132,9 @@ def new_service_stats(max_depth: int) -> dict:
         "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "ahead_cycles": 0, "device_drafts": 0,
         "batched_prefills": 0, "cycle_s": 0.0, "device_s": 0.0, "host_s": 0.0, "delivery_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
         "widenings": 0, "narrowings": 0, "depth_switches": 0,
-        "solo_runs": 0, "driver_errors": 0,
+        # lane faults: a row blamed and failed alone, or nobody (driver_errors); either way the
+        # lane was rebuilt with its other rows resumed
+        "solo_runs": 0, "driver_errors": 0, "rows_failed": 0, "lanes_rebuilt": 0,
         "requests_submitted": 0, "requests_completed": 0, "requests_failed": 0,
         "requests_cancelled": 0, "completion_tokens": 0,
     }
@@ -296,7 +298,7 @@ def counters_snapshot(s: dict) -> dict:
         "draft_proposals": s["draft_proposals"],
         "draft_tokens": s["draft_tokens"],
         "accepted_by_position": s["accepted_by_position"],
-        **{k: s[k] for k in ("solo_runs", "driver_errors", "requests_submitted", "requests_completed",
-                             "requests_failed", "requests_cancelled", "completion_tokens",
+        **{k: s[k] for k in ("solo_runs", "driver_errors", "rows_failed", "lanes_rebuilt", "requests_submitted",
+                             "requests_completed", "requests_failed", "requests_cancelled", "completion_tokens",
                              "last_owner_finalize", "poisoned")},
     }

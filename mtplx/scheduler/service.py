@@ -43,7 +43,11 @@ Other choices worth knowing:
 * ``job.cancel()`` fails the job's future at once wherever it is; a queued job never reaches MLX,
   an admitted row leaves its lane at the next cycle boundary while its neighbours continue.
   ``job.cancel("stop_string")`` ends the row the same way as a normal stop, with its result.
-* An error inside a lane's step fails that lane's rows only; other keys' lanes keep running.
+* A fault in a lane's step ends at most the one row it is blamed on; the lane is rebuilt with
+  its other rows resumed where they were (`mtplx.scheduler.recovery`).
+
+Why one file: everything here runs on, or hands work to, the one owner thread, and shares its
+queue, lanes, budget and counters under one lock; split, each part would reach into the others'.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
 from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result
 from mtplx.scheduler.owner import ModelOwnerThread, fail_calls
+from mtplx.scheduler.recovery import recover
 from mtplx.scheduler.results import (MTP_DEPTH, Placement, add_lane_counters, add_runner_counters, build_result,
                                      counters_snapshot, lane_snapshot, lanes_by_route,
                                      new_service_stats, solo_placement)
@@ -76,12 +81,13 @@ logger = logging.getLogger(__name__)
 class _KeyLane:
     """One compatibility key's running lane in the service, and its unfinished jobs."""
 
-    __slots__ = ("key", "running", "jobs", "serial", "job_of")
+    __slots__ = ("key", "running", "jobs", "serial", "job_of", "alone")
 
-    def __init__(self, key, running, serial: int = 0):
+    def __init__(self, key, running, serial: int = 0, alone: bool = False):
         self.key, self.running, self.jobs = key, running, []
         self.serial = serial   # which lane this is (lanes_started when it began): tells lanes with one label apart
         self.job_of: dict = {}     # row id in the lane -> its job (ids are unique in a lane)
+        self.alone = alone     # a row isolated after repeated lane faults: any fault here is its own
 
     def row_id(self, job) -> str:
         """The job's row id in this lane: its request id, made unique among the lane's rows."""
@@ -152,6 +158,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         self._active: set = set()
         self._running: dict = {}              # compatibility key -> _KeyLane (owner thread writes)
         self._runner_jobs: deque = deque()    # admitted jobs waiting for their turn at their solo_runner
+        self._suspects: set = set()           # jobs re-admitted after a lane fault nobody was blamed for
         self._turn = 0
         self._stats = new_service_stats(max(DEPTHS))
         if start:
@@ -402,7 +409,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             self._active.add(job)
         job.emit_prefill({"phase": "queued", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
 
-    def _start_lane(self, key) -> _KeyLane:
+    def _start_lane(self, key, alone: bool = False) -> _KeyLane:
         from mtplx.engine.installed import DEPTHS
         from mtplx.engine.lane import RunningLane
 
@@ -414,7 +421,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             repetition_limits=self.repetition_limits, overlap=self.overlap, depth_ladders=by_cost)
         with self._cond:
             self._stats["lanes_started"] += 1
-            lane = self._running[key] = _KeyLane(key, running, serial=self._stats["lanes_started"])
+            lane = self._running[key] = _KeyLane(key, running, serial=self._stats["lanes_started"], alone=alone)
         return lane
 
     def _kv_fits(self, job: MTPBatchJob, alone: bool) -> Optional[bool]:
@@ -468,22 +475,14 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     def _step_lane(self, lane: _KeyLane) -> None:
         """One step of a key's lane: its boundary (admissions, whose first tokens reach their
-        jobs before the cycle runs), then its cycle, each phase's events into the jobs."""
+        jobs before the cycle runs), then its cycle, each phase's events into the jobs. A phase
+        that raises ends at most one row and the lane is rebuilt (`_rebuild_lane`)."""
         running, failure = lane.running, None
         self.in_lane_step = True
         try:
             running.remove([rid for rid, job in lane.job_of.items() if job.cancel_requested()])
             for phase in (running.admit, running.decode):
-                try:
-                    events = phase()
-                except Exception as exc:   # fails this lane's rows only; other keys keep running
-                    failure, events = exc, running.drain_events()    # rows that ended before it keep their results
-                t_deliver = time.perf_counter()
-                for event in events:
-                    self._deliver(lane, event)
-                delivered_s = time.perf_counter() - t_deliver
-                with self._cond:
-                    self._stats["delivery_s"] += delivered_s
+                failure = self._run_phase(lane, phase)
                 if failure is not None:
                     break
         finally:
@@ -491,21 +490,63 @@ class MTPBatchGenerationService(ModelOwnerThread):
             if self._on_lane_step is not None:
                 self._on_lane_step()
         if failure is not None:
-            self._fail_lane(lane, failure)
+            self._rebuild_lane(lane, failure)
             return
         if any(job.future.done() for job in lane.jobs):   # a lane under steady load never drains
+            self._suspects.difference_update(job for job in lane.jobs if job.future.done())
             lane.jobs = [job for job in lane.jobs if not job.future.done()]
         if not running.has_work:
             self._drain(lane)
 
-    def _fail_lane(self, lane: _KeyLane, exc: BaseException) -> None:
+    def _run_phase(self, lane: _KeyLane, phase) -> Optional[BaseException]:
+        """One phase of a lane step, its events into the jobs; the exception it raised, if any
+        (then only the ends of rows that ended before it are delivered: the rest resume)."""
+        failure = None
+        try:
+            events = phase()
+        except Exception as exc:
+            failure = exc
+            events = [e for e in lane.running.drain_events() if e.finish_reason is not None
+                      and e.request_id != getattr(exc, "request_id", None)]
+        t_deliver = time.perf_counter()
+        for event in events:
+            self._deliver(lane, event)
+        delivered_s = time.perf_counter() - t_deliver
         with self._cond:
-            self._stats["driver_errors"] += 1
+            self._stats["delivery_s"] += delivered_s
+        return failure
+
+    def _rebuild_lane(self, lane: _KeyLane, exc: BaseException) -> None:
+        """A step of this lane raised: the row it is blamed on fails alone, the others re-join
+        a new lane where they were (`mtplx.scheduler.recovery`)."""
         self._record_error(exc)
-        for job in lane.jobs:
+        salvaged = [(lane.job_of.get(req.request_id), req) for req in lane.running.salvage()]
+        fate = recover(exc, salvaged, self._suspects, lone_row=next(iter(lane.job_of), None) if lane.alone else None)
+        with self._cond:
+            self._stats["rows_failed" if fate.blamed is not None else "driver_errors"] += 1
+            self._stats["lanes_rebuilt"] += 1
+            if self._running.get(lane.key) is lane:
+                del self._running[lane.key]
+            add_lane_counters(self._stats, lane.running)
+        for job, error in fate.failed:
+            job._fail(error)
+        for job, req, alone in fate.rejoin:
+            self._rejoin(job, req, (job.compatibility_key, "alone", req.request_id) if alone else lane.key, alone)
+        for job in lane.jobs:       # nothing admitted may hang
+            if not job.future.done() and not any(job in ln.jobs for ln in self._running.values()):
+                job._fail(exc)
+        self._suspects.difference_update(job for job in lane.jobs if job.future.done())
+
+    def _rejoin(self, job: MTPBatchJob, req, key, alone: bool) -> None:
+        """A job re-joins a lane of `key` (created on first use) with its resuming request."""
+        lane = self._running.get(key) or self._start_lane(key, alone=alone)
+        try:
+            lane.running.add(req)
+        except Exception as exc:
             job._fail(exc)
-        lane.running.cancel_all()
-        self._drain(lane)
+            return
+        lane.jobs.append(job)
+        lane.job_of[req.request_id] = job
 
     def _drain(self, lane: _KeyLane) -> None:
         """The key's lane has no rows left: drop it (its buffers go with it) and finalize."""
@@ -517,6 +558,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             if r.cycles:    # the last lane that ended
                 s = self._stats
                 s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = r.width, r.route_id, r.peak_rows
+        self._suspects.difference_update(lane.jobs)
         for job in lane.jobs:   # nothing admitted may hang, whatever happened
             if not job.future.done():
                 job._fail(job._cancel_exception() if job.cancel_requested() else

@@ -1,11 +1,14 @@
 """An in-memory bank of prompt-prefix states, keyed by exact token prefix (boundary states) or
-by the exact prompt (whole-prompt states; see mtplx.engine.prefix_cache).
+by the exact prompt (whole-prompt states; see mtplx.engine.prefix_cache), within a partition
+(`salt`: a job's `cache_salt`, a digest of its caller and its request's cache salt; None: the
+shared partition). A state banked in one partition is never found from another, so one caller
+never learns from `cached_tokens` what another sent.
 
 LRU within a byte budget; each entry carries the fingerprint of the model it was computed by
 and only matches that model. Under a service with a memory budget the bank also fits in what the
 rows' decode state leaves (`room`): rows come first, a banked prefix is only saved work. Hooks for
 one request come from `hooks(prompt)`; they are what `MTPBatchJob(session_restore=...,
-session_commit=...)` and the solo path take.
+session_commit=...)` and the solo path take; `job_hooks(job)` gives a job its partition's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class SessionBank:
             raise ValueError(f"max_bytes={max_bytes} must be >= 0")
         self.fingerprint = fingerprint
         self.max_bytes = int(max_bytes)
-        self._entries: "OrderedDict[tuple, PrefixState]" = OrderedDict()   # (key, whole) -> state
+        self._entries: "OrderedDict[tuple, PrefixState]" = OrderedDict()   # (salt, key, whole) -> state
         # boundary keys' lengths (few: chunk multiples + 1), so that a lookup is one dict probe per
         # length instead of a scan of every entry (one whole-prompt entry per distinct prompt)
         self._boundary_lengths: Counter = Counter()
@@ -36,21 +39,23 @@ class SessionBank:
         # bytes the decode state of running rows leaves the bank (set by a service with a budget)
         self.room: Optional[Callable[[], int]] = None
 
-    def lookup(self, prompt) -> Optional[PrefixState]:
-        """The whole-prompt state of exactly `prompt`, else its longest banked boundary prefix (at
-        least one token of it left to prefill)."""
+    def lookup(self, prompt, salt: Optional[str] = None) -> Optional[PrefixState]:
+        """The whole-prompt state of exactly `prompt` in partition `salt`, else its longest banked
+        boundary prefix there (at least one token of it left to prefill)."""
         prompt = tuple(prompt)
         with self._lock:
-            best = self._entries.get((prompt, True))
+            entry = (salt, prompt, True)
+            best = self._entries.get(entry)
             if best is None:
                 for n in sorted((n for n in self._boundary_lengths if n <= len(prompt)), reverse=True):
-                    best = self._entries.get((prompt[:n], False))
+                    entry = (salt, prompt[:n], False)
+                    best = self._entries.get(entry)
                     if best is not None:
                         break
             if best is None:
                 self.misses += 1
                 return None
-            self._entries.move_to_end((best.key, best.whole))
+            self._entries.move_to_end(entry)
             self.hits += 1
             return best
 
@@ -58,15 +63,16 @@ class SessionBank:
         """The most bytes the bank may hold now."""
         return self.max_bytes if self.room is None else max(0, min(self.max_bytes, self.room()))
 
-    def commit(self, state: PrefixState) -> None:
+    def commit(self, state: PrefixState, salt: Optional[str] = None) -> None:
+        """Bank `state` in partition `salt`."""
         size, limit = state.nbytes, self.limit()
         if size > limit:
             return
         with self._lock:
-            old = self._entries.pop((state.key, state.whole), None)
+            old = self._entries.pop((salt, state.key, state.whole), None)
             if old is not None:
                 self._forget(old)
-            self._entries[(state.key, state.whole)] = state
+            self._entries[(salt, state.key, state.whole)] = state
             self._bytes += size
             if not state.whole:
                 self._boundary_lengths[len(state.key)] += 1
@@ -96,9 +102,14 @@ class SessionBank:
             if not self._boundary_lengths[len(state.key)]:
                 del self._boundary_lengths[len(state.key)]
 
-    def hooks(self, prompt):
-        """(session_restore, session_commit) for one request's prompt."""
-        return (lambda: self.lookup(prompt)), self.commit
+    def hooks(self, prompt, salt: Optional[str] = None):
+        """(session_restore, session_commit) for one request's prompt, in partition `salt`."""
+        commit = self.commit if salt is None else (lambda state: self.commit(state, salt))
+        return (lambda: self.lookup(prompt, salt)), commit
+
+    def job_hooks(self, job):
+        """`hooks` for a job: its prompt, in its `cache_salt`'s partition."""
+        return self.hooks(job.prompt_ids, job.cache_salt)
 
     def stats(self) -> dict:
         with self._lock:
