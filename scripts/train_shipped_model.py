@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from mlx_lm.utils import _get_classes  # noqa: E402
 from mtplx.models.loader import _architectures  # noqa: E402
 from mtplx.models.mtp_chain import chained_drafts  # noqa: E402
 from mtplx.models.mtp_head import MTPHead  # noqa: E402
+from mtplx.training.corpus import stdlib_files  # noqa: E402
 from mtplx.training.distill import continue_text, fit, mlx_lm_classes, tokens_per_chain  # noqa: E402
 
 # ---------------------------------------------------------------- settings
@@ -93,13 +93,6 @@ CHAT_TEMPLATE = (
 
 
 # ---------------------------------------------------------------- 1. corpus
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
-    files = [p for p in sorted(root.rglob("*.py")) if not any(s in p.relative_to(root).parts for s in skip)]
-    return [p for p in files if 200 < p.stat().st_size < 400_000]
-
-
 def as_document(path: Path, text: str, index: int) -> str:
     """Half the files are wrapped as a chat turn, so the chat template leads to code."""
     if index % 2:

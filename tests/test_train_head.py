@@ -37,20 +37,31 @@ def plain(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def trained(plain, tmp_path_factory):
+    """A copy of `plain` with the head of a train-head run never stopped."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("trained") / "b"
+    shutil.copytree(plain, d)
+    cli(["train-head", str(d), *SMALL])
+    return d
+
+
 def _head_tensors(d) -> dict:
     return {k: np.array(v) for k, v in mx.load(str(d / HEAD_FILE)).items()}
 
 
-def test_train_head_writes_a_head_beside_the_checkpoint_and_resumes_after_a_kill(plain, tmp_path, monkeypatch):
+def test_train_head_writes_a_head_beside_the_checkpoint_and_resumes_after_a_kill(plain, trained, tmp_path,
+                                                                                   monkeypatch):
     import shutil
 
     before, prompts = _digest(plain), _prompts(3, seed=5, lengths=(4, 30, 9))
     m0 = mtplx.load_model(plain)
     assert m0.mtp is None
     ar_before = [generate_ar(m0, p, 24, GREEDY).tokens for p in prompts]
-    a, b = tmp_path / "a", tmp_path / "b"
+    a = tmp_path / "a"
     shutil.copytree(plain, a)
-    shutil.copytree(plain, b)
     monkeypatch.setattr(train_head, "CHECKPOINT_EVERY_S", 0.0)       # a checkpoint every step
 
     # a: killed at phase 2's third step, then started again
@@ -68,9 +79,7 @@ def test_train_head_writes_a_head_beside_the_checkpoint_and_resumes_after_a_kill
     assert killed and not (a / HEAD_FILE).exists()
     assert json.loads((a.with_name("a.train-head") / "phase2.json").read_text())["step"] == 2
     cli(["train-head", str(a), *SMALL])
-    # b: never stopped
-    cli(["train-head", str(b), *SMALL])
-    ta, tb = _head_tensors(a), _head_tensors(b)
+    ta, tb = _head_tensors(a), _head_tensors(trained)          # the same head as a run never stopped
     assert ta.keys() == tb.keys() and all(np.array_equal(ta[k], tb[k]) for k in ta)
 
     entry = json.loads((a / "config.json").read_text())[CONFIG_KEY]
@@ -154,7 +163,7 @@ def test_the_draft_vocabulary_is_the_most_written_tokens_and_auto_measures(plain
     assert set(facts["candidates"]) == {VOCAB} and facts["candidates"][VOCAB]["coverage_heldout"] == 1.0
 
 
-def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, tmp_path, monkeypatch):
+def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, trained, tmp_path, monkeypatch):
     """`mtplx models add` puts a head the package ships beside each variant it installs: the file,
     its config entry (with the file's SHA256) and a NOTICE line; again, nothing changes; a head
     trained on another model is refused."""
@@ -163,9 +172,7 @@ def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, tmp_path, monke
     from mtplx.models import draft_head
     from mtplx.models.errors import CheckpointShapeError
 
-    src = tmp_path / "work"
-    shutil.copytree(plain, src)
-    cli(["train-head", str(src), *SMALL])
+    src = trained
     assets = tmp_path / "assets"
     (assets / "tiny-mtp").mkdir(parents=True)
     shutil.copy(src / HEAD_FILE, assets / "tiny-mtp" / HEAD_FILE)
