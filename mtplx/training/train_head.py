@@ -10,8 +10,8 @@ Reads top to bottom:
   3. draft vocabulary - optional: the K tokens the target writes most (FR-Spec / EAGLE-3), chosen
                  from the coverage of its held-out text and the measured cost of projecting onto
                  K rows (draft_head.py); the verify always uses the whole vocabulary.
-  4. head      - one decoder block of the target's own kind, started from a copy of its last
-                 global layer, behind the fc that joins (embedding of token t+1, hidden at t).
+  4. head      - one decoder block of the target's own kind, freshly initialized, behind the fc
+                 that joins (embedding of token t+1, hidden at t).
   5. training  - self-distillation: the head's distribution against the target's own at the
                  position it predicts, over the draft vocabulary; phase 1 the first draft
                  alone, phase 2 every draft of a chain of DEPTH, each made from the head's own
@@ -177,28 +177,27 @@ def choose_draft_vocab(model, order, heldout_tokens, depth: int, choice: str) ->
 
 # ---------------------------------------------------------------- 4. the head
 def new_head(model):
-    """A head of the target's own block, its block copied from the target's last layer of the
-    same shape (Gemma: its last global layer), its output norm set to the scale of the target's
-    final norm, so that its first outputs live where the target's hidden states do."""
+    """A head of the target's own block, freshly initialized, every norm of the block at scale 1
+    (Gemma's norms scale by 1 + w, which mlx-lm starts at w = 1: scale 2), its output norm at the
+    scale of the target's final norm, so that its first outputs live where the target's hidden
+    states do. Why not a copy of the target's last global layer (its input is the fc's, not that
+    layer's): on Gemma 3 270M that start kept fewer drafts after the same training (held-out
+    greedy first-draft acceptance 0.19 against 0.25 after 60 steps of phase 1)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from mtplx.models.mtp_head import MTPHead
 
     from .distill import mlx_lm_classes
 
     arch, args = model.arch, model.target.args
-    head = MTPHead(arch.hidden_size(args), arch.rms_norm_eps(args), lambda: arch.make_mtp_block(args))
+    H = arch.hidden_size(args)
+    head = MTPHead(H, arch.rms_norm_eps(args), lambda: arch.make_mtp_block(args))
     mlx_lm_classes(head)
-    block = head.layers[0]
-    shapes = [(k, v.shape) for k, v in tree_flatten(block.parameters())]
-    for layer in reversed(arch.text_model(model.target).layers):
-        same = [(k, v.shape) for k, v in tree_flatten(layer.parameters())] == shapes
-        if same and not getattr(getattr(layer, "self_attn", None), "is_sliding", False):
-            block.update(layer.parameters())
-            break
+    for name, norm in head.layers[0].named_modules():
+        if name.endswith("norm"):       # rms_norm(ones) is the scale
+            norm.weight = norm.weight - (norm(mx.ones((1, norm.weight.shape[0]))).reshape(-1) - 1)
     final_norm = arch.text_model(model.target).norm
-    head.norm.weight = final_norm(mx.ones((1, head.norm.weight.shape[0]))).reshape(-1) * 1.0
+    head.norm.weight = final_norm(mx.ones((1, H))).reshape(-1) * 1.0
     mx.eval(head.parameters())
     return head
 
