@@ -164,21 +164,24 @@ def test_the_draft_vocabulary_is_the_most_written_tokens_and_auto_measures(plain
 
 
 def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, trained, tmp_path, monkeypatch):
-    """`mtplx models add` puts a head the package ships beside each variant it installs: the file,
-    its config entry (with the file's SHA256) and a NOTICE line; again, nothing changes; a head
-    trained on another model is refused."""
+    """A trained head made a package asset (float16, its entry, the model's NOTICE and terms) is
+    what `mtplx models add` puts beside each variant it installs: the file, its config entry (with
+    the file's SHA256) and a NOTICE line; again, nothing changes; it runs in the target's dtype; a
+    head trained on another model is refused."""
     import shutil
 
     from mtplx.models import draft_head
     from mtplx.models.errors import CheckpointShapeError
 
-    src = trained
+    (trained / "NOTICE").write_text("Gemma notice.\n")
+    (trained / "GEMMA_TERMS.html").write_text("<p>the terms</p>")
     assets = tmp_path / "assets"
-    (assets / "tiny-mtp").mkdir(parents=True)
-    shutil.copy(src / HEAD_FILE, assets / "tiny-mtp" / HEAD_FILE)
-    entry = json.loads((src / "config.json").read_text())[CONFIG_KEY]
-    (assets / "tiny-mtp" / draft_head.ASSET_ENTRY).write_text(json.dumps(entry))
-    (assets / "tiny-mtp" / "NOTICE").write_text("Gemma notice.\nmtp_head.safetensors: a head trained here.\n")
+    out = draft_head.write_asset(trained, "tiny-mtp", "mtp_head.safetensors: a head trained here.", assets)
+    assert (out / "NOTICE").read_text() == "Gemma notice.\nmtp_head.safetensors: a head trained here.\n"
+    assert (out / "GEMMA_TERMS.html").is_file()
+    half = mx.load(str(out / HEAD_FILE))
+    assert half["mtp.fc.weight"].dtype == mx.float16 and half["draft_ids"].dtype == mx.int32
+    entry = json.loads((out / draft_head.ASSET_ENTRY).read_text())
     monkeypatch.setattr(draft_head, "ASSETS", assets)
     d = tmp_path / "installed"
     shutil.copytree(plain, d)
@@ -191,6 +194,7 @@ def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, trained, tmp_pa
     assert got["sha256"] == hashlib.sha256((d / HEAD_FILE).read_bytes()).hexdigest()
     assert (d / "NOTICE").read_text().count("a head trained here") == 1 and _digest(d) == before
     m = mtplx.load_model(d)
+    assert m.mtp.fc.weight.dtype == mx.float32
     p = _prompts(1, seed=3, lengths=(12,))[0]
     assert generate_mtpk(m, p, 16, GREEDY, depth=2).tokens == generate_ar(m, p, 16, GREEDY).tokens
     (d / "mtplx_model.json").write_text(json.dumps({"source_sha256": "another"}))

@@ -194,6 +194,29 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_asset(model_dir, asset: str, notice_line: str, assets: Optional[Path] = None) -> Path:
+    """Make the head trained beside `model_dir` a package asset, `assets/<asset>/` (ASSETS by
+    default): HEAD_FILE with its float tensors in float16 (half the size; the loader runs a head
+    in its target's dtype), its config entry as ASSET_ENTRY, the model's NOTICE with
+    `notice_line` last (the line install_shipped_head adds to an installed checkpoint's NOTICE),
+    and the terms files the model's directory carries beside its NOTICE (`*TERMS*`)."""
+    model_dir = Path(model_dir)
+    entry = read_entry(json.loads((model_dir / "config.json").read_text()))
+    if entry is None:
+        raise CheckpointShapeError(f"{model_dir} has no head beside it ({CONFIG_KEY} in config.json)")
+    out = (assets or ASSETS) / asset
+    out.mkdir(parents=True, exist_ok=True)
+    stored = mx.load(str(model_dir / entry.get("file", HEAD_FILE)))
+    half = {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in stored.items()}
+    mx.save_safetensors(str(out / HEAD_FILE), half, metadata={"format": "mlx"})
+    (out / ASSET_ENTRY).write_text(json.dumps(dict(entry, file=HEAD_FILE, stored_dtype="float16"), indent=2) + "\n")
+    notice = (model_dir / "NOTICE").read_text().rstrip("\n") if (model_dir / "NOTICE").is_file() else ""
+    (out / "NOTICE").write_text((notice + "\n" if notice else "") + notice_line.strip() + "\n")
+    for terms in model_dir.glob("*TERMS*"):
+        shutil.copyfile(terms, out / terms.name)
+    return out
+
+
 def install_shipped_head(model_dir, asset: str, say=print) -> bool:
     """Put a head the package ships (`mtplx/assets/<asset>/`: HEAD_FILE, its config entry in
     ASSET_ENTRY, NOTICE) beside an installed checkpoint, and its entry in config.json; a line for

@@ -208,10 +208,13 @@ def _checked_checkpoint(path: Path) -> tuple:
 def _load_head(path: Path, arch, target, config: dict) -> tuple:
     """(the MTP head, its draft ids or None, None), or (None, None, why the checkpoint has none).
     A head stored beside the checkpoint (config.json's `mtplx_mtp_head`, `draft_head.py`) is
-    already in MLX's layout."""
+    already in MLX's layout, and runs in the target's dtype whatever it was stored in (a shipped
+    head is stored in float16 to halve its size)."""
     stored = read_head(path, config)
     if stored is not None:
         weights, draft_ids, entry = stored
+        dtype = arch.embed(target, mx.array([[0]])).dtype       # the target's activations'
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
         config = dict(config, mtp_num_hidden_layers=entry.get("num_hidden_layers", 1),
                       mtplx_mtp_quantization=entry.get("quantization"))
     else:
