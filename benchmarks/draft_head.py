@@ -96,8 +96,11 @@ def bench(model, tokens=64, rounds=3, widths=(1, 8), temperatures=(0.0,), depths
     full = dataclasses.replace(model, draft_vocab=None)       # the same head, projecting onto every row
     ladder = LaneLadder(model, greedy_depths="cost")
     ladder.install([w for w in widths if w > 1])
-    models = {"draft": model, **({"full": full} if model.draft_vocab is not None else {})}
-    lanes = {(w, d, v): lanes_for(m, w, d) for w in widths for d in depths for v, m in models.items()}
+    # the draft vocabulary's lanes are the ladder's own (installed and measured once); the whole
+    # vocabulary's, the same head's
+    lanes = {(w, d, "draft"): {ln.width: ln for ln in ladder.ladder(d)}[w] for w in widths for d in depths}
+    if model.draft_vocab is not None:
+        lanes.update({(w, d, "full"): lanes_for(full, w, d) for w in widths for d in depths})
     results: dict = {}
     for r in range(rounds):
         for t in temperatures:
