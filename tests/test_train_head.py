@@ -173,12 +173,13 @@ def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, trained, tmp_pa
     from mtplx.models import draft_head
     from mtplx.models.errors import CheckpointShapeError
 
-    (trained / "NOTICE").write_text("Gemma notice.\n")
+    (trained / "NOTICE").write_text("Gemma notice. Beside this file: GEMMA_TERMS.html.\n")
     (trained / "GEMMA_TERMS.html").write_text("<p>the terms</p>")
     assets = tmp_path / "assets"
     out = draft_head.write_asset(trained, "tiny-mtp", "mtp_head.safetensors: a head trained here.", assets)
-    assert (out / "NOTICE").read_text() == "Gemma notice.\nmtp_head.safetensors: a head trained here.\n"
-    assert (out / "GEMMA_TERMS.html").is_file()
+    assert (out / "NOTICE").read_text() == (
+        "Gemma notice. Beside this file: GEMMA_TERMS.html.\nmtp_head.safetensors: a head trained here.\n")
+    assert (out / "GEMMA_TERMS.html").is_file() and not (out / "model.safetensors").exists()
     half = mx.load(str(out / HEAD_FILE))
     assert half["mtp.fc.weight"].dtype == mx.float16 and half["draft_ids"].dtype == mx.int32
     entry = json.loads((out / draft_head.ASSET_ENTRY).read_text())

@@ -199,7 +199,7 @@ def write_asset(model_dir, asset: str, notice_line: str, assets: Optional[Path] 
     default): HEAD_FILE with its float tensors in float16 (half the size; the loader runs a head
     in its target's dtype), its config entry as ASSET_ENTRY, the model's NOTICE with
     `notice_line` last (the line install_shipped_head adds to an installed checkpoint's NOTICE),
-    and the terms files the model's directory carries beside its NOTICE (`*TERMS*`)."""
+    and the files of the model's directory that its NOTICE names (its terms, its model card)."""
     model_dir = Path(model_dir)
     entry = read_entry(json.loads((model_dir / "config.json").read_text()))
     if entry is None:
@@ -212,8 +212,9 @@ def write_asset(model_dir, asset: str, notice_line: str, assets: Optional[Path] 
     (out / ASSET_ENTRY).write_text(json.dumps(dict(entry, file=HEAD_FILE, stored_dtype="float16"), indent=2) + "\n")
     notice = (model_dir / "NOTICE").read_text().rstrip("\n") if (model_dir / "NOTICE").is_file() else ""
     (out / "NOTICE").write_text((notice + "\n" if notice else "") + notice_line.strip() + "\n")
-    for terms in model_dir.glob("*TERMS*"):
-        shutil.copyfile(terms, out / terms.name)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name in notice:
+            shutil.copyfile(f, out / f.name)
     return out
 
 
