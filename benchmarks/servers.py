@@ -184,15 +184,16 @@ class ServerProcess:
 
 
 def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float,
-               args_overrides: Optional[dict] = None, direct_http: bool = False) -> ServerProcess:
-    """`serve run` of the shipped config with a free port (and `model_path` when given, and any
-    app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
+               args_overrides: Optional[dict] = None, direct_http: bool = False,
+               config: Optional[Path] = None) -> ServerProcess:
+    """`serve run` of the shipped config (or `config`) with a free port (and `model_path` when
+    given, and any app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
     loopback as scripts/serve.sh starts it (`LOOPBACK_RAY_ENV`). With
     `direct_http` the ingress replica also answers HTTP on a port of its own (`direct_http_env`),
     and the returned server's url is that port's."""
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "serve_configs" / "config.yaml").read_text())
+    cfg = yaml.safe_load((config or ROOT / "serve_configs" / "config.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
     for app in cfg["applications"]:

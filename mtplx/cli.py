@@ -78,6 +78,9 @@ def add_load_options(p) -> None:
                         "request by request), e.g. auto,mtp,ar")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="ours only: closed-loop arms without and with logprobs: K, alternated")
+    p.add_argument("--config", default=None,
+                   help="ours: the serve config to run (default serve_configs/config.yaml; --model still sets "
+                        "its model_path)")
     p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
                    help="also an arm of greedy requests one at a time with prompts of about N tokens "
                         "(time to first token on long prompts)")
