@@ -713,30 +713,6 @@ def test_load_generator_client_reads_streams_refusals_and_drops(serve_app):
 
 
 @RAY_MARK
-@pytest.mark.slow
-def test_scale_out_two_nodes_two_replicas():
-    """Two nodes with {"mlx": 1} each, two replicas: cohorts are served by both, and every node of
-    the cluster is on 127.0.0.1.
-
-    Runs `python -m deployments.scaleout` in a subprocess: a multi-node Ray cluster of its own, on
-    loopback, with its files (and the cluster address Ray records for `ray.init()`) in a temporary
-    folder of its own, so it does not clash with the session's Ray or any other on this machine.
-    About 70 s on a 2-core machine shared with other jobs: marked slow."""
-    from deployments._proc import DIRECT_HTTP_ENV, is_loopback
-
-    # (without the session's direct port: its own ingress would find it taken)
-    env = {k: v for k, v in os.environ.items() if k not in DIRECT_HTTP_ENV}
-    out = subprocess.run([sys.executable, "-m", "deployments.scaleout", "--json"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["ok"], report
-    assert len(report["cohorts_by_replica"]) == 2 and all(v > 0 for v in report["cohorts_by_replica"].values())
-    assert len(set(report["replica_nodes"].values())) == 2
-    assert report["node_addresses"] and all(is_loopback(a) for a in report["node_addresses"]), report
-
-
-@RAY_MARK
 def test_cancel_endpoint_stops_an_in_flight_request(serve_app, http):
     import httpx
 
