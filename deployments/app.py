@@ -20,7 +20,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from mtplx.engine.repetition import RepetitionLimits
-from mtplx.models.registry import model_not_installed, resolve_model_path
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
 from ._proc import direct_http_enabled, is_loopback
@@ -131,6 +130,22 @@ class AppArgs(BaseModel):
         None, ge=1, description="Most completion tokens one request may ask for (400 above it); "
                                 "None: only the context window limits it")
     max_body_bytes: int = Field(INGRESS["max_body_bytes"], ge=1024, description="Request bodies above this get 413")
+    max_tool_calls: int = Field(
+        INGRESS["max_tool_calls"], ge=1, le=256, description="Most tool calls one answer may make with parallel calls "
+                                                             "on (a forced choice's grammar ends the answer there; an "
+                                                             "unforced answer's further calls are dropped)")
+    # The Responses API's stored responses
+    responses_store: Literal["sqlite", "actor"] = Field(
+        INGRESS["responses_store"], description="sqlite: each ingress replica opens the file itself (the replicas "
+                                                "of one machine); actor: one Ray actor on the head node owns it "
+                                                "and every replica, on any machine, calls it")
+    responses_store_path: Optional[str] = Field(
+        INGRESS["responses_store_path"], description="SQLite file of stored responses, on a local disk (of the "
+                                                     "head node with responses_store: actor); null: responses are "
+                                                     "not stored")
+    responses_store_max_age_s: Optional[float] = Field(
+        INGRESS["responses_store_max_age_s"], gt=0.0, description="Stored responses older than this are deleted "
+                                                                  "(OpenAI keeps them 30 days); null: kept")
     # Access
     api_keys_env: Optional[str] = Field(
         INGRESS["api_keys_env"], description="Environment variable (of the ingress process) holding API keys, "
@@ -244,6 +259,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     warn_if_ray_is_reachable()
     a = args if isinstance(args, AppArgs) else AppArgs(**(args or {}))
     if a.model_path:
+        from mtplx.models.registry import model_not_installed, resolve_model_path   # no MLX: only here
+
         # a registered name becomes its directory here, so the ingress (tokenizer) and the replica
         # (weights) read the same one; not installed on this node: a replica elsewhere may have it
         if (hint := model_not_installed(a.model_path)) is not None:
@@ -292,7 +309,9 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "max_tokens_limit": a.max_tokens_limit, "max_body_bytes": a.max_body_bytes,
         "api_keys_env": a.api_keys_env, "api_keys_file": a.api_keys_file, "allowed_hosts": list(a.allowed_hosts),
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
-        "overload_status": a.overload_status, "metrics": a.metrics, "routing": a.routing,
+        "overload_status": a.overload_status, "metrics": a.metrics, "max_tool_calls": a.max_tool_calls,
+        "responses_store": a.responses_store, "responses_store_path": a.responses_store_path,
+        "responses_store_max_age_s": a.responses_store_max_age_s, "routing": a.routing,
         "affinity_load_factor": a.affinity_load_factor, "failover_timeout_s": a.failover_timeout_s,
     }
     ingress_actor: Dict[str, Any] = {"num_cpus": a.ingress_num_cpus, "num_gpus": 0}

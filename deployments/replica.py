@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 from ray import serve
 
 from mtplx.api.rows import RowCheckpoint, RowSpec, mtp_batch_compatibility_key
-from mtplx.structured import GRAMMAR_MEMORY
+from mtplx.structured import GRAMMAR_MEMORY, holding_back
 from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST,
                                      checked_cancel_reason)
 
@@ -424,17 +424,19 @@ class MTPReplica:
 
     def _job(self, i: int, row: RowSpec, buf: "_CohortBuffer"):
         """The scheduler's job for row `i` of a cohort: its tokens go to the cohort's buffer; the
-        model's EOS joins the row's own stop tokens unless it ignores EOS."""
+        model's EOS joins the row's own stop tokens unless it ignores EOS; a `min_tokens` row's
+        constraint holds those stops back until then."""
         eos = frozenset() if row.ignore_eos else self.model.eos_token_ids
+        stops = eos | frozenset(row.stop_token_ids)
         job = self._mtp_batch.MTPBatchJob(
             request_id=row.request_id, prompt_ids=row.prompt_ids, max_tokens=row.max_tokens,
             sampler=row.sampler, draft_sampler=row.draft_sampler, seed=row.seed,
-            stop_token_ids=eos | frozenset(row.stop_token_ids),
+            stop_token_ids=stops,
             token_callback=lambda toks, lps=None: buf.push_tokens(i, toks, lps), logprobs=row.logprobs,
             compatibility_key=row.compatibility_key, speculative=row.speculative, adaptive=row.adaptive,
             cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
             omit_speculative_bonus=row.omit_speculative_bonus, prefill_group=row.prefill_group,
-            constraint=row.constraint, cache_salt=row.cache_salt,
+            constraint=holding_back(row.constraint, stops, row.min_tokens), cache_salt=row.cache_salt,
             request_observability={"replica_id": self.replica_id},
             resume_tokens=row.resume_tokens, checkpoint=row.checkpoint,
             checkpoint_callback=lambda cp: buf.push_checkpoint(i, cp))

@@ -16,7 +16,7 @@ import json
 import re
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -64,23 +64,48 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True)
 class Constraint:
     """A row's constraint. `grammar`: an llguidance grammar (from the builders below; None: no
-    grammar, a thinking budget only). `kind` names it for stats and errors ("json_schema",
-    "json_object", "regex", "grammar", "choice", "tool_call"). `think_end`: the grammar starts
-    after this text; `think_budget`: thinking tokens before `think_end` is forced."""
+    grammar). `kind` names it for stats and errors ("json_schema", "json_object", "regex",
+    "grammar", "choice", "tool_call", "thinking", "min_tokens"). `think_end`: the grammar starts
+    after this text; `think_budget`: thinking tokens before `think_end` is forced. `hold_ids`
+    are not allowed among the row's first `hold_until` tokens (vLLM's `min_tokens`: the row's
+    stop tokens, held back as if the model never gave them weight)."""
 
     grammar: Optional[str] = None
     kind: str = "grammar"
     think_end: Optional[str] = None
     think_budget: Optional[int] = None
+    hold_ids: frozenset = frozenset()
+    hold_until: int = 0
 
     def __post_init__(self):
-        if self.grammar is None and self.think_budget is None:
-            raise ValueError("a Constraint needs a grammar or a thinking budget")
+        if self.grammar is None and self.think_budget is None and not self.holds:
+            raise ValueError("a Constraint needs a grammar, a thinking budget or tokens to hold back")
         if self.think_budget is not None and (self.think_end is None or self.think_budget < 0):
             raise ValueError("think_budget needs think_end and must be >= 0")
 
+    @property
+    def reads_text(self) -> bool:
+        """Enforcing it reads the tokens' text (a grammar, a thinking marker): it needs
+        llguidance's tokenizer. Holding tokens back needs only their ids."""
+        return self.grammar is not None or self.think_end is not None
+
+    @property
+    def holds(self) -> bool:
+        return self.hold_until > 0 and bool(self.hold_ids)
+
     def with_thinking(self, think_end: Optional[str], think_budget: Optional[int] = None) -> "Constraint":
-        return Constraint(self.grammar, self.kind, think_end, think_budget)
+        return replace(self, think_end=think_end, think_budget=think_budget)
+
+
+def holding_back(constraint: Optional[Constraint], stop_ids, min_tokens: int) -> Optional[Constraint]:
+    """`constraint` with the row's stop tokens `stop_ids` held back for its first `min_tokens`
+    tokens (a constraint of its own when the row has none). A grammar's end still ends the row."""
+    stop_ids = frozenset(int(t) for t in stop_ids)
+    if min_tokens <= 0 or not stop_ids:
+        return constraint
+    if constraint is None:
+        return Constraint(kind="min_tokens", hold_ids=stop_ids, hold_until=int(min_tokens))
+    return replace(constraint, hold_ids=stop_ids, hold_until=int(min_tokens))
 
 
 # -- building grammars ------------------------------------------------------------------------------
@@ -363,7 +388,8 @@ class RowGrammar:
                         else _template_matcher(tokenizer, constraint.grammar).deep_copy())
         if self.matcher is not None and self.matcher.is_error():
             raise ConstraintError(f"{constraint.kind} cannot be enforced: {_first_line(self.matcher.get_error())}")
-        self._bits = np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        self._bits = (None if self.matcher is None      # a thinking budget or min_tokens only
+                      else np.zeros((1, (tokenizer.vocab_size + 31) // 32), dtype=np.int32))
         self.tokens: list = []                 # consumed: committed, then speculated
         self.committed = 0
         self.answer_at: Optional[int] = 0 if constraint.think_end is None else None
@@ -384,7 +410,7 @@ class RowGrammar:
     def _count(self) -> None:
         """Count what the row holds now (its masks, its bitmask buffer) in GRAMMAR_MEMORY."""
         masks = list(self._masks.values()) + [m for _, m in self._unwound]
-        now = self._bits.nbytes + sum(m.nbytes for m in masks if m is not None)
+        now = (0 if self._bits is None else self._bits.nbytes) + sum(m.nbytes for m in masks if m is not None)
         if now != self._held.bytes:
             GRAMMAR_MEMORY.update(self._held.bytes, now)
             self._held.bytes = now
@@ -410,6 +436,13 @@ class RowGrammar:
         self._check_error()
         return self.matcher.is_stopped()
 
+    @property
+    def spent(self) -> bool:
+        """Nothing is left to enforce: no grammar, no thinking budget, the held-back tokens allowed
+        again (a `min_tokens` row past its minimum decodes as an unconstrained row from here)."""
+        return (self.matcher is None and self.constraint.think_budget is None
+                and len(self.tokens) >= self.constraint.hold_until)
+
     def _check_error(self) -> None:
         if self.matcher.is_error():
             raise GrammarError(f"the {self.constraint.kind} grammar failed after {len(self.tokens)} tokens: "
@@ -418,7 +451,8 @@ class RowGrammar:
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next: a check of one token (a few microseconds),
         where `allowed()` computes the whole mask (about a hundred)."""
-        if self.thinking or self.matcher is None or self.matcher.is_stopped():
+        if (self.thinking or self.matcher is None or self.matcher.is_stopped()
+                or (self._holding(len(self.tokens)) and int(token) in self.constraint.hold_ids)):
             mask = self.allowed()
             return mask is None or bool(mask[int(token)])
         return self.matcher.validate_tokens([int(token)]) == 1
@@ -426,9 +460,20 @@ class RowGrammar:
     def allowed(self) -> Optional[np.ndarray]:
         n = len(self.tokens)
         if n not in self._masks:
-            self._masks[n] = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+            mask = self._thinking_mask(n) if self.thinking else self._grammar_mask()
+            self._masks[n] = self._held_back(mask) if self._holding(n) else mask
             self._count()
         return self._masks[n]
+
+    def _holding(self, n: int) -> bool:
+        return n < self.constraint.hold_until and bool(self.constraint.hold_ids)
+
+    def _held_back(self, mask: Optional[np.ndarray]) -> Optional[np.ndarray]:
+        """`mask` without the held-back tokens; unchanged where they are all it allows (a grammar
+        at its end: the end wins over min_tokens)."""
+        held = np.ones(self.vocab, dtype=bool) if mask is None else mask.copy()
+        held[[t for t in self.constraint.hold_ids if t < self.vocab]] = False
+        return held if held.any() else mask
 
     def _thinking_mask(self, n: int) -> Optional[np.ndarray]:
         """Free thinking, but for a grammar after it no token that would end the marker and go on

@@ -101,6 +101,7 @@ def _answers(url: str) -> bool:
 def serve_app(tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "api_keys"
     key_file.write_text(f"# test keys\n{TEST_API_KEY}\nsecond-key-for-rotation\n")
+    store_path = tmp_path_factory.mktemp("responses") / "responses.sqlite3"     # the Responses API's store
     import ray
     from ray import serve
 
@@ -111,12 +112,13 @@ def serve_app(tmp_path_factory):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="mtplx-tests")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(dict(TEST_APP_ARGS, api_keys_file=str(key_file))), name="mtplx", route_prefix="/")
+    serve.run(build_app(dict(TEST_APP_ARGS, api_keys_file=str(key_file), responses_store_path=str(store_path))),
+              name="mtplx", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     direct = f"http://127.0.0.1:{DIRECT_PORT}"
     try:
         yield SimpleNamespace(base=base, api=f"{base}/v1", headers=dict(AUTH),
-                              direct=direct if _answers(direct) else None)
+                              direct=direct if _answers(direct) else None, store_path=str(store_path))
     finally:
         serve.shutdown()
         if started_ray:

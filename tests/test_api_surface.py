@@ -1,5 +1,5 @@
 """The API surface beyond text and usage: vLLM's /tokenize, /detokenize and /version, the vLLM
-sampling fields (stop_token_ids, ignore_eos; min_tokens and repetition_penalty refused), stop_reason,
+sampling fields (stop_token_ids, ignore_eos; min_tokens above max_tokens and repetition_penalty refused), stop_reason,
 OpenAI-only finish reasons, and Anthropic's /v1/messages through the real `anthropic` client.
 
 The HTTP tests share the session's served app (tests/conftest.py); references come from the engine
@@ -50,19 +50,23 @@ def test_stop_string_matcher_names_the_earliest_match():
     assert StopStringMatcher(["x"]).matched is None
 
 
-def test_detokenizer_returns_special_tokens_as_text(model):
-    """Special tokens inside the output are text (every returned token is in the text, as
-    mlx_lm.server returns them); a multi-byte character split over tokens is never cut."""
-    from mtplx.api.text import IncrementalDetokenizer
+def test_detokenizer_skips_special_tokens_unless_asked(model):
+    """Special tokens inside the output (the template's `<|im_start|>` too) are left out of the
+    text by default (vLLM's skip_special_tokens); with skip_special_tokens false they are text like
+    any other. A multi-byte character split over tokens is never cut."""
+    from mtplx.api.text import IncrementalDetokenizer, special_token_ids
 
     tok = model.tokenizer
-    special = sorted(model.eos_token_ids)
+    special = sorted(model.eos_token_ids) + [tok.convert_tokens_to_ids("<|im_start|>")]
+    assert set(special) <= special_token_ids(tok)
     ids = (list(tok.encode("def f(x):", add_special_tokens=False)) + special
            + list(tok.encode(" return \u2192 \u00e9", add_special_tokens=False)))
-    detok = IncrementalDetokenizer(tok)
-    text = "".join(detok.push([t]) for t in ids) + detok.flush()
-    assert text == tok.decode(ids) and all(tok.decode([t]) in text for t in special)
-    assert "\ufffd" not in text
+    for skip in (False, True):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        text = "".join(detok.push([t]) for t in ids) + detok.flush()
+        assert text == tok.decode(ids, skip_special_tokens=skip) and "\ufffd" not in text
+        assert all((tok.decode([t]) in text) is not skip for t in special)
+    assert text == "def f(x): return \u2192 \u00e9"
 
 
 def test_anthropic_usage_splits_the_prompt_only_for_cache_control():
@@ -101,7 +105,7 @@ def test_overload_refusals_spread_their_retry_after():
     assert "retry-after" not in oa.unavailable("down").headers
 
 
-@pytest.mark.parametrize("field,value", [("min_tokens", 4), ("repetition_penalty", 1.3)])
+@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.3)])
 def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
     from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
 
@@ -111,7 +115,7 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
             parse_request(cls, json.dumps({**base, field: value}).encode())
         assert exc.value.status == 400 and exc.value.param == field and field in exc.value.message
         # their no-op values are accepted
-        parse_request(cls, json.dumps({**base, field: {"min_tokens": 0, "repetition_penalty": 1.0}[field]}).encode())
+        parse_request(cls, json.dumps({**base, field: {"repetition_penalty": 1.0}[field]}).encode())
 
 
 def test_logprobs_fields_are_validated():
@@ -286,7 +290,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     ids = list(tok.encode(PROMPT, add_special_tokens=False))
     ref = _greedy(ref_model, ids, 24).tokens
     k = _first_new_token(ref)
-    text_k = tok.decode(ref[:k])
+    text_k = tok.decode(ref[:k], skip_special_tokens=True)
     # a requested stop token ends the row there; it is not returned (no text, not counted)
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                   extra_body={"stop_token_ids": [ref[k]], "ignore_eos": False})
@@ -296,7 +300,7 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     # no stop: stop_reason null; a stop string: the string
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
-    full = tok.decode(ref)
+    full = tok.decode(ref, skip_special_tokens=True)
     at = next(i for i in range(2, len(full) - 3) if full[i:i + 3].strip() and full.find(full[i:i + 3]) == i)
     stop = full[at:at + 3]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
@@ -309,11 +313,11 @@ def test_stop_token_ids_and_stop_reason(client, http, ref_model):
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0,
                                                  stream=True, extra_body={"stop_token_ids": [cref[kc]]}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert text == tok.decode(cref[:kc])
+    assert text == tok.decode(cref[:kc], skip_special_tokens=True)
     reasons = [(ch.choices[0].finish_reason, ch.choices[0].model_extra["stop_reason"]) for ch in chunks]
     assert reasons[-1] == ("stop", cref[kc]) and all(r == (None, None) for r in reasons[:-1])
     # refused fields name themselves
-    for extra, param in [({"min_tokens": 2}, "min_tokens"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    for extra, param in [({"min_tokens": 5}, "min_tokens"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
                          ({"stop_token_ids": [ref_model.vocab_size]}, "stop_token_ids")]:
         r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -474,7 +478,7 @@ def test_logprobs_through_chat_and_completions(client, ref_model):
         assert all(abs(t.logprob - float(v)) < 1e-4 for t, v in zip(c.top_logprobs, ref_top))
         assert c.top_logprobs[0].logprob == c.logprob          # greedy: the heaviest token
     assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == \
-        tok.decode(tokens, skip_special_tokens=False)
+        tok.decode(tokens, skip_special_tokens=True)         # a special token: counted, no text
     # streaming: the same entries, spread over the chunks
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
                                                  logprobs=True, top_logprobs=3, stream=True))
@@ -565,7 +569,7 @@ def test_n_choices_through_chat_and_completions(client, ref_model):
     import openai
 
     ids = _chat_ids(ref_model, PROMPT)
-    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens)
+    ref = ref_model.tokenizer.decode(_greedy(ref_model, ids, 16).tokens, skip_special_tokens=True)
     msgs = [{"role": "user", "content": PROMPT}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, n=3)
     assert [c.index for c in r.choices] == [0, 1, 2]

@@ -91,7 +91,7 @@ SAMPLING = [
     one("ignore_eos", [True, False], ["maybe", 2]),
     one("generation_mode", ["auto", "mtp", "ar"], ["turbo", 1]),
     one("omit_speculative_bonus", [True, False], ["x"]),
-    one("min_tokens", [0], [1, 3, HUGE, -1]),
+    one("min_tokens", [0, 1], [HUGE, -1, 1.5]),
     one("repetition_penalty", [1.0], [1.3, 0.0, 1e300, HUGE]),
     one("model", [MODEL], ["gpt-4o", 5]),
     one("user", ["u-1"], [5]),
@@ -178,6 +178,25 @@ TOKENIZE_CHAT_FIELDS = TOKENIZE_FIELDS + [
           st.just({"add_generation_prompt": True, "continue_final_message": True})),
     one("chat_template_kwargs", [{"enable_thinking": True}, {"enable_thinking": False}], [{"foo": 1}]),
 ]
+RESPONSES_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed",
+                      "generation_mode", "omit_speculative_bonus", "model", "user", "frobnicate"}
+RESPONSES_FIELDS = [f for f in SAMPLING if f.param in RESPONSES_SAMPLING] + [
+    Field("max_output_tokens", frag("max_output_tokens", ints(1, 4)),
+          frag("max_output_tokens", st.sampled_from([0, -1, CONTEXT + 1, HUGE, 2.5, "4"]))),
+    one("stream", [True, False], ["yes please"]),
+    one("store", [True, False], ["x"]),
+    one("instructions", ["You write Python."], [5]),
+    one("reasoning", [{"effort": "none"}, {"effort": "minimal"}], [{"effort": "max"}, {"bogus": 1}]),
+    one("text", [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}],
+        [{"format": {"type": "xml"}}, {"format": {"type": "json_schema", "name": "x", "schema": DEEP_SCHEMA}}]),
+    Field("top_logprobs", st.one_of(st.just({}), ints(0, 20).map(
+        lambda k: {"top_logprobs": k, "include": ["message.output_text.logprobs"]})),
+        frag("top_logprobs", st.sampled_from([21, -1, HUGE, "3"]))),
+    Field("previous_response_id", st.just({}), st.just({"previous_response_id": "resp_missing"})),
+    one("background", [False], [True]),
+    one("truncation", ["disabled"], ["auto"]),
+    one("input", ["def f(x):"], [[{"type": "input_image", "image_url": "x"}], 5, [{"role": "robot", "content": "x"}]]),
+]
 DETOKENIZE_FIELDS = [
     Field("tokens", frag("tokens", st.lists(ints(0, VOCAB - 1), max_size=12)),
           frag("tokens", st.sampled_from([[VOCAB], [-1], [HUGE], [1.5], "12"]))),
@@ -195,19 +214,22 @@ class Route:
     base: Callable[[str], dict]          # a prompt -> the body's required fields
     fields: List[Field]
     anthropic: bool = False
+    ends: tuple = ("data: [DONE]",)      # a stream's last line is one of these
 
 
 ROUTES = [
     Route("/v1/chat/completions", lambda p: {"messages": _user(p), "max_tokens": 3}, CHAT_FIELDS),
     Route("/v1/completions", lambda p: {"prompt": p, "max_tokens": 3}, COMPLETION_FIELDS),
     Route("/v1/messages", lambda p: {"model": MODEL, "messages": _user(p), "max_tokens": 3}, ANTHROPIC_FIELDS,
-          anthropic=True),
+          anthropic=True, ends=("event: message_stop",)),
     Route("/v1/messages/count_tokens", lambda p: {"model": MODEL, "messages": _user(p)}, COUNT_TOKENS_FIELDS,
           anthropic=True),
     Route("/tokenize", lambda p: {"prompt": p}, TOKENIZE_FIELDS),
     Route("/tokenize", lambda p: {"messages": _user(p) + [{"role": "assistant", "content": "x"}]},
           TOKENIZE_CHAT_FIELDS),
     Route("/detokenize", lambda p: {"tokens": [1, 2, 3]}, DETOKENIZE_FIELDS),
+    Route("/v1/responses", lambda p: {"model": MODEL, "input": p, "max_output_tokens": 3}, RESPONSES_FIELDS,
+          ends=("event: response.completed", "event: response.incomplete")),
 ]
 RAW_INVALID = [   # bodies that are not JSON objects a model reads (sent as bytes), and the field they name
     ("/tokenize", b'{"messages": ' + b"[" * 3000 + b"]" * 3000 + b"}", "messages"),
@@ -259,9 +281,8 @@ def _check(http, route: Route, raw: bytes, invalid: set) -> None:
             lines = list(r.iter_lines())
             status = r.status_code
         assert status == 200, (case, status, lines[:3])
-        end = "event: message_stop" if route.anthropic else "data: [DONE]"
         events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-        assert end in lines, (case, lines[-4:])
+        assert any(end in lines for end in route.ends), (case, lines[-4:])
         assert not any("error" in e or e.get("type") == "error" for e in events), (case, lines[-4:])
         return
     r = http.post(route.path, content=raw, headers={"content-type": "application/json"})

@@ -48,10 +48,11 @@ def _greedy_tokens(model, prompt_ids, max_tokens):
 
 
 def _reference(model, prompt_ids, max_tokens):
-    """(text, completion_tokens, finish_reason) of solo greedy AR, as the server reports them (as
-    mlx_lm.server does: special tokens are text, the token that ended the row is not)."""
+    """(text, completion_tokens, finish_reason) of solo greedy AR, as the server reports them: special
+    tokens counted but not in the text (vLLM's skip_special_tokens, by default), the token that
+    ended the row neither."""
     tokens, reason = _greedy_tokens(model, prompt_ids, max_tokens)
-    return model.tokenizer.decode(tokens), len(tokens), reason
+    return model.tokenizer.decode(tokens, skip_special_tokens=True), len(tokens), reason
 
 
 def _snapshot(http) -> dict:
@@ -270,10 +271,11 @@ def test_stop_string_ends_its_row_early_as_a_stop(serve_app, client, http, ref_m
 
     prompt, max_tokens = PROMPTS[4], 160
     tokens, _ = _greedy_tokens(ref_model, _chat_ids(ref_model, prompt), max_tokens)
-    text = ref_model.tokenizer.decode(tokens)
+    text = ref_model.tokenizer.decode(tokens, skip_special_tokens=True)
     stop = _stop_in(text, 40)
     expected = text[:text.find(stop)]
-    n = next(k for k in range(1, len(tokens) + 1) if stop in ref_model.tokenizer.decode(tokens[:k]))
+    n = next(k for k in range(1, len(tokens) + 1)
+             if stop in ref_model.tokenizer.decode(tokens[:k], skip_special_tokens=True))
     assert n < max_tokens // 2, (n, stop)              # the row still decodes when its stop matches
     before = _ingress_counts(http)
     kw = dict(model="mtplx-tiny-py", messages=[{"role": "user", "content": prompt}], temperature=0,
@@ -317,7 +319,8 @@ def test_the_token_that_ends_a_row_is_not_returned(client, ref_model):
                                        temperature=0, max_tokens=40, logprobs=True,
                                        extra_body={"stop_token_ids": [tokens[k]]})
     content, entries = r.choices[0].message.content, r.choices[0].logprobs.content
-    assert content == ref_model.tokenizer.decode(tokens[:k]) and r.usage.completion_tokens == k == len(entries)
+    assert content == ref_model.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+    assert r.usage.completion_tokens == k == len(entries)
     assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == content
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == tokens[k]
 

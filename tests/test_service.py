@@ -203,7 +203,9 @@ def test_seed_example_server_path_job(model, service):
 
 @pytest.mark.parametrize("n, fixed", [(2, 3), (5, 8)])
 def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n, fixed):
-    jobs = [job(prompts[i], max_tokens=6 + 3 * i, seed=i) for i in range(n)]
+    # generation_mode "mtp": every cycle drafts, whatever the cycle costs measured on a loaded machine
+    # ("auto" rows may step aside to AR steps, which never run ahead)
+    jobs = [job(prompts[i], max_tokens=6 + 3 * i, seed=i, adaptive=False) for i in range(n)]
     results = run_held(service, jobs)
     for i, r in enumerate(results):
         s = r["stats"]
@@ -705,10 +707,11 @@ def test_greedy_keys_chain_deeper_drafts_where_configured_sampled_keys_do_not(mo
     are generate_mtpk's at depth 1, whoever its neighbours are)."""
     service = make_service(greedy_depths={1: 3, 3: 2})
     service.install_lanes([3]).result(TIMEOUT)        # B3 is installed: only the deeper greedy lanes
-    alone = service.submit(job(prompts[0], max_tokens=40, seed=1, rid="alone")).result(TIMEOUT)
+    # generation_mode "mtp" (not "auto"): every cycle drafts, whatever the costs a loaded machine measures
+    alone = service.submit(job(prompts[0], max_tokens=40, seed=1, rid="alone", adaptive=False)).result(TIMEOUT)
     assert alone["tokens"] == greedy_ar(model, prompts[0], 40)
     assert alone["stats"]["mtp_depth"] == 3 and alone["stats"]["mtp_batch_fixed_width"] == 1
-    three = run_held(service, [job(prompts[i], max_tokens=30, seed=i, rid=f"g{i}") for i in (1, 2, 3)])
+    three = run_held(service, [job(prompts[i], max_tokens=30, seed=i, rid=f"g{i}", adaptive=False) for i in (1, 2, 3)])
     for i, r in zip((1, 2, 3), three):
         assert r["tokens"] == greedy_ar(model, prompts[i], 30)
         assert r["stats"]["mtp_depth"] == 2 and r["stats"]["mtp_batch_fixed_width"] == 3

@@ -188,13 +188,18 @@ def test_tool_call_arguments_fragments_are_incremental():
 
 
 def test_tool_blocks_that_are_not_calls_stay_content():
+    """A closed block that is not a call is the model's text; a call cut short is dropped, never
+    content (tests/test_tool_limits.py has the rest of what a cut or unusable call becomes)."""
     from mtplx.api.parsing import OutputParser
 
-    for text in ["a <tool_call>\nnot json</tool_call> b", '<tool_call>\n{"name": "f", "arguments": {"a": [1,']:
-        parser = OutputParser(thinking=False, tools=True)
-        _feed(parser, text, [3, 9])
-        result = parser.result()
-        assert result.tool_calls == [] and result.content == text
+    text = "a <tool_call>\nnot json</tool_call> b"
+    parser = OutputParser(thinking=False, tools=True)
+    _feed(parser, text, [3, 9])
+    assert parser.result().tool_calls == [] and parser.result().content == text
+    parser = OutputParser(thinking=False, tools=True)
+    _feed(parser, 'x <tool_call>\n{"name": "f", "arguments": {"a": [1,', [3, 9])
+    result = parser.result()
+    assert result.tool_calls == [] and result.content == "x " and [d.reason for d in result.dropped_calls] == ["truncated"]
 
 
 def test_reasoning_splits_at_the_first_think_end():

@@ -2,7 +2,8 @@
 greedy AR output and an independent oracle (mlx-lm's `generate_step` with a logits processor
 applying the same grammar's masks from a matcher of its own), beside unconstrained neighbours;
 completed outputs validate; sampled constrained rows keep the restricted target distribution
-(chi-square with a power check); the thinking gate and budget; bad constraints refused."""
+(chi-square with a power check); the thinking gate and budget; `min_tokens` (stop tokens held
+back); bad constraints refused."""
 
 import json
 from collections import Counter
@@ -16,8 +17,8 @@ from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.lane import RunningLane
 from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.sampling import SamplerConfig, row_distribution
-from mtplx.structured import (Constraint, ConstraintError, check_constraint, grammar_tokenizer, json_schema_grammar,
-                              regex_grammar)
+from mtplx.structured import (Constraint, ConstraintError, check_constraint, choice_grammar, grammar_tokenizer,
+                              holding_back, json_schema_grammar, regex_grammar)
 
 GREEDY = SamplerConfig(temperature=0.0)
 SCHEMAS = [
@@ -224,6 +225,82 @@ def test_thinking_budget_forces_the_end_marker(model, deep_lane):
     assert mtp.tokens == ar.tokens
     text = tok.decode(mtp.tokens)
     assert "</think>" in text and len(tok.encode(text.split("</think>")[0])) <= 10
+
+
+def _held_back_oracle(model, ids, stops, min_tokens, n):
+    """mlx-lm's greedy `generate_step`, the stop tokens masked while fewer than `min_tokens`
+    tokens are out; up to and including the first stop token."""
+    from mlx_lm.generate import generate_step
+
+    banned = mx.array(np.isin(np.arange(model.vocab_size), sorted(stops)))
+
+    def processor(tokens, logits):
+        return mx.where(banned[None], -mx.inf, logits) if tokens.size - len(ids) < min_tokens else logits
+
+    out = []
+    for token, _ in generate_step(mx.array(list(ids)), model.target, max_tokens=n, logits_processors=[processor]):
+        out.append(int(token))
+        if out[-1] in stops:
+            break
+    return out
+
+
+def test_min_tokens_holds_the_stop_tokens_back(model, deep_lane, llg_tokenizer):
+    """vLLM's `min_tokens`: the row's stop tokens (EOS and a token its free text writes early) are not allowed
+    among its first `min_tokens` tokens. Greedy rows in a depth-3 lane beside unconstrained and
+    sampled rows: MTP equals AR and mlx-lm with the same mask; the stop comes after the
+    minimum; once past it the row is an unconstrained row again (no grammar left). Under a grammar,
+    the grammar's end still ends the row."""
+    tok = model.tokenizer
+    prompts = [tok.encode(t) for t in ("import os\n", "x = 1\n", "def add(a, b):")]
+    # each row's stop: a token its free greedy text first writes at position 2 or later
+    free = [s.tokens for s in _run(deep_lane, [_req(f"f{i}", ids, 40) for i, ids in enumerate(prompts)])[0]]
+    first = [next(k for k in range(2, 40) if t[k] not in t[:k]) for t in free]
+    stops = [frozenset(model.eos_token_ids) | {t[k]} for t, k in zip(free, first)]
+    minimum = [k + 6 for k in first]
+    assert [s.tokens for s in _run(deep_lane, [_req(f"f{i}", ids, 40, stop_token_ids=st) for i, (ids, st)
+                                               in enumerate(zip(prompts, stops))])[0]] == [t[:k + 1] for t, k in
+                                                                                           zip(free, first)]
+    held = [_req(f"h{i}", ids, 40, holding_back(None, st, m), stop_token_ids=st)
+            for i, (ids, st, m) in enumerate(zip(prompts, stops, minimum))]
+    neighbours = [_req("g", tok.encode("class A:\n"), 30),
+                  _req("s", tok.encode("while"), 30, sampler=SamplerConfig(temperature=0.8, top_k=20), seed=3)]
+    mtp, running = _run(deep_lane, held + neighbours, stagger=2)
+    assert running.accepted > 10
+    ar, _ = _run(deep_lane, [_req(r.request_id, r.prompt_ids, 40, r.constraint, stop_token_ids=r.stop_token_ids,
+                                  speculative=False) for r in held])
+    for i, (ids, st, m) in enumerate(zip(prompts, stops, minimum)):
+        assert mtp[i].tokens == ar[i].tokens == _held_back_oracle(model, ids, st, m, 40), i
+        assert not st & set(mtp[i].tokens[:m]) and len(mtp[i].tokens) > m, (i, mtp[i].tokens)
+    alone, _ = _run(deep_lane, neighbours)
+    assert [s.tokens for s in mtp[len(held):]] == [s.tokens for s in alone]
+    # sampled rows: a seeded row held back in a lane as alone, and never stopped before its minimum
+    hot = SamplerConfig(temperature=1.0, top_k=8)
+    sampled = [_req(f"t{i}", prompts[i % 3], 24, holding_back(None, stops[i % 3], 8), sampler=hot, seed=i,
+                    stop_token_ids=stops[i % 3]) for i in range(6)]
+    together, _ = _run(deep_lane, sampled + neighbours, stagger=1)
+    for i, r in enumerate(sampled):
+        [solo], _ = _run(deep_lane, [r])
+        assert together[i].tokens == solo.tokens and not r.stop_token_ids & set(solo.tokens[:8]), i
+    # a grammar's end wins: a choice grammar finished at 1-2 tokens still stops the row
+    c = holding_back(Constraint(choice_grammar(["yes", "no"]), "choice"), stops[0], 30)
+    [done], _ = _run(deep_lane, [_req(0, tok.encode("ok = "), 40, c, stop_token_ids=stops[0])])
+    assert done.finish_reason == "stop" and tok.decode(done.tokens).strip() in ("yes", "no")
+
+
+def test_a_held_back_row_drops_its_constraint_after_the_minimum(model):
+    from mtplx.engine.row import LaneRow
+
+    stops = frozenset(model.eos_token_ids)
+    row = LaneRow(_req(0, (1, 2, 3), 10, holding_back(None, stops, 2), stop_token_ids=stops), model.vocab_size,
+                  grammar_tokenizer=None)
+    assert not row.allowed()[sorted(stops)].any() and row.allowed().sum() == model.vocab_size - len(stops)
+    assert not row.grammar.allows(sorted(stops)[0]) and row.grammar.allows(5)
+    row.emit(5)
+    assert row.grammar is not None
+    row.emit(6)
+    assert row.grammar is None and row.allowed() is None and row.live
+    assert holding_back(None, stops, 0) is None and holding_back(None, (), 4) is None
 
 
 @pytest.mark.parametrize("schema,where", [

@@ -7,7 +7,7 @@ tokenize, then hold a place in the bound on waiting rows (`admission`) and build
 replica as a single streaming call, whose per-row updates are demultiplexed back to the rows
 (`dispatch`). Each row then turns tokens into text, matches stop strings and decides how it ended
 (`row_stream`), and answers as JSON or SSE in its route's format (`formats`: chat, completion,
-Anthropic message).
+Anthropic message; `responses`: a Responses response, kept in `response_store`).
 
 Row-level cancellation: a client that disconnects cancels only its row, and a stop string that
 matches ends only its row, with a call pinned (by `deployments.router`) to the replica that runs

@@ -16,6 +16,14 @@ from mtplx.api.tools import new_call_id
 from .row_stream import RowResult, RowStream
 
 
+def with_dropped_calls(stats: dict, parser: Optional[OutputParser]) -> dict:
+    """`stats` plus `dropped_tool_calls` when the answer wrote calls it does not return (cut by its
+    budget, of a function the request did not offer, past the calls allowed, arguments not an
+    object): [{name, reason, arguments, index}] (index: a stream's, when it announced the call)."""
+    dropped = parser.result().dropped_calls if parser is not None else []
+    return dict(stats, dropped_tool_calls=[d.as_dict() for d in dropped]) if dropped else stats
+
+
 class _OpenAIFormat:
     """What chat and text completions share: usage, the stream's framing ([DONE], the usage chunk
     of stream_options.include_usage, an error as the last chunk)."""
@@ -124,21 +132,21 @@ class ChatFormat(_OpenAIFormat):
 
     def __init__(self, run: RowStream):
         super().__init__(run)
-        plan = run.plan
-        self.parser = OutputParser(plan.thinking, plan.parse_tools, new_call_id) if plan.parses else None
+        self.parser = OutputParser.for_plan(run.plan, new_call_id)
 
     def _logprobs(self, tokens, entries):
-        return oa.chat_logprobs(tokens, entries, self.run.logprobs, self.run.ing.token_bytes)
+        return oa.chat_logprobs(tokens, entries, self.run.logprobs, self.run.token_bytes)
 
     def _finish(self, result):
+        stats = with_dropped_calls(result.stats, self.parser)
         if self.parser is None or not self.parser.result().tool_calls or result.finish_reason != "stop":
-            return result.finish_reason, result.stats
-        return "tool_calls", dict(result.stats, finish_reason="tool_calls")
+            return result.finish_reason, stats
+        return "tool_calls", dict(stats, finish_reason="tool_calls")
 
     def _body(self, text, result, logprobs):
         run, extra = self.run, None
         if self.parser is not None:
-            text, extra = openai_message_fields(self.parser.parse(text))
+            text, extra = openai_message_fields(self.parser.parse(text, cut=result.finish_reason == "length"))
         finish_reason, stats = self._finish(result)
         return oa.chat_response(run.rid, run.created, run.model, text, finish_reason, self.usage(result),
                                 stats, result.stop_reason, logprobs, extra)
@@ -155,7 +163,9 @@ class ChatFormat(_OpenAIFormat):
         return {"content": text} if self.parser is None else openai_delta(self.parser.push(text))
 
     def _flush_delta(self):
-        return None if self.parser is None else openai_delta(self.parser.flush())
+        if self.parser is None:
+            return None
+        return openai_delta(self.parser.flush(cut=self.run.result().finish_reason == "length"))
 
     def _end_delta(self):
         return {}
@@ -170,7 +180,7 @@ class CompletionFormat(_OpenAIFormat):
         self._text_offset = 0      # text_offset of the next token's logprobs
 
     def _logprobs(self, tokens, entries):
-        out = oa.completion_logprobs(tokens, entries, self.run.logprobs, self.run.ing.token_bytes, self._text_offset)
+        out = oa.completion_logprobs(tokens, entries, self.run.logprobs, self.run.token_bytes, self._text_offset)
         self._text_offset += sum(len(t) for t in out["tokens"])
         return out
 
@@ -203,18 +213,16 @@ class AnthropicFormat:
     def __init__(self, run: RowStream, cache_split: bool = False):
         self.run = run
         self.cache_split = cache_split
-        plan = run.plan
-        self.parser = OutputParser(plan.thinking, plan.parse_tools, lambda: new_call_id("toolu_")) \
-            if plan.parses else None
+        self.parser = OutputParser.for_plan(run.plan, lambda: new_call_id("toolu_"))
 
     async def response(self) -> dict:
         run = self.run
         text = await run.text()
         r = run.result()
         usage = anthropic.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens if self.cache_split else 0)
-        parsed = self.parser.parse(text) if self.parser is not None else None
-        return anthropic.message_response(run.rid, run.model, text, r.finish_reason, r.stop_string, usage, r.stats,
-                                          parsed)
+        parsed = self.parser.parse(text, cut=r.finish_reason == "length") if self.parser is not None else None
+        return anthropic.message_response(run.rid, run.model, text, r.finish_reason, r.stop_string, usage,
+                                          with_dropped_calls(r.stats, self.parser), parsed)
 
     async def sse(self):
         run, parser = self.run, self.parser
@@ -230,8 +238,9 @@ class AnthropicFormat:
                 yield events.error(exc)
                 return
             r = run.result()
-            tail = b"" if parser is None else events.events(parser.flush())
-            yield tail + events.finish(r.finish_reason, r.stop_string, r.completion_tokens, r.stats)
+            tail = b"" if parser is None else events.events(parser.flush(cut=r.finish_reason == "length"))
+            yield tail + events.finish(r.finish_reason, r.stop_string, r.completion_tokens,
+                                       with_dropped_calls(r.stats, parser))
         finally:
             run.close()
 

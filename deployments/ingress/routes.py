@@ -14,6 +14,7 @@ from starlette.routing import Match, Route, Router
 
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.openapi import Operation
 
 REQUEST_ID_HEADER = "x-mtplx-request-id"                # the server's id; a client's own goes in it too
 CLIENT_REQUEST_ID_ECHO = "x-mtplx-client-request-id"    # a client's own id: metadata, echoed back
@@ -29,17 +30,25 @@ def request_id(prefix: str) -> Callable[[], str]:
 class IngressRoute(Route):
     """A Starlette route with the ingress's facts about it. `open`: served without an API key;
     `needs_model`: its handler uses the tokenizer or model metadata; `tag`: its metric label;
-    `new_id`: makes the ids of its requests."""
+    `new_id`: makes the ids of its requests. For the OpenAPI document: `summary`, `bodies` (the
+    request models its body is parsed as) and `streams` (it answers SSE when asked)."""
 
     def __init__(self, path: str, endpoint, method: str, *, open: bool = False, needs_model: bool = False,
-                 tag: Optional[str] = None, new_id: Callable[[], str] = request_id("req")):
+                 tag: Optional[str] = None, new_id: Callable[[], str] = request_id("req"), summary: str = "",
+                 bodies: tuple = (), streams: bool = False):
         super().__init__(path, endpoint, methods=[method], name=tag or path)
         self.methods = {method}      # Starlette adds HEAD to GET routes; it stays refused with 405
         self.open, self.needs_model, self.new_id = open, needs_model, new_id
+        self.summary, self.bodies, self.streams = summary, tuple(bodies), streams
 
     @property
     def tag(self) -> str:
         return self.name
+
+    def operation(self) -> Operation:
+        (method,) = self.methods
+        return Operation(self.path, method, self.summary, self.bodies, self.open, self.streams,
+                         anthropic=self.path.startswith(ANTHROPIC_PREFIX))
 
 
 @dataclass

@@ -67,8 +67,10 @@ class RowStream:
         self.route = route
         self.created = oa.now()
         self.model = ingress.served_model
-        self.detok = IncrementalDetokenizer(ingress.tokenizer)
-        self.stops = StopStringMatcher(req.stop_strings())
+        self.detok = IncrementalDetokenizer(ingress.tokenizer, req.skip_special_tokens)
+        self.stops = StopStringMatcher(req.stop_strings(), req.include_stop_str_in_output)
+        # each returned token's text and bytes in its log-probability entry, as the text has it
+        self.token_bytes = ingress.token_bytes.shown(req.skip_special_tokens)
         self.logprobs = req.requested_logprobs         # None, or the alternatives per token the client wants
         self._lp_tokens: List[int] = []                # returned tokens (and entries) not yet formatted
         self._lp_entries: list = []
@@ -199,7 +201,7 @@ class RowStream:
         text = ""
         for k, token in enumerate(tokens):
             self._returned([token], entries[k:k + 1] if entries else None)
-            text += self.stops.push(self.detok.push([token]))
+            text += self.stops.push(self.detok.push([token]), armed=self.n_tokens >= self.spec.min_tokens)
             if self.stops.stopped:
                 self.ing.dispatch.end_row(self.row, STOP_STRING)
                 break

@@ -25,8 +25,9 @@ from starlette.routing import Router
 import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
-from mtplx.api import output_plan
-from mtplx.api.limits import RequestLimits
+from mtplx.api import output_plan, responses
+from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS, RequestLimits
+from mtplx.api.openapi import document as openapi_document
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.rows import RowSpec
 from mtplx.api.text import TokenBytes
@@ -43,6 +44,8 @@ from .dispatch import DEFAULT_FAILOVER_TIMEOUT_S, ReplicaDispatcher, call
 from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
 from .model_files import load_model_metadata, load_tokenizer, resolve_model_dir
 from .pending import PendingRow
+from .response_store import DEFAULT_STORE_PATH, ActorStoreClient, LocalStoreClient
+from .responses import ResponsesFormat
 from .routes import IngressRoute, RequestContext, match, request_id, route_path
 from .row_stream import RowStream
 
@@ -57,7 +60,8 @@ INGRESS_DEFAULTS = {
     "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
     "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
-    "routing": "affinity", "affinity_load_factor": DEFAULT_LOAD_FACTOR,
+    "max_tool_calls": DEFAULT_MAX_TOOL_CALLS, "responses_store": "sqlite", "responses_store_path": DEFAULT_STORE_PATH,
+    "responses_store_max_age_s": 30 * 24 * 3600.0, "routing": "affinity", "affinity_load_factor": DEFAULT_LOAD_FACTOR,
     "failover_timeout_s": DEFAULT_FAILOVER_TIMEOUT_S,
 }
 # Work on a request's prompt (parse, chat template, tokenize) below this size runs on the event
@@ -70,6 +74,7 @@ PROMPT_THREADS = 2
 # Unauthenticated /health (keys set): liveness only, from a replica check made at most this often.
 LIVENESS_TTL_S = 2.0
 CONTENT_TYPES = ("application/json",)
+OPENAPI_PATH = "/openapi.json"
 
 
 class OpenAIIngress:
@@ -100,6 +105,7 @@ class OpenAIIngress:
         self.stop_wait_s = float(cfg["stop_wait_s"])
         self.max_body_bytes = int(cfg["max_body_bytes"])
         self.max_tokens_limit = cfg.get("max_tokens_limit")
+        self.max_tool_calls = int(cfg["max_tool_calls"])
         self._api_keys = load_api_keys(cfg["api_keys_env"], cfg.get("api_keys_file"))
         auth_on, auth_line = auth_summary(self._api_keys, cfg["api_keys_env"], cfg.get("api_keys_file"))
         (log.info if auth_on else log.warning)(auth_line)
@@ -124,7 +130,9 @@ class OpenAIIngress:
             max_concurrent_batches=self.max_concurrent_batches, routing=cfg["routing"],
             load_factor=cfg["affinity_load_factor"], failover_timeout_s=cfg["failover_timeout_s"])
         self.constraints = ConstraintChecker()
+        self.responses_store = self._open_store(cfg)
         self._router = self._routes()
+        self._openapi_doc: Optional[dict] = None
         try:   # our panels in the Grafana that Ray provisions (Ray rewrites its files per session)
             from ..grafana import provision
 
@@ -135,21 +143,50 @@ class OpenAIIngress:
 
     def _routes(self) -> Router:
         R = IngressRoute
+        rr = responses.ResponsesRequest
         return Router(routes=[
-            R("/v1/chat/completions", self._chat, "POST", needs_model=True, new_id=request_id("chatcmpl")),
-            R("/v1/completions", self._completions, "POST", needs_model=True, new_id=request_id("cmpl")),
-            R("/v1/messages", self._messages, "POST", needs_model=True, new_id=anthropic.new_message_id),
-            R("/v1/messages/count_tokens", self._count_tokens, "POST", needs_model=True),
-            R("/tokenize", self._tokenize, "POST", needs_model=True),
-            R("/detokenize", self._detokenize, "POST", needs_model=True),
-            R("/version", self._version, "GET"),
-            R("/v1/models", self._models, "GET", needs_model=True),
-            R("/v1/models/{model:path}", self._model, "GET", needs_model=True, tag="/v1/models/{model}"),
-            R("/health", self._health, "GET", open=True),
-            R("/v1/mtplx/snapshot", self._snapshot_route, "GET"),
-            R(PAGE_PATH, self._page, "GET", open=True),   # holds no data; its snapshot calls carry the key
-            R("/v1/mtplx/cancel/{rid}", self._cancel, "POST", tag="/v1/mtplx/cancel"),
+            R("/v1/chat/completions", self._chat, "POST", needs_model=True, new_id=request_id("chatcmpl"),
+              summary="OpenAI chat completion", bodies=(oa.ChatCompletionRequest,), streams=True),
+            R("/v1/completions", self._completions, "POST", needs_model=True, new_id=request_id("cmpl"),
+              summary="OpenAI text completion", bodies=(oa.CompletionRequest,), streams=True),
+            R("/v1/messages", self._messages, "POST", needs_model=True, new_id=anthropic.new_message_id,
+              summary="Anthropic message", bodies=(anthropic.MessagesRequest,), streams=True),
+            R("/v1/messages/count_tokens", self._count_tokens, "POST", needs_model=True,
+              summary="Anthropic token count", bodies=(anthropic.CountTokensRequest,)),
+            R("/v1/responses", self._responses, "POST", needs_model=True, new_id=responses.new_response_id,
+              summary="OpenAI response (stored unless store is false)", bodies=(rr,), streams=True),
+            R("/v1/responses/{response_id}", self._stored_response, "GET", tag="/v1/responses/{id}",
+              summary="A stored response"),
+            R("/v1/responses/{response_id}", self._delete_response, "DELETE", tag="/v1/responses/{id}",
+              summary="Delete a stored response"),
+            R("/tokenize", self._tokenize, "POST", needs_model=True, summary="vLLM's tokenize (prompt or chat)",
+              bodies=(oa.TokenizeCompletionRequest, oa.TokenizeChatRequest)),
+            R("/detokenize", self._detokenize, "POST", needs_model=True, summary="vLLM's detokenize",
+              bodies=(oa.DetokenizeRequest,)),
+            R("/version", self._version, "GET", summary="The server's version"),
+            R("/v1/models", self._models, "GET", needs_model=True, summary="The served model"),
+            R("/v1/models/{model:path}", self._model, "GET", needs_model=True, tag="/v1/models/{model}",
+              summary="One served model"),
+            R("/health", self._health, "GET", open=True, summary="Liveness (details with a key)"),
+            R("/v1/mtplx/snapshot", self._snapshot_route, "GET", summary="Ingress and replica stats"),
+            R(PAGE_PATH, self._page, "GET", open=True,     # holds no data; its snapshot calls carry the key
+              summary="The live stats page (HTML)"),
+            R("/v1/mtplx/cancel/{rid}", self._cancel, "POST", tag="/v1/mtplx/cancel",
+              summary="Cancel a request in flight"),
+            R(OPENAPI_PATH, self._openapi, "GET", open=True, summary="This document"),
         ])
+
+    @staticmethod
+    def _open_store(cfg: dict):
+        """The responses store: the SQLite file at `responses_store_path`, opened here (`sqlite`:
+        the replicas of one machine share it) or by one actor every replica calls (`actor`:
+        several machines). None: responses are not stored."""
+        path = cfg["responses_store_path"]
+        if not path:
+            log.info("mtplx ingress: no responses store (responses_store_path is null): store is ignored")
+            return None
+        client = ActorStoreClient if cfg["responses_store"] == "actor" else LocalStoreClient
+        return client(path, cfg["responses_store_max_age_s"])
 
     def _load_model_files(self, model_dir: Path) -> None:
         self.meta = load_model_metadata(model_dir)
@@ -303,6 +340,57 @@ class OpenAIIngress:
             return await self._generate(answer, req, prompt_ids, t0, ctx, place, route=AnthropicFormat.name,
                                         plan=msg.output_plan())
 
+    async def _responses(self, request: Request, ctx: RequestContext) -> Response:
+        """OpenAI's Responses API, served as the chat completion of its conversation (a stored
+        response it continues, then its input), answered and kept as a response."""
+        t0 = time.perf_counter()
+        body = await self._admitted_body(request)
+        with self.bound.admit() as place:
+            req = await self._parse(responses.ResponsesRequest, body)
+            self._check_model(req.model)
+            previous = await self._previous_response(req.previous_response_id, ctx)
+            turn = responses.prepare_turn(req, previous and previous.context, previous and previous.response["output"])
+            messages = turn.messages()
+            self._check_prompt_chars(_messages_chars(messages), "input")
+            prompt_ids = await self._off_loop(_messages_size(messages), partial(
+                oa.encode_chat, self.tokenizer, messages, template_kwargs=turn.plan.template_kwargs))
+            answer = partial(ResponsesFormat, turn=turn, store=self.responses_store, owner=ctx.caller or "")
+            return await self._generate(answer, req.chat_request(messages), prompt_ids, t0, ctx, place,
+                                        route=ResponsesFormat.name, plan=turn.plan)
+
+    async def _previous_response(self, response_id: Optional[str], ctx: RequestContext):
+        if response_id is None:
+            return None
+        if self.responses_store is None:
+            raise oa.invalid_request("previous_response_id needs the responses store, which this server runs "
+                                     "without (responses_store_path is null)", param="previous_response_id",
+                                     code="unsupported_value")
+        found = await self.responses_store.get(ctx.caller or "", response_id)
+        if found is None:
+            raise oa.OpenAIError(f"Previous response with id {response_id!r} not found.", status=404,
+                                 param="previous_response_id", code="previous_response_not_found")
+        return found
+
+    def _stored(self, ctx: RequestContext) -> str:
+        response_id = ctx.params["response_id"]
+        if self.responses_store is None:
+            raise oa.OpenAIError("This server stores no responses (responses_store_path is null)", status=404,
+                                 param="response_id", code="not_found")
+        return response_id
+
+    async def _stored_response(self, request: Request, ctx: RequestContext) -> Response:
+        response_id = self._stored(ctx)
+        found = await self.responses_store.get(ctx.caller or "", response_id)
+        if found is None:
+            raise _response_not_found(response_id)
+        return JSONResponse(found.response)
+
+    async def _delete_response(self, request: Request, ctx: RequestContext) -> Response:
+        response_id = self._stored(ctx)
+        if not await self.responses_store.delete(ctx.caller or "", response_id):
+            raise _response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
     async def _parse(self, cls, body: bytes):
         """`body` as a `cls` request, against this server's `request_limits` (off the loop when
         large: a body of many small messages takes pydantic ~30 us a message)."""
@@ -354,9 +442,13 @@ class OpenAIIngress:
         """The row this request decodes as (its n > 1 choices are copies of it): the caller owns
         it (only its key may cancel it), and its prompt is cached in the caller's partition."""
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        max_tokens, min_tokens = self._max_tokens(req, len(prompt_ids)), getattr(req, "min_tokens", 0)
+        if min_tokens > max_tokens:
+            raise oa.invalid_request(f"min_tokens={min_tokens} is above this request's max_tokens={max_tokens}; "
+                                     f"ask for at most {max_tokens}", param="min_tokens")
         return RowSpec(
             request_id=ctx.rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
-            max_tokens=self._max_tokens(req, len(prompt_ids)),
+            max_tokens=max_tokens, min_tokens=min_tokens,
             sampler=oa.sampler_from_request(req, self.meta["sampler_defaults"], self.meta["vocab_size"]),
             seed=int(seed) % (2 ** 64),
             generation_mode=req.generation_mode or self.default_mode,
@@ -371,8 +463,7 @@ class OpenAIIngress:
         the default that fits."""
         max_context, limit = self.meta["max_context"], self.max_tokens_limit
         if n_prompt >= max_context:
-            raise oa.context_length_exceeded(n_prompt, 1, max_context, param="messages"
-                                             if isinstance(req, oa.ChatCompletionRequest) else "prompt")
+            raise oa.context_length_exceeded(n_prompt, 1, max_context, param=req.prompt_param)
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             return int(min(self.default_max_tokens, max_context - n_prompt, limit or max_context))
@@ -393,9 +484,9 @@ class OpenAIIngress:
     @property
     def request_limits(self) -> RequestLimits:
         """What a request is parsed against: the model's vocabulary and context window (from its
-        files), and the rows one request may ask for."""
+        files), the rows one request may ask for and the tool calls one answer may make."""
         return RequestLimits(vocab_size=self.meta["vocab_size"], max_context=self.meta["max_context"],
-                                max_rows=self.max_choices)
+                             max_rows=self.max_choices, max_tool_calls=self.max_tool_calls)
 
     def _choice_rows(self, req, spec: RowSpec) -> List[RowSpec]:
         """n > 1 (or best_of > 1): rows of one prefill group, row i sampling with seed + i; the
@@ -461,6 +552,13 @@ class OpenAIIngress:
         if name not in self.model_aliases:
             raise oa.model_not_found(name, [self.served_model])
         return JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"])["data"][0])
+
+    async def _openapi(self, request: Request, ctx: RequestContext) -> Response:
+        """Every route and every field this server accepts (mtplx.api.openapi), from its routes."""
+        if self._openapi_doc is None:
+            self._openapi_doc = openapi_document([r.operation() for r in self._router.routes], mtplx.__version__,
+                                                 description="OpenAI- and Anthropic-compatible MTP serving")
+        return JSONResponse(self._openapi_doc)
 
     async def _version(self, request: Request, ctx: RequestContext) -> Response:
         return JSONResponse({"version": mtplx.__version__})
@@ -547,6 +645,12 @@ class OpenAIIngress:
             raise oa.OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
                                  param="request_id", code="request_not_found")
         return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
+
+
+def _response_not_found(response_id: str) -> oa.OpenAIError:
+    """Another key's response is not found either (the store is partitioned by caller)."""
+    return oa.OpenAIError(f"Response with id {response_id!r} not found.", status=404, type="invalid_request_error",
+                          param="response_id", code="response_not_found")
 
 
 def _messages_chars(messages) -> int:

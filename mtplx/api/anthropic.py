@@ -184,7 +184,7 @@ class _MessagesPrompt(limits.BoundedRequest):
         thinking split off and budgeted (mtplx.api.output_plan)."""
         if self._plan is None:
             tools = anthropic_tools(self.tools)
-            choice = anthropic_tool_choice(self.tool_choice, tools)
+            choice = anthropic_tool_choice(self.tool_choice, tools, self._limits.tool_calls)
             thinking, budget = self._thinking()
             if thinking and self.continues_final_message:
                 raise oa.invalid_request("thinking cannot be combined with a final assistant turn (a prefill): the "

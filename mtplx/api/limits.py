@@ -19,18 +19,28 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
 INT32_MAX = 2 ** 31 - 1
+# Tool calls one answer may make when its request allows parallel calls (the app's max_tool_calls):
+# a forced choice's grammar ends the answer after this many, an unforced answer's further calls
+# are dropped (mtplx.api.parsing)
+DEFAULT_MAX_TOOL_CALLS = 16
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """The bounds a request is parsed against (pydantic's validation context): the model's
-    vocabulary (token ids), its context window (token counts: max_tokens, thinking budgets) and the
-    rows one request may ask for (n, best_of: one batch window). None: not bounded by it (the
-    request models are then checked only against the fixed ranges)."""
+    vocabulary (token ids), its context window (token counts: max_tokens, thinking budgets), the
+    rows one request may ask for (n, best_of: one batch window) and the tool calls one answer may
+    make. None: not bounded by it (the request models are then checked only against the fixed
+    ranges; tool calls against DEFAULT_MAX_TOOL_CALLS)."""
 
     vocab_size: Optional[int] = None
     max_context: Optional[int] = None
     max_rows: Optional[int] = None
+    max_tool_calls: Optional[int] = None
+
+    @property
+    def tool_calls(self) -> int:
+        return self.max_tool_calls or DEFAULT_MAX_TOOL_CALLS
 
 
 NO_LIMITS = RequestLimits()

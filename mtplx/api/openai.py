@@ -104,15 +104,14 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class _GenerationFields(BoundedRequest):
-    """Fields shared by chat and completions requests (plus the mtplx extensions). A field this
-    server does not know is refused (as OpenAI does), never silently dropped. Every number has a
-    range, checked here (`RequestLimits`: against the served model where it bounds it)."""
+class SamplingFields(BoundedRequest):
+    """The sampling and text fields every generation route shares (chat, completions, responses):
+    OpenAI's, vLLM's extensions and mtplx's. A field this server does not know is refused (as
+    OpenAI does), never silently dropped. Every number has a range, checked here."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0, strict=True)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0, strict=True)       # 0: the heaviest token only (greedy)
     top_k: Optional[int] = Field(default=None, ge=-1, strict=True)     # -1 / 0: off; >= the vocabulary: off
@@ -120,6 +119,36 @@ class _GenerationFields(BoundedRequest):
     presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, strict=True)
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0, strict=True)
     seed: Optional[int] = Field(default=None, strict=True)
+    # vLLM's text controls (mtplx.api.text): special tokens left out of the text (their default,
+    # true), and whether a decoder may space adjacent special tokens (no effect with fast tokenizers)
+    skip_special_tokens: bool = Field(default=True, strict=True)
+    spaces_between_special_tokens: bool = Field(default=True, strict=True)
+    # mtplx extensions
+    generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
+    omit_speculative_bonus: bool = False
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        return check_top_p(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v):
+        return check_top_k(v)
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v):
+        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
+            raise ValueError("seed must fit in 64 bits")
+        return v
+
+
+class _GenerationFields(SamplingFields):
+    """Fields shared by chat and completions requests (plus the mtplx extensions)."""
+
+    max_tokens: Optional[int] = Field(default=None, ge=1, strict=True)
     stop: Union[str, List[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -132,9 +161,12 @@ class _GenerationFields(BoundedRequest):
     service_tier: Optional[str] = None
     logit_bias: Optional[dict] = None
     # vLLM's sampling extensions: stop_token_ids and ignore_eos act on the row's stop set;
-    # min_tokens and repetition_penalty are accepted only at their no-op values (see checks)
+    # min_tokens holds that set and the stop strings back until the row has that many tokens;
+    # include_stop_str_in_output keeps a matched stop string in the text; repetition_penalty
+    # is accepted only at its no-op value (see checks)
     stop_token_ids: Optional[List[Annotated[int, Field(ge=0, strict=True)]]] = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(default=False, strict=True)
     min_tokens: int = Field(default=0, ge=0, strict=True)
     repetition_penalty: Optional[float] = Field(default=None, gt=0.0, strict=True)
     # structured output (mtplx.api.output_plan): OpenAI's response_format, vLLM's structured_outputs;
@@ -150,9 +182,6 @@ class _GenerationFields(BoundedRequest):
     guided_whitespace_pattern: Optional[Any] = None
     # vLLM's: the prefix cache is partitioned by it (and by the caller's API key)
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=1024)
-    # mtplx extensions
-    generation_mode: Optional[Literal["auto", "mtp", "ar"]] = None
-    omit_speculative_bonus: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -166,27 +195,15 @@ class _GenerationFields(BoundedRequest):
     def _check_max_tokens(cls, v, info: ValidationInfo):
         return check_token_count(v, "max_tokens", request_limits(info))
 
-    @field_validator("top_p")
+    @field_validator("min_tokens")
     @classmethod
-    def _check_top_p(cls, v):
-        return check_top_p(v)
-
-    @field_validator("top_k")
-    @classmethod
-    def _check_top_k(cls, v):
-        return check_top_k(v)
+    def _check_min_tokens(cls, v, info: ValidationInfo):
+        return check_token_count(v, "min_tokens", request_limits(info))
 
     @field_validator("stop_token_ids")
     @classmethod
     def _check_stop_token_ids(cls, v, info: ValidationInfo):
         return v if v is None else check_token_ids(v, "stop_token_ids", request_limits(info))
-
-    @field_validator("seed")
-    @classmethod
-    def _check_seed(cls, v):
-        if v is not None and not (-(2 ** 63) <= v < 2 ** 64):
-            raise ValueError("seed must fit in 64 bits")
-        return v
 
     def common_checks(self) -> None:
         if self.requested_rows > 1:
@@ -197,11 +214,6 @@ class _GenerationFields(BoundedRequest):
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true",
                                   param="stream_options")
-        if self.min_tokens:
-            raise invalid_request(f"min_tokens={shown_value(self.min_tokens)} is not supported: this server cannot keep a row "
-                                  f"from stopping early (it would have to mask the stop tokens for the target "
-                                  f"and the draft alike); send 0 or omit it", param="min_tokens",
-                                  code="unsupported_value")
         if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
             raise invalid_request(f"repetition_penalty={self.repetition_penalty:g} is not supported; use "
                                   f"presence_penalty / frequency_penalty, and send 1.0 or omit it",
@@ -269,6 +281,11 @@ class ChatCompletionRequest(_GenerationFields):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
+    @property
+    def prompt_param(self) -> str:
+        """The field the prompt came from (a context-length error names it)."""
+        return "messages"
+
 
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, List[int], List[str], List[List[int]]]
@@ -324,6 +341,10 @@ class CompletionRequest(_GenerationFields):
     @property
     def max_tokens_param(self) -> str:
         return "max_tokens"
+
+    @property
+    def prompt_param(self) -> str:
+        return "prompt"
 
     def single_prompt(self) -> Union[str, List[int]]:
         p = self.prompt
@@ -413,7 +434,7 @@ def parse_request(cls, raw: bytes, limits: RequestLimits = NO_LIMITS):
     return req
 
 
-def sampler_from_request(req: _GenerationFields, defaults: Optional[dict] = None,
+def sampler_from_request(req: SamplingFields, defaults: Optional[dict] = None,
                          vocab_size: Optional[int] = None) -> SamplerConfig:
     """SamplerConfig from the request; omitted fields take the model's / mtplx defaults. top_p 0
     keeps only the heaviest token: greedy decoding. top_k -1 (vLLM's "off") and, as vLLM reads

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 from mtplx.api import openai as oa
+from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS
 from mtplx.api.tools import ToolChoice, ToolSpec, openai_tool_choice, openai_tools, tool_call_constraint
 from mtplx.structured import (Constraint, ConstraintError, choice_grammar, json_object_grammar, json_schema_grammar,
                               lark_grammar, regex_grammar)
@@ -41,7 +42,9 @@ class OutputPlan:
     reasoning. `tools`: listed in the prompt; `parse_tools`: the answer is read for tool calls.
     `constraint`: the row's (None: free). `param`, `schema`: the field the constraint came from
     and its JSON schema, for errors; `parts`: (constraint, param, schema) of each piece, checked
-    one by one to name the one at fault when the whole does not compile."""
+    one by one to name the one at fault when the whole does not compile. `max_tool_calls`: the
+    calls one answer may make (1 without parallel calls); a forced choice's grammar ends the
+    answer there, the parser drops an unforced answer's further calls."""
 
     thinking: bool = False
     tools: Tuple[ToolSpec, ...] = ()
@@ -50,6 +53,12 @@ class OutputPlan:
     param: Optional[str] = None
     schema: Any = None
     parts: tuple = ()
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS
+
+    @property
+    def tool_names(self) -> Tuple[str, ...]:
+        """The functions the request offered: a call to any other is not returned as a call."""
+        return tuple(t.name for t in self.tools)
 
     @property
     def template_kwargs(self) -> dict:
@@ -149,6 +158,33 @@ def structured_outputs_constraint(so) -> tuple:
                   "regex" if kind == "regex" else "grammar")
 
 
+def text_format_constraint(fmt, param: str = "text.format") -> Optional[tuple]:
+    """The Responses API's `text.format`: {"type": "text"} (None), {"type": "json_object"}, or
+    {"type": "json_schema", "name", "schema", "strict", "description"} (flat, not nested under
+    "json_schema" as chat's response_format is)."""
+    if not isinstance(fmt, dict):
+        raise oa.invalid_request("text.format must be an object with a type", param=param)
+    kind = fmt.get("type")
+    known = {"text": {"type"}, "json_object": {"type"},
+             "json_schema": {"type", "name", "schema", "strict", "description"}}
+    if kind not in known:
+        raise oa.invalid_request(f"text.format type {kind!r} is not supported (text, json_object, json_schema)",
+                                 param=f"{param}.type", code="unsupported_value")
+    extra = sorted(set(fmt) - known[kind])
+    if extra:
+        raise oa.invalid_request(f"Unrecognized text.format field: {extra[0]}", param=f"{param}.{extra[0]}",
+                                 code="unknown_parameter")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _built(lambda _: json_object_grammar(), None, param, "json_object")
+    if "schema" not in fmt:
+        raise oa.invalid_request("text.format of type json_schema needs a schema", param=f"{param}.schema",
+                                 code="missing_required_parameter")
+    schema = _schema_value(fmt["schema"], f"{param}.schema")
+    return _built(json_schema_grammar, schema, f"{param}.schema", "json_schema", schema)
+
+
 ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
@@ -245,12 +281,13 @@ def assemble(thinking: bool, budget: Optional[int], tools: Sequence[ToolSpec], c
         constraint = constraint.with_thinking(THINK_END, budget)
     elif thinking and budget is not None:
         constraint = Constraint(None, "thinking", THINK_END, budget)
-    return OutputPlan(thinking, prompt_tools, bool(prompt_tools), constraint, param, schema, tuple(parts))
+    return OutputPlan(thinking, prompt_tools, bool(prompt_tools), constraint, param, schema, tuple(parts),
+                      choice.calls_allowed if prompt_tools else DEFAULT_MAX_TOOL_CALLS)
 
 
 def for_chat(req: oa.ChatCompletionRequest) -> OutputPlan:
     tools = openai_tools(req.tools)
-    choice = openai_tool_choice(req.tool_choice, tools, req.parallel_tool_calls)
+    choice = openai_tool_choice(req.tool_choice, tools, req.parallel_tool_calls, req._limits.tool_calls)
     thinking, budget = chat_thinking(req)
     return assemble(thinking, budget, tools, choice, structured_constraint(req))
 

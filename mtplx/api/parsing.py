@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from mtplx.api.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, new_call_id
 
@@ -78,16 +78,41 @@ class ReasoningSplitter:
 @dataclass
 class ToolCall:
     id: str
-    name: str
-    arguments: str = ""
-    raw: str = ""               # the block's text as written (an unusable call is returned as content)
+    name: Optional[str]
+    arguments: str = ""         # as written (a cut call's without its closing)
+    raw: str = ""               # the block's text as written
     complete: bool = False      # its arguments ended and are a JSON object
+    truncated: bool = False     # the answer ended inside its arguments
+    closing: str = ""           # what closed a cut call's arguments in the stream (`close_json`)
+    index: Optional[int] = None     # its place among the calls the answer announced (None: never announced)
 
     def finish(self) -> None:
         try:
             self.complete = isinstance(json.loads(self.arguments), dict)
         except (ValueError, RecursionError):     # the model's text: not JSON, or nested past the parser
             self.complete = False
+
+
+# Why a call the model wrote is not returned as a call (`DroppedCall.reason`)
+TRUNCATED = "truncated"                   # the answer ended inside it (its budget ran out, say)
+UNKNOWN_FUNCTION = "unknown_function"     # a function the request did not offer
+OVER_LIMIT = "over_limit"                 # past the calls one answer may make
+INVALID_ARGUMENTS = "invalid_arguments"   # its arguments are not a JSON object
+
+
+@dataclass(frozen=True)
+class DroppedCall:
+    """A call the model wrote that the answer does not return (`mtplx_stats.dropped_tool_calls`):
+    its name (None when cut before it), why, its arguments as far as written, and its index when
+    a stream had announced it (then closed: `close_json`)."""
+
+    name: Optional[str]
+    reason: str
+    arguments: str
+    index: Optional[int] = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "reason": self.reason, "arguments": self.arguments, "index": self.index}
 
 
 class _ValueScanner:
@@ -136,19 +161,127 @@ class _ValueScanner:
         return False
 
 
+# ----------------------------------------------------------------------------------------------
+# Closing a cut JSON value
+
+
+_LITERALS = ("true", "false", "null")
+
+
+class _JsonPrefix:
+    """The state at the end of a JSON text cut anywhere: the open containers, and what the text
+    expects next: "first_key" / "first_value" (just after `{` / `[`), "key" / "value" (after a
+    comma or a colon), "colon" (after a key), "after" (a value ended)."""
+
+    def __init__(self):
+        self.stack: List[str] = []      # "{" / "[" of the open containers
+        self.expect = "value"
+        self.in_string = self.escape = False
+        self.string_is_key = False
+        self.unicode_left = 0           # hex digits a \u escape still needs
+        self.atom = ""                  # a number or literal being written
+
+    def feed(self, text: str) -> "_JsonPrefix":
+        for ch in text:
+            if self.in_string:
+                self._string_char(ch)
+            elif self.atom and (ch.isalnum() or ch in "+-."):
+                self.atom += ch
+            else:
+                self.atom = ""
+                self._structure(ch)
+        return self
+
+    def _string_char(self, ch: str) -> None:
+        if self.unicode_left:
+            self.unicode_left -= 1
+        elif self.escape:
+            self.escape, self.unicode_left = False, 4 if ch == "u" else 0
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            self.expect = "colon" if self.string_is_key else "after"
+
+    def _structure(self, ch: str) -> None:
+        if ch.isspace():
+            return
+        if ch in "{[":
+            self.stack.append(ch)
+            self.expect = "first_key" if ch == "{" else "first_value"
+        elif ch in "}]":
+            if self.stack:
+                self.stack.pop()
+            self.expect = "after"
+        elif ch == '"':
+            self.in_string, self.string_is_key = True, self.expect in ("key", "first_key")
+        elif ch == ":":
+            self.expect = "value"
+        elif ch == ",":
+            self.expect = "key" if self.stack[-1:] == ["{"] else "value"
+        else:
+            self.atom, self.expect = ch, "after"
+
+    def closing(self) -> str:
+        """The shortest text that makes the prefix one complete JSON value."""
+        out = self._close_string() + self._close_atom()
+        out += {"colon": ": null", "value": "null", "key": '"": null'}.get(self.expect, "")
+        return out + "".join("}" if c == "{" else "]" for c in reversed(self.stack))
+
+    def _close_string(self) -> str:
+        if not self.in_string:
+            return ""
+        self.expect = "colon" if self.string_is_key else "after"
+        return "0" * self.unicode_left + ("\\" if self.escape else "") + '"'
+
+    def _close_atom(self) -> str:
+        atom = self.atom
+        if not atom:
+            return ""
+        for literal in _LITERALS:
+            if literal.startswith(atom):
+                return literal[len(atom):]
+        return "0" if atom[-1] in "+-.eE" else ""
+
+
+def close_json(prefix: str) -> str:
+    """What to append to `prefix`, the start of a JSON object cut anywhere (a tool call's
+    arguments when the answer's budget ran out), so that the whole is valid JSON: open strings,
+    numbers and literals finished, a key given a null value, containers closed. An empty prefix
+    becomes "{}"."""
+    if not prefix.strip():
+        return "{}"
+    return _JsonPrefix().feed(prefix).closing()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool calls out of the answer's text
+
+
 class ToolCallParser:
     """Tool-call blocks out of answer text. A block whose header (`{"name": ..., "arguments": `)
     is read starts a call and its arguments stream from then on; a block in another shape is
-    read whole at its `</tool_call>`; a block that is not a call stays content. Whitespace
-    between and after calls is dropped."""
+    read whole at its `</tool_call>`; a closed block that is not a call stays content. Whitespace
+    between and after calls is dropped.
 
-    def __init__(self, new_id: Callable[[], str] = new_call_id):
+    A call is returned only when the request offered its function (`names`; None: any) and the
+    answer has made fewer than `max_calls`; other calls are read silently and dropped (never
+    announced, never content). A call the answer ends inside is dropped too; if it had been
+    announced, `flush` closes its arguments (`close_json`) so that a stream's JSON parses."""
+
+    def __init__(self, new_id: Callable[[], str] = new_call_id, names: Optional[Sequence[str]] = None,
+                 max_calls: Optional[int] = None):
         self.new_id = new_id
-        self.calls: List[ToolCall] = []
+        self.names = None if names is None else frozenset(names)
+        self.max_calls = max_calls
+        self.calls: List[ToolCall] = []          # announced calls
+        self.dropped: List[DroppedCall] = []
         self.mode = "text"           # text | header | args | tail
         self._buf = ""
         self._pending_ws = ""        # whitespace after a call, kept until text follows it
         self._scan: Optional[_ValueScanner] = None
+        self._current: Optional[ToolCall] = None     # the call being read (announced or not)
+        self._refused: Optional[str] = None          # why the current call is read silently
 
     def push(self, text: str) -> list:
         self._buf += text
@@ -163,7 +296,7 @@ class ToolCallParser:
     def _content(self, out: list, text: str) -> None:
         if not text:
             return
-        if self.calls:
+        if self.calls or self.dropped:
             if not text.strip():
                 self._pending_ws += text
                 return
@@ -187,8 +320,8 @@ class ToolCallParser:
                 name = json.loads(m.group(1))
             except ValueError:         # not a JSON string after all: the block is read whole
                 name = None
-            call = self._start(out, name, TOOL_CALL_OPEN + self._buf[:m.end()])
-            if call is not None:
+            if isinstance(name, str):
+                self._start(out, name, TOOL_CALL_OPEN + self._buf[:m.end()])
                 self._buf, self.mode, self._scan = self._buf[m.end():], "args", _ValueScanner()
                 return
         end = self._buf.find(TOOL_CALL_CLOSE)
@@ -196,40 +329,64 @@ class ToolCallParser:
             block, self._buf, self.mode = self._buf[:end], self._buf[end + len(TOOL_CALL_CLOSE):], "text"
             self._whole_block(out, block, closed=True)
 
-    def _start(self, out: list, name, raw: str) -> Optional[ToolCall]:
-        if not isinstance(name, str):
-            return None
-        call = ToolCall(self.new_id(), name, raw=raw)
-        self.calls.append(call)
-        out.append(("call", len(self.calls) - 1, call.id, call.name))
+    def _refusal(self, name: str) -> Optional[str]:
+        if self.names is not None and name not in self.names:
+            return UNKNOWN_FUNCTION
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return OVER_LIMIT
+        return None
+
+    def _start(self, out: list, name: str, raw: str) -> ToolCall:
+        """A call begins: announced (an event) unless refused, then read silently."""
+        self._refused = self._refusal(name)
+        call = self._current = ToolCall("", name, raw=raw)
+        if self._refused is None:
+            call.id, call.index = self.new_id(), len(self.calls)
+            self.calls.append(call)
+            out.append(("call", call.index, call.id, call.name))
         return call
 
+    def _end_call(self) -> None:
+        """The current call's block is over: a refused call is recorded as dropped."""
+        call, self._current = self._current, None
+        if call is not None and self._refused is not None:
+            self.dropped.append(DroppedCall(call.name, self._refused, call.arguments))
+
+    def _args_event(self, out: list, fragment: str) -> None:
+        if self._refused is None and fragment:
+            out.append(("args", self._current.index, fragment))
+
     def _whole_block(self, out: list, block: str, closed: bool) -> None:
-        """A block read whole: a call if it is {"name", "arguments"}, else content."""
+        """A block read whole: a call if it is {"name", "arguments"}, else content (closed) or a
+        cut call (not closed: the answer ended inside it)."""
         raw = TOOL_CALL_OPEN + block + (TOOL_CALL_CLOSE if closed else "")
         try:
             obj = json.loads(block)
         except (ValueError, RecursionError):
             obj = None
         args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        call = self._start(out, obj.get("name"), raw) if isinstance(args, (dict, str)) else None
-        if call is None:
-            self._content(out, raw)
+        name = obj.get("name") if isinstance(obj, dict) else None
+        if not isinstance(args, (dict, str)) or not isinstance(name, str):
+            if closed:
+                self._content(out, raw)
+            else:
+                self.dropped.append(DroppedCall(None, TRUNCATED, block.strip()))
             return
+        call = self._start(out, name, raw)
         call.arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        out.append(("args", len(self.calls) - 1, call.arguments))
+        self._args_event(out, call.arguments)
         call.finish()
+        self._end_call()
 
     def _args(self, out: list) -> None:
-        call = self.calls[-1]
+        call = self._current
         used = self._scan.feed(self._buf)
         piece = self._buf if used < 0 else self._buf[:used]
         self._buf = "" if used < 0 else self._buf[used:]
         fragment = piece.lstrip() if not call.arguments else piece
         call.raw += piece
-        if fragment:
-            call.arguments += fragment
-            out.append(("args", len(self.calls) - 1, fragment))
+        call.arguments += fragment
+        self._args_event(out, fragment)
         if used >= 0:
             self.mode = "tail"
             call.finish()
@@ -238,23 +395,45 @@ class ToolCallParser:
         end = self._buf.find(TOOL_CALL_CLOSE)
         if end < 0:
             return
-        self.calls[-1].raw += self._buf[:end + len(TOOL_CALL_CLOSE)]
+        self._current.raw += self._buf[:end + len(TOOL_CALL_CLOSE)]
         self._buf, self.mode = self._buf[end + len(TOOL_CALL_CLOSE):], "text"
+        self._end_call()
 
-    def flush(self) -> list:
-        """The end of the answer: held text is content, a block cut short stays as far as it got."""
+    def flush(self, cut: bool = False) -> list:
+        """The end of the answer. Held text is content (unless `cut`, the answer's budget ran out,
+        and it is the start of a tool-call marker); a block cut short is dropped, and an announced
+        call cut inside its arguments is closed with one last fragment."""
         out: list = []
         buf, self._buf = self._buf, ""
         if self.mode == "text":
-            self._content(out, buf)
+            if not (cut and buf and TOOL_CALL_OPEN.startswith(buf)):
+                self._content(out, buf)
         elif self.mode == "header":
             self._whole_block(out, buf, closed=False)
-        elif self.calls:
-            self.calls[-1].raw += buf
+        elif self._current is not None:
+            self._current.raw += buf
             if self.mode == "args":
-                self.calls[-1].finish()
+                self._close_cut_call(out)
+            self._end_call()
         self.mode = "text"
         return out
+
+    def _close_cut_call(self, out: list) -> None:
+        call = self._current
+        call.complete, call.truncated = False, True
+        if self._refused is None:
+            call.closing = close_json(call.arguments)
+            self._args_event(out, call.closing)
+
+    def returned(self) -> List[ToolCall]:
+        """The calls an answer returns: announced, complete, arguments a JSON object."""
+        return [c for c in self.calls if c.complete]
+
+    def all_dropped(self) -> List[DroppedCall]:
+        """Every call the answer does not return: those read silently, then the announced ones
+        that were cut or whose arguments are not a JSON object."""
+        return self.dropped + [DroppedCall(c.name, TRUNCATED if c.truncated else INVALID_ARGUMENTS, c.arguments,
+                                           c.index) for c in self.calls if not c.complete]
 
 
 @dataclass
@@ -262,27 +441,39 @@ class ParsedAnswer:
     reasoning: Optional[str]
     content: Optional[str]
     tool_calls: List[ToolCall] = field(default_factory=list)
+    dropped_calls: List[DroppedCall] = field(default_factory=list)
 
 
 class OutputParser:
     """The reasoning splitter (thinking on) feeding the tool-call parser (tools parsed); what
-    neither applies to is content. `result()` after `flush()`: the whole answer, with calls cut
-    short or not a JSON object returned as content instead."""
+    neither applies to is content. `result()` after `flush()`: the whole answer; a call cut
+    short, not a JSON object, of a function not offered (`names`) or past `max_calls` is dropped
+    (`ParsedAnswer.dropped_calls`), never content."""
 
-    def __init__(self, thinking: bool, tools: bool, new_id: Callable[[], str] = new_call_id):
+    def __init__(self, thinking: bool, tools: bool, new_id: Callable[[], str] = new_call_id,
+                 names: Optional[Sequence[str]] = None, max_calls: Optional[int] = None):
         self.splitter = ReasoningSplitter() if thinking else None
-        self.tools = ToolCallParser(new_id) if tools else None
+        self.tools = ToolCallParser(new_id, names, max_calls) if tools else None
         self._reasoning: List[str] = []
         self._content: List[str] = []
+
+    @classmethod
+    def for_plan(cls, plan, new_id: Callable[[], str] = new_call_id) -> Optional["OutputParser"]:
+        """The parser of a request's answer (`mtplx.api.output_plan.OutputPlan`); None when its
+        text is returned as is."""
+        if not plan.parses:
+            return None
+        return cls(plan.thinking, plan.parse_tools, new_id, plan.tool_names, plan.max_tool_calls)
 
     def push(self, text: str) -> list:
         parts = self.splitter.push(text) if self.splitter else [("answer", text)]
         return self._route(parts)
 
-    def flush(self) -> list:
+    def flush(self, cut: bool = False) -> list:
+        """The end of the answer (`cut`: its budget ran out)."""
         events = self._route(self.splitter.flush()) if self.splitter else []
         if self.tools is not None:
-            events += self._record(self.tools.flush())
+            events += self._record(self.tools.flush(cut))
         return events
 
     def _route(self, parts: list) -> list:
@@ -304,10 +495,10 @@ class OutputParser:
                 self._content.append(ev[1])
         return events
 
-    def parse(self, text: str) -> "ParsedAnswer":
+    def parse(self, text: str, cut: bool = False) -> "ParsedAnswer":
         """A whole answer at once (a response that is not streamed)."""
         self.push(text)
-        self.flush()
+        self.flush(cut)
         return self.result()
 
     @property
@@ -315,10 +506,10 @@ class OutputParser:
         return self.tools.calls if self.tools is not None else []
 
     def result(self) -> ParsedAnswer:
-        calls = [c for c in self.calls if c.complete]
-        content = "".join(self._content) + "".join(c.raw for c in self.calls if not c.complete)
+        calls = self.tools.returned() if self.tools is not None else []
+        dropped = self.tools.all_dropped() if self.tools is not None else []
         reasoning = "".join(self._reasoning) if self.splitter is not None else None
-        return ParsedAnswer(reasoning, content, calls)
+        return ParsedAnswer(reasoning, "".join(self._content), calls, dropped)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ class RowSpec:
     omit_speculative_bonus: bool = False
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    min_tokens: int = 0                     # the row's stop tokens are held back until it has this many
     logprobs: Optional[int] = None          # None, or the alternatives per token (0-20)
     prefill_group: Optional[str] = None
     constraint: Optional[Constraint] = None   # structured output: checked at the ingress, enforced per row

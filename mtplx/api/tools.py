@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from mtplx.api import openai as oa
+from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS
 from mtplx.structured import Constraint, ConstraintError, json_schema_grammar, lark_grammar
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -59,15 +60,23 @@ class ToolSpec:
 class ToolChoice:
     """`mode`: "none" (tools left out of the prompt, nothing parsed), "auto" (the answer is parsed
     for calls), "required" (at least one call, forced by a grammar) or "named" (a call of `name`,
-    forced). `parallel`: several calls allowed."""
+    forced). `parallel`: several calls allowed, at most `max_calls` (the server's bound, or the
+    request's own below it)."""
 
     mode: str = "auto"
     name: Optional[str] = None
     parallel: bool = True
+    max_calls: int = DEFAULT_MAX_TOOL_CALLS
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "named")
+
+    @property
+    def calls_allowed(self) -> int:
+        """The most calls one answer may make: a forced choice's grammar ends the answer there, an
+        unforced answer's further calls are dropped."""
+        return self.max_calls if self.parallel else 1
 
 
 def _check_name(name, param: str, seen: set) -> str:
@@ -123,34 +132,84 @@ def openai_tools(raw) -> List[ToolSpec]:
         extra = sorted(set(fn) - _OPENAI_FUNCTION_KEYS)
         if extra:
             raise oa.invalid_request(f"Unrecognized function field: {extra[0]}", param=f"{where}.function.{extra[0]}")
-        name = _check_name(fn.get("name"), f"{where}.function.name", seen)
-        description = fn.get("description")
-        if description is not None and not isinstance(description, str):
-            raise oa.invalid_request("a tool's description must be a string", param=f"{where}.function.description")
-        params = _check_schema(fn.get("parameters"), f"{where}.function.parameters")
-        out.append(ToolSpec(name, description, params, f"{where}.function.parameters"))
+        out.append(_function_spec(fn, f"{where}.function", seen))
     return out
 
 
-def openai_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[bool]) -> ToolChoice:
+def _function_spec(fn: dict, where: str, seen: set) -> ToolSpec:
+    """A function tool's name, description and parameters schema (`where`: the path of the object
+    that holds them: chat's `function`, the Responses API's tool itself)."""
+    name = _check_name(fn.get("name"), f"{where}.name", seen)
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise oa.invalid_request("a tool's description must be a string", param=f"{where}.description")
+    params = _check_schema(fn.get("parameters"), f"{where}.parameters")
+    return ToolSpec(name, description, params, f"{where}.parameters")
+
+
+def _mode_choice(raw: str, tools: Sequence[ToolSpec], parallel: bool, max_calls: int) -> ToolChoice:
+    """A tool_choice given as a string (OpenAI's chat and Responses alike)."""
+    if raw not in ("none", "auto", "required"):
+        raise oa.invalid_request(f"tool_choice {raw!r} is not one of 'none', 'auto', 'required' or a named "
+                                 f"function", param="tool_choice")
+    if raw == "required" and not tools:
+        raise oa.invalid_request("tool_choice 'required' needs tools", param="tool_choice")
+    return ToolChoice(raw if tools else "none", parallel=parallel, max_calls=max_calls)
+
+
+def openai_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[bool],
+                       max_calls: int = DEFAULT_MAX_TOOL_CALLS) -> ToolChoice:
     """OpenAI's `tool_choice`: "none", "auto" (the default with tools), "required", or
-    {"type": "function", "function": {"name"}}; `parallel_tool_calls` (default true)."""
+    {"type": "function", "function": {"name"}}; `parallel_tool_calls` (default true), at most
+    `max_calls` calls an answer."""
     parallel = True if parallel is None else bool(parallel)
     if raw is None:
-        return ToolChoice("auto" if tools else "none", parallel=parallel)
+        return ToolChoice("auto" if tools else "none", parallel=parallel, max_calls=max_calls)
     if isinstance(raw, str):
-        if raw not in ("none", "auto", "required"):
-            raise oa.invalid_request(f"tool_choice {raw!r} is not one of 'none', 'auto', 'required' or a named "
-                                     f"function", param="tool_choice")
-        if raw == "required" and not tools:
-            raise oa.invalid_request("tool_choice 'required' needs tools", param="tool_choice")
-        return ToolChoice(raw if tools else "none", parallel=parallel)
+        return _mode_choice(raw, tools, parallel, max_calls)
     fn = raw.get("function") if isinstance(raw, dict) and raw.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise oa.invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                                  "\"function\": {\"name\": ...}}", param="tool_choice")
-    return ToolChoice("named", _known(name, tools, "tool_choice"), parallel)
+    return ToolChoice("named", _known(name, tools, "tool_choice"), parallel, max_calls)
+
+
+_RESPONSES_FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict"}
+
+
+def responses_tools(raw) -> List[ToolSpec]:
+    """The Responses API's `tools`: function tools, flat ({"type": "function", "name",
+    "description", "parameters", "strict"}); built-in tools (web search, file search, ...) are
+    refused by name."""
+    out, seen = [], set()
+    for i, tool in enumerate(_check_list(raw, "tools")):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise oa.invalid_request("a tool must be an object", param=where)
+        if tool.get("type") != "function":
+            raise oa.invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
+                                     param=f"{where}.type", code="unsupported_value")
+        extra = sorted(set(tool) - _RESPONSES_FUNCTION_KEYS)
+        if extra:
+            raise oa.invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
+        out.append(_function_spec(tool, where, seen))
+    return out
+
+
+def responses_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[bool], max_calls: int) -> ToolChoice:
+    """The Responses API's `tool_choice`: "none", "auto" (the default with tools), "required", or
+    {"type": "function", "name"}; `parallel_tool_calls` (default true)."""
+    parallel = True if parallel is None else bool(parallel)
+    if raw is None:
+        return ToolChoice("auto" if tools else "none", parallel=parallel, max_calls=max_calls)
+    if isinstance(raw, str):
+        return _mode_choice(raw, tools, parallel, max_calls)
+    if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("name"), str) \
+            or set(raw) - {"type", "name"}:
+        raise oa.invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                                 "\"name\": ...} (function tools only)", param="tool_choice")
+    return ToolChoice("named", _known(raw["name"], tools, "tool_choice.name"), parallel, max_calls)
 
 
 def _known(name: str, tools: Sequence[ToolSpec], param: str) -> str:
@@ -190,11 +249,11 @@ def anthropic_tools(raw) -> List[ToolSpec]:
     return out
 
 
-def anthropic_tool_choice(raw, tools: Sequence[ToolSpec]) -> ToolChoice:
+def anthropic_tool_choice(raw, tools: Sequence[ToolSpec], max_calls: int = DEFAULT_MAX_TOOL_CALLS) -> ToolChoice:
     """Anthropic's `tool_choice`: {"type": "auto" | "any" | "tool" (with "name") | "none",
-    "disable_parallel_tool_use": bool}."""
+    "disable_parallel_tool_use": bool}; at most `max_calls` calls an answer."""
     if raw is None:
-        return ToolChoice("auto" if tools else "none")
+        return ToolChoice("auto" if tools else "none", max_calls=max_calls)
     if not isinstance(raw, dict):
         raise oa.invalid_request("tool_choice must be an object with a type", param="tool_choice")
     kind, parallel = raw.get("type"), not raw.get("disable_parallel_tool_use", False)
@@ -209,9 +268,9 @@ def anthropic_tool_choice(raw, tools: Sequence[ToolSpec]) -> ToolChoice:
     if kind == "tool":
         if not isinstance(raw.get("name"), str):
             raise oa.invalid_request("tool_choice of type 'tool' needs a name", param="tool_choice.name")
-        return ToolChoice("named", _known(raw["name"], tools, "tool_choice.name"), parallel)
+        return ToolChoice("named", _known(raw["name"], tools, "tool_choice.name"), parallel, max_calls)
     mode = {"auto": "auto", "any": "required", "none": "none"}[kind]
-    return ToolChoice(mode if tools else "none", parallel=parallel)
+    return ToolChoice(mode if tools else "none", parallel=parallel, max_calls=max_calls)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,11 +303,11 @@ def call_schema(tools: Sequence[ToolSpec]) -> dict:
     return {**schema, "$defs": defs, "x-guidance": CALL_JSON_STYLE}
 
 
-def tool_call_lark(tools: Sequence[ToolSpec], parallel: bool, after_thinking: bool = False) -> str:
-    """The Lark grammar of a forced answer: one tool-call block, or several separated by a
-    newline when `parallel`. After a thinking section the answer may open with up to two
-    newlines (as the template writes `</think>\\n\\n`)."""
-    calls = 'call ("\\n" call)*' if parallel else "call"
+def tool_call_lark(tools: Sequence[ToolSpec], max_calls: int, after_thinking: bool = False) -> str:
+    """The Lark grammar of a forced answer: one tool-call block, or up to `max_calls` of them
+    separated by a newline (the grammar, and so the answer, ends after the last). After a thinking
+    section the answer may open with up to two newlines (as the template writes `</think>\\n\\n`)."""
+    calls = f'call ("\\n" call){{0,{max_calls - 1}}}' if max_calls > 1 else "call"
     lead = '"\\n"{0,2} ' if after_thinking else ""
     return (f"start: {lead}{calls}\n"
             f'call: "{TOOL_CALL_OPEN}\\n" body "\\n{TOOL_CALL_CLOSE}"\n'
@@ -271,7 +330,7 @@ def tool_call_constraint(tools: Sequence[ToolSpec], choice: ToolChoice, after_th
             raise oa.invalid_request(f"json_schema cannot be enforced: {exc}", param=tool.param,
                                      code="invalid_schema") from None
     try:
-        grammar = lark_grammar(tool_call_lark(allowed, choice.parallel, after_thinking))
+        grammar = lark_grammar(tool_call_lark(allowed, choice.calls_allowed, after_thinking))
     except Exception as exc:
         raise oa.invalid_request(f"the tool-call grammar cannot be built: {exc}", param="tools") from None
     return Constraint(grammar, "tool_call"), parts

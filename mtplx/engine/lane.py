@@ -216,7 +216,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         validate_request(self.model, req)
         prior = draft_acceptance_prior(self.model) if req.speculative and req.adaptive else ROW_ACCEPT_PRIOR
         row = LaneRow(req, self.model.vocab_size, prior, self.repetition_limits,
-                      self._grammar_tokenizer() if req.constraint is not None else None)
+                      self._grammar_tokenizer() if req.constraint is not None and req.constraint.reads_text else None)
         if not row.greedy:
             row.chain_depth = self._checked_depth(req)
         self.waiting.append(row)

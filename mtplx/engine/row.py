@@ -271,6 +271,8 @@ class LaneRow:
         if self.grammar is not None:
             for t in at.tokens:
                 self.grammar.consume(t)
+            if self.grammar.spent:
+                self.grammar = None
 
     @property
     def prefill_ids(self) -> tuple:
@@ -406,6 +408,8 @@ class LaneRow:
             return True
         if self.grammar is not None:
             self.grammar.consume(token)
+            if self.grammar.spent:
+                self.grammar = None
         if token in self.req.stop_token_ids or (self.grammar is not None and self.grammar.ended):
             self.finish("stop")
         elif len(r.tokens) >= self.req.max_tokens:
