@@ -298,29 +298,29 @@ def _run_phases(cluster, workers, report: dict, only, t0: float) -> None:
             t = time.time()
             report[name] = fn()
             report["phases_s"][name] = round(time.time() - t, 1)
+            checks[name] = PHASE_CHECKS[name](report[name])
 
     phase("spread", lambda: _spread_report(app, cluster, workers))
-    if "spread" in report:
-        checks["spread"] = _spread_ok(report["spread"])
     phase("affinity", lambda: asyncio.run(_affinity(app)))
-    if "affinity" in report:
-        checks["affinity"] = _affinity_ok(report["affinity"])
     refs = asyncio.run(_references(app)) if set(only) & {"scale_down", "rolling_update", "kill"} else {}
     report["references"] = {i: (t or "")[:40] for i, t in refs.items()}
     phase("scale_down", lambda: _config_update(app, refs, {"num_replicas": 1}))
-    if "scale_down" in report:
-        r = report["scale_down"]
-        checks["scale_down"] = not r["problems"] and len(r["after"]) == 1 and r["rows_moved"] >= 1
     phase("rolling_update", lambda: _config_update(app, refs, {"num_replicas": 2, "revision": "2"}))
-    if "rolling_update" in report:
-        r = report["rolling_update"]
-        checks["rolling_update"] = (not r["problems"] and len(r["after"]) == 2 and not set(r["after"]) & set(r["before"])
-                                    and r["ingress_before"] == r["ingress_after"])
     phase("kill", lambda: _under_load(app, refs, lambda: _kill_busiest(app), once=True))
-    if "kill" in report:
-        r = report["kill"]
-        checks["kill"] = not r["problems"] and r["rows_moved"] >= 1 and r["row_moves_failed"] == 0
     report["ingress"] = app.ingress()
+
+
+def _scale_down_ok(r: dict) -> bool:
+    return not r["problems"] and len(r["after"]) == 1 and r["rows_moved"] >= 1
+
+
+def _rolling_update_ok(r: dict) -> bool:
+    return (not r["problems"] and len(r["after"]) == 2 and not set(r["after"]) & set(r["before"])
+            and r["ingress_before"] == r["ingress_after"])
+
+
+def _kill_ok(r: dict) -> bool:
+    return not r["problems"] and r["rows_moved"] >= 1 and r["row_moves_failed"] == 0
 
 
 def _deploy_config(serve, changes: dict, timeout_s: float = 600.0) -> None:
@@ -387,6 +387,10 @@ def _spread_ok(r: dict) -> bool:
     return (not r["errors"] and len(r["plain_replicas"]) == 2 and len(r["session_replicas"]) == 2
             and len(set(r["replica_nodes"].values())) == 2 and r["replicas_on_mlx_nodes"]
             and all(is_loopback(a) for a in r["node_addresses"]) and is_loopback(r["gcs_address"].rsplit(":", 1)[0]))
+
+
+PHASE_CHECKS = {"spread": _spread_ok, "affinity": _affinity_ok, "scale_down": _scale_down_ok,
+                "rolling_update": _rolling_update_ok, "kill": _kill_ok}
 
 
 def _ray_on_loopback():

@@ -178,26 +178,8 @@ class ReplicaDispatcher:
         _count(self._stats["cohort_size_histogram"], len(rows))
         self._metric("cohorts")
         self._metric("cohort_size", len(rows))
-        avoid: List[str] = []
-        deadline: Optional[float] = None
-        todo, moves = rows, 0
         try:
-            while todo:
-                failed = await self._call(todo, queue, target, avoid, deadline)
-                moving = [r for r in todo if r.move and not r.done]
-                if not moving:
-                    break
-                moves += 1
-                if failed is not None:
-                    avoid.append(failed)
-                deadline = deadline or time.monotonic() + self.failover_timeout_s
-                if moves > MAX_MOVES or time.monotonic() >= deadline:
-                    self._moved(moving, "failed")
-                    break
-                self._moved(moving, "resumed")
-                if failed is None:          # which replica failed is unknown: give Serve a moment
-                    await asyncio.sleep(0.5)
-                todo, target = moving, None
+            await self._call_until_done(rows, queue, target)
         except asyncio.CancelledError:
             for r in rows:
                 r.error = r.error or _SHUTTING_DOWN
@@ -208,6 +190,29 @@ class ReplicaDispatcher:
                 if not r.done:
                     self._unplace(r)
                     queue.put_nowait((r.slot, ("error", r.error or (_REPLICA_FAILED if r.move else _NO_RESULT))))
+
+    async def _call_until_done(self, rows: List[_Row], queue: asyncio.Queue, target: Optional[str]) -> None:
+        """Call again with the rows that must move, away from the replicas that failed them, while
+        moves and the failover time last."""
+        avoid: List[str] = []
+        deadline: Optional[float] = None
+        todo, moves = rows, 0
+        while todo:
+            failed = await self._call(todo, queue, target, avoid, deadline)
+            moving = [r for r in todo if r.move and not r.done]
+            if not moving:
+                return
+            moves += 1
+            if failed is not None:
+                avoid.append(failed)
+            deadline = deadline or time.monotonic() + self.failover_timeout_s
+            if moves > MAX_MOVES or time.monotonic() >= deadline:
+                self._moved(moving, "failed")
+                return
+            self._moved(moving, "resumed")
+            if failed is None:          # which replica failed is unknown: give Serve a moment
+                await asyncio.sleep(0.5)
+            todo, target = moving, None
 
     def _moved(self, rows: List[_Row], outcome: str) -> None:
         key = "rows_moved" if outcome == "resumed" else "row_moves_failed"
@@ -227,13 +232,8 @@ class ReplicaDispatcher:
         routed to the rows' slots. A call that failed marks its open rows to move (a replica that
         shut down under a row says so in the row's final); returns the replica they leave. A
         call with a `deadline` (rows moving) fails when no replica takes it by then."""
-        kwargs: Dict[str, Any] = {"cache_seen": self.policy.index.seqs()}
-        if target is not None:
-            kwargs[PIN_KWARG] = target
-        if avoid:
-            kwargs[AVOID_KWARG] = list(avoid)
         replica: List[Optional[str]] = [None]
-        stream = self._replica_stream.run_cohort.remote([r.spec() for r in rows], **kwargs)
+        stream = self._replica_stream.run_cohort.remote([r.spec() for r in rows], **self._call_kwargs(target, avoid))
         try:
             if deadline is not None:      # the first message says a replica took the rows
                 first = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
@@ -242,24 +242,39 @@ class ReplicaDispatcher:
                 self._route_message(msg, rows, replica, queue)
         except StopAsyncIteration:
             pass
-        except asyncio.CancelledError:
-            raise
         except BackPressureError as exc:
-            log.warning("mtplx ingress: replica queue full for rows %s: %s", [r.pending.request_id for r in rows], exc)
-            for r in rows:
-                r.error = r.error or {"kind": "overloaded", "retry_after_s": self.retry_after_s,
-                                      "message": "The model replicas' queues are full; retry later"}
+            self._overloaded(rows, exc)
         except Exception as exc:     # the replica died or left (a timeout: no replica took the rows)
-            log.warning("mtplx ingress: the cohort call of rows %s on replica %s failed: %s: %s",
-                        [r.pending.request_id for r in rows], replica[0] or target, type(exc).__name__, exc)
             stream.cancel()
-            self._stats["replica_failures"] += 1
-            for r in rows:
-                if not r.done:
-                    self._unplace(r)
-                    r.move = not r.pending.ended_early
-                    r.error = None if r.move else _REPLICA_FAILED
+            self._lost(rows, replica[0] or target, exc)
         return (replica[0] or target) if any(r.move for r in rows) else None
+
+    def _call_kwargs(self, target: Optional[str], avoid: List[str]) -> Dict[str, Any]:
+        """A cohort call's keywords: how far this ingress has read each replica's prefix-cache
+        events, and the router's pin and replicas to avoid."""
+        kwargs: Dict[str, Any] = {"cache_seen": self.policy.index.seqs()}
+        if target is not None:
+            kwargs[PIN_KWARG] = target
+        if avoid:
+            kwargs[AVOID_KWARG] = list(avoid)
+        return kwargs
+
+    def _overloaded(self, rows: List[_Row], exc: Exception) -> None:
+        log.warning("mtplx ingress: replica queue full for rows %s: %s", [r.pending.request_id for r in rows], exc)
+        for r in rows:
+            r.error = r.error or {"kind": "overloaded", "retry_after_s": self.retry_after_s,
+                                  "message": "The model replicas' queues are full; retry later"}
+
+    def _lost(self, rows: List[_Row], replica: Optional[str], exc: Exception) -> None:
+        """The call's replica went away: its open rows move, unless their client left."""
+        log.warning("mtplx ingress: the cohort call of rows %s on replica %s failed: %s: %s",
+                    [r.pending.request_id for r in rows], replica, type(exc).__name__, exc)
+        self._stats["replica_failures"] += 1
+        for r in rows:
+            if not r.done:
+                self._unplace(r)
+                r.move = not r.pending.ended_early
+                r.error = None if r.move else _REPLICA_FAILED
 
     def _route_message(self, msg: dict, rows: List[_Row], replica: list, queue: asyncio.Queue) -> None:
         """One message of a cohort stream: {"replica": id} first, then tokens ("t", with "lp" when
