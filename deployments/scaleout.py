@@ -35,6 +35,7 @@ never points another `serve run` or `ray.init()` on this machine at this cluster
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -74,9 +75,11 @@ TURNS = ["Review this function:\n" + "def area(r):\n    return 3.14159 * r * r\n
 
 async def stream_chat(client, body: dict, headers: Optional[dict] = None, on_text=None) -> dict:
     """One streamed chat completion: its text, finish reason, usage, stats (replica, cached
-    tokens), time to first text, and an error if one came (status or SSE error event).
+    tokens), time to first text, the longest pause between pieces of text, and an error if one
+    came (status or SSE error event).
     `on_text()`: called at its first text."""
-    out = {"text": "", "finish_reason": None, "usage": None, "stats": None, "error": None, "ttft_s": None}
+    out = {"text": "", "finish_reason": None, "usage": None, "stats": None, "error": None, "ttft_s": None,
+           "max_gap_s": 0.0, "last_text_s": None}
     body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, **body}
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers or {}) as resp:
@@ -97,10 +100,14 @@ def _read_chunk(obj: dict, out: dict, t0: float, on_text) -> None:
     for choice in obj.get("choices") or ():
         piece = (choice.get("delta") or {}).get("content")
         if piece:
+            now = time.perf_counter() - t0
             if out["ttft_s"] is None:
-                out["ttft_s"] = time.perf_counter() - t0
+                out["ttft_s"] = now
                 if on_text is not None:
                     on_text()
+            else:        # the longest pause between two pieces of text (a row moving shows here)
+                out["max_gap_s"] = max(out["max_gap_s"], now - out["last_text_s"])
+            out["last_text_s"] = now
             out["text"] += piece
         out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
     out["usage"] = obj.get("usage") or out["usage"]
@@ -129,11 +136,16 @@ def _check_load_result(i: int, res: dict, refs: Dict[int, str]) -> Optional[str]
 
 
 class App:
-    """The app under test, from this driver: its base URL, its snapshot, a redeploy."""
+    """The app on a loopback cluster, from this driver: its base URL, its snapshot, a redeploy
+    (`deploy`: the MTPReplica deployment's replicas and revision, the app's args over `APP_ARGS`)."""
 
-    def __init__(self, base: str, deploy: Callable[[dict], None]):
+    def __init__(self, base: str, cluster, workers: list):
         self.base = base
-        self.deploy = deploy
+        self.cluster = cluster
+        self.workers = workers
+
+    def deploy(self, num_replicas: int = 2, revision: str = "1", **args) -> None:
+        _deploy_config(num_replicas, revision, {**APP_ARGS, **args})
 
     def snapshot(self) -> dict:
         import httpx
@@ -200,7 +212,7 @@ def _affinity_ok(r: dict) -> bool:
     return kept(r["session"]) and kept(r["prefix"]) and r["routing"]["decisions"].get("prefix", 0) >= 2
 
 
-async def _references(app: App) -> Dict[int, str]:
+async def references(app: App) -> Dict[int, str]:
     """Each deterministic loaded request's text, alone."""
     import httpx
 
@@ -215,7 +227,9 @@ async def _references(app: App) -> Dict[int, str]:
 
 async def _closed_loops(app: App, refs: Dict[int, str], until: threading.Event, streaming: threading.Event) -> dict:
     """The eight loaded requests, each in a closed loop until `until` is set (each loop ends with
-    the request it has in flight); `streaming` is set once every loop's first request streams."""
+    the request it has in flight); `streaming` is set once every loop's first request streams.
+    Returns the problems (`_check_load_result`), how many deterministic texts equal their text
+    alone, the completion tokens against those asked for, and the longest pause in a stream."""
     import httpx
 
     results: List[tuple] = []
@@ -237,10 +251,15 @@ async def _closed_loops(app: App, refs: Dict[int, str], until: threading.Event, 
         await asyncio.gather(*[loop(client, i) for i in range(len(LOAD))])
     streaming.set()
     problems = [p for i, res in results if (p := _check_load_result(i, res, refs)) is not None]
-    return {"requests": len(results), "problems": problems}
+    deterministic = [(i, res) for i, res in results if LOAD[i][2]]
+    return {"requests": len(results), "problems": problems, "deterministic": len(deterministic),
+            "identical": sum(res["text"] == refs.get(i) for i, res in deterministic),
+            "completion_tokens": sum((res["usage"] or {}).get("completion_tokens") or 0 for _, res in results),
+            "expected_tokens": LOAD_TOKENS * len(results),
+            "longest_pause_s": max((res["max_gap_s"] for _, res in results), default=0.0)}
 
 
-def _under_load(app: App, refs: Dict[int, str], disrupt: Callable[[], dict], once: bool = False) -> dict:
+def under_load(app: App, refs: Dict[int, str], disrupt: Callable[[], dict], once: bool = False) -> dict:
     """The closed loops, `disrupt()` once every first request streams, then the loops' last
     requests (`once`: each loop sends one request only)."""
     until, streaming, out = threading.Event(), threading.Event(), {}
@@ -261,7 +280,7 @@ def _under_load(app: App, refs: Dict[int, str], disrupt: Callable[[], dict], onc
     return out
 
 
-def _kill_busiest(app: App) -> dict:
+def kill_busiest(app: App) -> dict:
     """kill -9 the process of the replica holding the most of this ingress's rows."""
     replicas = app.replicas()
     in_flight = app.ingress()["routing"]["rows_in_flight"]
@@ -277,19 +296,8 @@ def _ingress_actors() -> list:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "OpenAIIngress" in a["name"])
 
 
-def _run_phases(cluster, workers, report: dict, only, t0: float) -> None:
-    import ray
-    from ray import serve
-
-    ray.init(address=cluster.address, log_to_driver=False, namespace="mtplx-scaleout")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-
-    def deploy(changes: dict) -> None:
-        _deploy_config(serve, changes)
-
-    deploy({"num_replicas": 2})
-    app = App(f"http://127.0.0.1:{port}", deploy)
+def _run_phases(app: App, report: dict, only, t0: float) -> None:
+    app.deploy(num_replicas=2)
     report["startup_s"] = time.time() - t0
     checks = report["checks"]
 
@@ -300,13 +308,13 @@ def _run_phases(cluster, workers, report: dict, only, t0: float) -> None:
             report["phases_s"][name] = round(time.time() - t, 1)
             checks[name] = PHASE_CHECKS[name](report[name])
 
-    phase("spread", lambda: _spread_report(app, cluster, workers))
+    phase("spread", lambda: _spread_report(app))
     phase("affinity", lambda: asyncio.run(_affinity(app)))
-    refs = asyncio.run(_references(app)) if set(only) & {"scale_down", "rolling_update", "kill"} else {}
+    refs = asyncio.run(references(app)) if set(only) & {"scale_down", "rolling_update", "kill"} else {}
     report["references"] = {i: (t or "")[:40] for i, t in refs.items()}
-    phase("scale_down", lambda: _config_update(app, refs, {"num_replicas": 1}))
-    phase("rolling_update", lambda: _config_update(app, refs, {"num_replicas": 2, "revision": "2"}))
-    phase("kill", lambda: _under_load(app, refs, lambda: _kill_busiest(app), once=True))
+    phase("scale_down", lambda: _config_update(app, refs, {"num_replicas": 1}, replicas=1))
+    phase("rolling_update", lambda: _config_update(app, refs, {"num_replicas": 2, "revision": "2"}, replicas=2))
+    phase("kill", lambda: under_load(app, refs, lambda: kill_busiest(app), once=True))
     report["ingress"] = app.ingress()
 
 
@@ -323,18 +331,20 @@ def _kill_ok(r: dict) -> bool:
     return not r["problems"] and r["rows_moved"] >= 1 and r["row_moves_failed"] == 0
 
 
-def _deploy_config(serve, changes: dict, timeout_s: float = 600.0) -> None:
-    """Deploy the app's config with these changes to the MTPReplica deployment's options
-    (`num_replicas`; `revision`: an environment variable of its actors, so a new value replaces
-    every replica), as `serve deploy` does; wait until it runs."""
+def _deploy_config(num_replicas: int, revision: str, args: dict, timeout_s: float = 600.0) -> None:
+    """Deploy the app with these args, `num_replicas` MTPReplicas and `revision` (an environment
+    variable of their actors: a new value replaces every replica), as `serve deploy` of a config
+    file does; wait until it runs. Options of one deployment change that deployment alone; a
+    change of `args` redeploys every deployment, the ingress too."""
+    from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    actor = {"num_cpus": APP_ARGS["replica_num_cpus"], "num_gpus": 0, "resources": APP_ARGS["replica_resources"],
-             "runtime_env": {"env_vars": {"MTPLX_SCALEOUT_REVISION": changes.get("revision", "1")}}}
+    actor = {"num_cpus": args["replica_num_cpus"], "num_gpus": 0, "resources": args["replica_resources"],
+             "runtime_env": {"env_vars": {"MTPLX_SCALEOUT_REVISION": revision}}}
     config = {"applications": [{
-        "name": "mtplx", "route_prefix": "/", "import_path": "deployments:build_app", "args": APP_ARGS,
-        "deployments": [{"name": "MTPReplica", "num_replicas": changes["num_replicas"], "ray_actor_options": actor}]}]}
+        "name": "mtplx", "route_prefix": "/", "import_path": "deployments:build_app", "args": args,
+        "deployments": [{"name": "MTPReplica", "num_replicas": num_replicas, "ray_actor_options": actor}]}]}
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
     deadline = time.time() + timeout_s
     time.sleep(1.0)
@@ -347,38 +357,39 @@ def _deploy_config(serve, changes: dict, timeout_s: float = 600.0) -> None:
     raise TimeoutError(f"the app did not run within {timeout_s:g} s: {serve.status()}")
 
 
-def _config_update(app: App, refs: Dict[int, str], changes: dict) -> dict:
-    """A config update under load: the replicas before and after, the ingress actor unchanged."""
+def _config_update(app: App, refs: Dict[int, str], changes: dict, replicas: int) -> dict:
+    """A config update under load, until `replicas` replicas serve (and, with a new revision, none
+    of the old ones): the replicas before and after, the ingress actor unchanged."""
     before, ingress_before = sorted(app.replicas()), _ingress_actors()
 
     def update() -> dict:
         in_flight = app.ingress()["routing"]["rows_in_flight"]
-        app.deploy(changes)
+        app.deploy(**changes)
         replaced = "revision" in changes
         deadline = time.time() + 600
         while time.time() < deadline:      # until the replicas are the new set, the old ones gone
             now = app.replicas()
-            if len(now) == changes["num_replicas"] and not (replaced and set(now) & set(before)):
+            if len(now) == replicas and not (replaced and set(now) & set(before)):
                 break
             time.sleep(0.5)
         return {"rows_in_flight_before": in_flight}
 
-    out = _under_load(app, refs, update)
+    out = under_load(app, refs, update)
     out.update(before=before, after=sorted(app.replicas()), ingress_before=ingress_before,
                ingress_after=_ingress_actors())
     return out
 
 
-def _spread_report(app: App, cluster, workers) -> dict:
+def _spread_report(app: App) -> dict:
     import ray
 
     out = asyncio.run(_spread(app))
     replicas = app.replicas()
-    mlx_nodes = {w.node_id for w in workers}
+    mlx_nodes = {w.node_id for w in app.workers}
     out.update({"replica_nodes": {rid: s.get("node_id") for rid, s in replicas.items()},
                 "replicas_on_mlx_nodes": all(s.get("node_id") in mlx_nodes for s in replicas.values()),
                 "node_addresses": sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}),
-                "gcs_address": cluster.address})
+                "gcs_address": app.cluster.address})
     return out
 
 
@@ -407,29 +418,45 @@ def _ray_on_loopback():
     return ray
 
 
-def run(only=PHASES) -> dict:
+@contextlib.contextmanager
+def loopback_cluster(mlx_nodes: int = 2):
+    """A Ray cluster on this machine: a head node with no "mlx" resource and `mlx_nodes` worker
+    nodes with {"mlx": 1} each, every node on loopback, Ray's files in a temporary folder of its
+    own, Serve's HTTP on a free port; yields the `App` (not deployed yet). Everything it started
+    is shut down on exit."""
     ray = _ray_on_loopback()
     from ray import serve
     from ray.cluster_utils import Cluster
 
     ray_tmp = tempfile.mkdtemp(prefix="mtplx-so-", dir="/tmp")     # short: Ray's socket paths
     os.environ["RAY_TMPDIR"] = ray_tmp
-    t0 = time.time()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=1, resources={"mlx": 1}) for _ in range(2)]
-    report: dict = {"ok": False, "checks": {}, "phases_s": {}}
     try:
+        workers = [cluster.add_node(num_cpus=1, resources={"mlx": 1}) for _ in range(mlx_nodes)]
         cluster.wait_for_nodes()
-        _run_phases(cluster, workers, report, only, t0)
-        report["ok"] = bool(report["checks"]) and all(report["checks"].values())
+        ray.init(address=cluster.address, log_to_driver=False, namespace="mtplx-scaleout")
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield App(f"http://127.0.0.1:{port}", cluster, workers)
     finally:
-        report["elapsed_s"] = round(time.time() - t0, 1)
         try:
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
         finally:
             ray.shutdown()
             cluster.shutdown()
             shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def run(only=PHASES) -> dict:
+    t0 = time.time()
+    report: dict = {"ok": False, "checks": {}, "phases_s": {}}
+    try:
+        with loopback_cluster() as app:
+            _run_phases(app, report, only, t0)
+        report["ok"] = bool(report["checks"]) and all(report["checks"].values())
+    finally:
+        report["elapsed_s"] = round(time.time() - t0, 1)
     return report
 
 

@@ -881,7 +881,7 @@ def test_rows_of_a_killed_replica_resume_on_its_replacement(serve_app, http, ref
     body = {"model": "mtplx-tiny-py", "prompt": PROMPTS[5], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
     ids = ref_model.tokenizer.encode(PROMPTS[5], add_special_tokens=False)
-    text = ref_model.tokenizer.decode(greedy_ar(ref_model, ids, max_tokens))
+    text = ref_model.tokenizer.decode(greedy_ar(ref_model, ids, max_tokens), skip_special_tokens=True)
 
     def streamer():
         pieces, events = [], 0

@@ -162,3 +162,19 @@ def test_rows_autoscaling_asks_for_replicas_by_rows():
     assert desired == 3 and state["rows"] == 11.0
     with pytest.raises(ValueError):
         RowsAutoscaling(0)
+
+
+def test_the_autoscaling_args_make_a_config_serve_takes_with_this_policy():
+    """`autoscaling:` in the app args becomes the replica deployment's autoscaling config as Serve
+    validates it, and Serve finds the rows policy by its path, with its target."""
+    from ray.serve.config import AutoscalingConfig
+
+    from deployments.app import AppArgs
+
+    args = AppArgs(autoscaling={"min_replicas": 1, "max_replicas": 3, "target_rows_per_replica": 6})
+    config = AutoscalingConfig(**args.autoscaling.serve_config())
+    assert (config.min_replicas, config.max_replicas) == (1, 3)
+    policy = config.policy.get_policy()(**config.policy.policy_kwargs)   # as Serve builds a policy class
+    assert type(policy).__name__ == "RowsAutoscaling" and policy.target_rows == 6.0
+    with pytest.raises(ValueError):
+        AppArgs(autoscaling={"min_replicas": 3, "max_replicas": 2}).autoscaling.serve_config()

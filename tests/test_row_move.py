@@ -1,11 +1,13 @@
-"""A row moves between replicas from what its stream carried (in-process replicas, no Ray).
+"""A row moves between replicas from what its stream carried (an in-process replica, no Ray).
 
-Replica A streams a cohort of mixed settings; the stream is dropped mid-way (as the ingress
-loses a replica); each unfinished row is re-admitted on replica B from its prompt, the tokens
-streamed so far and the last checkpoint that came with them. Every row's tokens, A's then B's,
-are exactly those it gets uninterrupted: no token lost or repeated, greedy and seeded sampled
-rows alike (and a greedy row with no checkpoint at all). The stream never carries a row's tokens
-past its last checkpoint.
+A replica streams a cohort of mixed settings; the stream is dropped mid-way (as the ingress
+loses a replica: the replica ends those rows); each unfinished row is re-admitted from its
+prompt, the tokens streamed so far and the last checkpoint that came with them, as the ingress
+re-admits it on another replica (here the same one: what the row carries is all it resumes
+from; tests/test_scaleout.py moves rows between processes on two nodes). Every row's tokens,
+before and after the move, are exactly those it gets uninterrupted: no token lost or repeated,
+greedy and seeded sampled rows alike (and a greedy row with no checkpoint at all). The stream
+never carries a row's tokens past its last checkpoint.
 """
 
 from __future__ import annotations
@@ -32,14 +34,13 @@ ROWS = [
 
 
 @pytest.fixture(scope="module")
-def replicas():
+def replica():
     from deployments.replica import MTPReplica
 
     with process_state.restored():
-        pair = [MTPReplica(widths=(3, 8), warmup=False, metrics=False) for _ in range(2)]
-        yield pair
-        for rep in pair:
-            rep.__del__()
+        rep = MTPReplica(widths=(3, 8), warmup=False, metrics=False)
+        yield rep
+        rep.__del__()
 
 
 def _spec(rep, i: int, prompt: str, settings: dict) -> RowSpec:
@@ -71,34 +72,32 @@ async def _stream(rep, specs, cut_after=None):
     return tokens, checkpoint, finals, aligned
 
 
-def test_rows_resume_on_another_replica_with_the_same_tokens(replicas):
-    a, b = replicas
-    specs = [_spec(a, i, prompt, settings) for i, (prompt, settings) in enumerate(ROWS)]
-    alone = [asyncio.run(_stream(a, [spec]))[0][0] for spec in specs]
+def test_rows_resume_after_their_streamed_tokens_with_the_same_tokens(replica):
+    specs = [_spec(replica, i, prompt, settings) for i, (prompt, settings) in enumerate(ROWS)]
+    alone = [asyncio.run(_stream(replica, [spec]))[0][0] for spec in specs]
     assert all(len(t) == MAX_TOKENS for t in alone)
 
-    tokens, checkpoint, finals, aligned = asyncio.run(_stream(a, specs, cut_after=CUT_AFTER))
+    tokens, checkpoint, finals, aligned = asyncio.run(_stream(replica, specs, cut_after=CUT_AFTER))
     assert aligned, "a message carried a row's tokens past its checkpoint"
     moving = [i for i in range(len(specs)) if i not in finals]
     assert moving and all(checkpoint[i] is not None for i in moving)
     resumed = [dataclasses.replace(specs[i], resume_tokens=tuple(tokens[i]), checkpoint=checkpoint[i])
                for i in moving]
-    more, _, finals_b, aligned_b = asyncio.run(_stream(b, resumed))
+    more, _, finals_b, aligned_b = asyncio.run(_stream(replica, resumed))
     assert aligned_b
     for k, i in enumerate(moving):
         assert tokens[i] + more[k] == alone[i], (i, ROWS[i], len(tokens[i]))
         stats = finals_b[k]["stats"]
         assert stats["resumed_tokens"] == len(tokens[i]) and finals_b[k]["finish_reason"] == "length"
-    snap = asyncio.run(b.snapshot())
+    snap = asyncio.run(replica.snapshot())
     assert snap["resumed_rows"] >= len(moving) and snap["resumed_tokens"] >= sum(len(tokens[i]) for i in moving)
 
 
-def test_a_greedy_row_resumes_from_its_tokens_alone(replicas):
+def test_a_greedy_row_resumes_from_its_tokens_alone(replica):
     """No checkpoint (the stream ended before one came): a greedy row's caches take every token
     and it goes on as it would have."""
-    a, b = replicas
-    spec = _spec(a, 0, *ROWS[0])
-    alone = asyncio.run(_stream(a, [spec]))[0][0]
+    spec = _spec(replica, 0, *ROWS[0])
+    alone = asyncio.run(_stream(replica, [spec]))[0][0]
     head = alone[:9]
-    rest = asyncio.run(_stream(b, [dataclasses.replace(spec, resume_tokens=tuple(head))]))[0][0]
+    rest = asyncio.run(_stream(replica, [dataclasses.replace(spec, resume_tokens=tuple(head))]))[0][0]
     assert head + rest == alone

@@ -34,8 +34,9 @@ def cluster_report():
     env = {k: v for k, v in os.environ.items() if k not in DIRECT_HTTP_ENV}
     out = subprocess.run([sys.executable, "-m", "deployments.scaleout", "--json"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1500)
-    lines = out.stdout.strip().splitlines()
-    assert lines, out.stderr[-5000:]
+    # the report is its last JSON line (Ray's processes may print after it as the cluster stops)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, out.stdout[-3000:] + out.stderr[-5000:]
     report = json.loads(lines[-1])
     print(f"scale-out cluster: {report.get('elapsed_s')} s; start-up {report.get('startup_s')} s; "
           f"phases {report.get('phases_s')}; checks {report.get('checks')}")
