@@ -24,7 +24,7 @@ cycle (the replicas' running lanes), and each replica's hit rates. 2 CPUs carry 
 tok/s does not scale, hit rates and time to first token are the figures that carry.
 
 The kill (after the arms, on the affinity deploy): the scale-out check's eight loaded requests
-(greedy, seeded and unseeded sampled; 200 tokens each, streaming) at once, and `kill -9` of the
+(greedy, seeded and unseeded sampled; `LOAD_TOKENS` tokens each, streaming) at once, and `kill -9` of the
 replica process holding the most rows once every stream has text. Every request must complete
 with all its tokens, each greedy or seeded text equal to its text alone.
 """
@@ -256,18 +256,18 @@ def render(record: dict, png: str) -> str:
               "token (the shared system prompt counts), the share of prompt tokens from its cache; and the "
               "conversation hits of the later turns it served); routing decisions of the run:", "",
               "| arm | replica | rows | rows with a cached prefix | prompt tokens from cache | later turns: hits | "
-              "routed (session / prefix / spill / fallback) |", "|---|---|---:|---:|---:|---:|---|"]
+              "routed (session / prefix / spill / fallback / power of two) |", "|---|---|---:|---:|---:|---:|---|"]
     for arm in record["arms"]:
         last = record["by_arm"][arm][-1]
         d = last["decisions"]
-        routed = " / ".join(str(d.get(k, 0)) for k in ("session", "prefix", "spill", "fallback"))
+        routed = " / ".join(str(d.get(k, 0)) for k in ("session", "prefix", "spill", "fallback", "power_of_two"))
         for rid, r in sorted(last["replicas"].items()):
             lines.append(f"| {arm} | `{rid[-8:]}` | {r['rows']} | {_pct(r['request_hit_rate'])} | "
                          f"{_pct(r['token_hit_rate'])} | {r['conversation_hits']} of {r['later_turns']} | {routed} |")
     if record.get("kill"):
         k = record["kill"]
         lines += ["", f"**kill -9 under load**: {k['requests']} streaming requests (greedy, seeded and unseeded "
-                  f"sampled, 200 tokens each); the replica holding the most rows ({k.get('rows_on_it')}) killed once "
+                  f"sampled, {k['expected_tokens'] // max(1, k['requests'])} tokens each); the replica holding the most rows ({k.get('rows_on_it')}) killed once "
                   f"every stream had text.", "",
                   "| requests | whole (every token, no error) | greedy/seeded texts as alone | completion tokens / asked "
                   "| rows moved | moves failed | longest pause in a stream s |",

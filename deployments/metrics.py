@@ -113,7 +113,8 @@ INGRESS_SERIES = {
     "cancels": ("counter", "mtplx_row_cancels", "Rows cancelled by the ingress", ("reason",), None),
     "routes": ("counter", "mtplx_routing_decisions",
                "Rows routed, by why their replica was chosen: session, prefix (the longest cached prefix), spill "
-               "(the preferred replica was at its load bound), fallback (Serve's power of two choices)",
+               "(the preferred replicas were at their load bound), fallback (neither decided: the least loaded), "
+               "power_of_two (routing: power_of_two, Serve's choice)",
                ("reason",), None),
     "rows_moved": ("counter", "mtplx_rows_moved",
                    "Rows whose replica went away mid-stream: resumed on another replica, or failed (none took them)",

@@ -13,11 +13,15 @@ batching and affinity do not fight (rows of any window join their replica's runn
 - A row without a session goes to the replica whose prefix cache holds the longest prefix of its
   prompt (from the replicas' own cache events, `deployments.prefix_index`), when one holds more
   than the others (a system prompt every replica holds decides nothing).
-- Otherwise, and with `routing: power_of_two`, the row is left to Serve's choice (below).
+- Otherwise (fallback) the row goes to the replica with the fewest of this ingress's rows in
+  flight, the fewest placed since it started breaking ties: unrelated rows spread evenly. (Serve's
+  power of two choices, which `routing: power_of_two` leaves every row to, ranks replicas by
+  queue lengths it caches: 8 unrelated requests in a row all went to one replica of two.)
 - Load bound (consistent hashing with bounded loads): a replica takes an affinity row only while
   the rows this ingress has in flight on it stay within `load_factor` times the mean over the
-  replicas (rounded up); past it the row spills to the session's next replica, the next longest
-  prefix, or Serve's choice. With several ingress replicas each bounds its own rows.
+  replicas (rounded up); past it the row spills to the session's next replica or the next
+  longest prefix, else to the least loaded replica. With several ingress replicas each bounds
+  its own rows.
 
 `ReplicaPinningRouter` is Serve's request router for the replica deployment. A call that passes
 the keyword `_mtplx_replica=<replica unique id>` (`PIN_KWARG`) reaches that replica (the cohort
@@ -73,7 +77,8 @@ def _rendezvous(session: str, replica: str) -> int:
 @dataclass(frozen=True)
 class Route:
     """A row's destination: a replica id, or None for Serve's power-of-two choice; why
-    ("session", "prefix", "spill": its preferred replica was at the load bound, "fallback"); and
+    ("session", "prefix", "spill": its preferred replicas were at the load bound, "fallback": no
+    session or cached prefix decided, "power_of_two": the policy leaves every row to Serve); and
     how many of its prompt's tokens the chosen replica's cache holds, as far as the policy knows."""
     replica: Optional[str]
     reason: str
@@ -120,9 +125,10 @@ class AffinityPolicy:
         """Where a row goes (`pending`: rows of its window already given a replica)."""
         avoid = set(avoid)
         live = [r for r in self.replicas() if r not in avoid]
-        if self.policy != "affinity" or not live:
+        if self.policy != "affinity":
+            return Route(None, "power_of_two")
+        if not live:             # none known yet: Serve's choice
             return Route(None, "fallback")
-        cap = self.bound(live, pending)
         held = self.index.held(prompt, salt, live)
         floor = min(held.values())
         by_prefix = sorted((r for r in live if held[r] > floor), key=lambda r: (-held[r], self.load[r] + pending[r]))
@@ -133,11 +139,13 @@ class AffinityPolicy:
         elif by_prefix:
             ranked, reason = by_prefix, "prefix"
         else:
-            return Route(None, "fallback")
+            ranked, reason = [], "fallback"
+        cap = self.bound(live, pending)
         for k, r in enumerate(dict.fromkeys(ranked)):
             if self.load[r] + pending[r] < cap:
                 return Route(r, reason if k == 0 else "spill", held[r])
-        return Route(None, "spill")
+        least = min(live, key=lambda r: (self.load[r] + pending[r], self.rows_by_replica[r] + pending[r], r))
+        return Route(least, reason if not ranked else "spill", held[least])
 
     def decided(self, route: Route) -> None:
         self.decisions[route.reason] += 1

@@ -56,7 +56,9 @@ APP_ARGS = {"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpu
             "replica_graceful_shutdown_s": 0.5, "failover_timeout_s": 180.0, "summary_interval_s": 10.0,
             # the ingress may land on the head node: get the tokenizer from a replica
             "tokenizer_source": "replica"}
-LOAD_TOKENS = 200
+# long enough that a stopped replica's rows outlast the controller's stop and its grace period (a
+# row streams 200 tokens in about 4 s here: a scale-down sometimes found its rows already done)
+LOAD_TOKENS = 400
 # the loaded phases' requests: (prompt, settings, deterministic: its text alone is its text)
 LOAD = [("def fibonacci(n):", {"temperature": 0.0}, True),
         ("class Stack:", {"temperature": 0.0}, True),

@@ -75,8 +75,13 @@ def test_index_follows_a_replicas_events_in_order_once():
 def test_sessions_stay_prefixes_attract_others_fall_back(replicas):
     policy = AffinityPolicy(NAME, load_factor=1.25)
     prompt = tuple(range(20))
-    # no session, nothing cached: Serve's choice
-    assert policy.route(None, prompt, None, Counter()).replica is None
+    # no session, nothing cached: the least loaded replica, the fewest placed breaking ties
+    policy.load.update({"r0": 2, "r1": 1, "r2": 1})
+    policy.rows_by_replica.update({"r0": 2, "r1": 5, "r2": 3})
+    assert policy.route(None, prompt, None, Counter()) == router.Route("r2", "fallback", 0)
+    assert policy.route(None, prompt, None, Counter({"r2": 1})).replica == "r1"
+    policy.load.clear()
+    policy.rows_by_replica.clear()
     # a session goes to its rendezvous replica, then where its last row went
     first = policy.route("s1", prompt, None, Counter())
     assert first.reason == "session" and first.replica in replicas
@@ -95,10 +100,11 @@ def test_sessions_stay_prefixes_attract_others_fall_back(replicas):
         policy.index.apply(r, log.since(-1))
     assert policy.route(None, prompt, None, Counter()).reason == "fallback"
     # routing: power_of_two leaves every row to Serve
-    assert AffinityPolicy(NAME, policy="power_of_two").route("s1", prompt, None, Counter()).replica is None
+    assert AffinityPolicy(NAME, policy="power_of_two").route("s1", prompt, None, Counter()) == \
+        router.Route(None, "power_of_two")
     # a replica that left is forgotten
     router.KNOWN_REPLICAS[NAME] = ["r0", "r1"]
-    assert policy.route(None, prompt, None, Counter()).replica is None
+    assert policy.route(None, prompt, None, Counter()).reason == "fallback" and policy.index.size("r2") == 0
     assert session_key(None, None, "k") is None and session_key("h", "u", "k") == "k/h"
 
 
@@ -113,7 +119,7 @@ def _simulate(policy: AffinityPolicy, sessions, rng: random.Random, steps: int =
         session = sessions(rng)
         route = policy.route(session, (t,), None, Counter())
         policy.decided(route)
-        replica = route.replica or min(policy.replicas(), key=lambda r: policy.load[r])   # Serve's choice
+        replica = route.replica
         live_replicas = policy.replicas()
         cap = policy.bound(live_replicas, Counter())
         policy.placed(replica, 1, [session])
