@@ -26,7 +26,7 @@ tok/s does not scale, hit rates and time to first token are the figures that car
 The kill (after the arms, on the affinity deploy): the scale-out check's eight loaded requests
 (greedy, seeded and unseeded sampled; `LOAD_TOKENS` tokens each, streaming) at once, and `kill -9` of the
 replica process holding the most rows once every stream has text. Every request must complete
-with all its tokens, each greedy or seeded text equal to its text alone.
+with all its tokens, each greedy or seeded text equal to its undisturbed text.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def render(record: dict, png: str) -> str:
         lines += ["", f"**kill -9 under load**: {k['requests']} streaming requests (greedy, seeded and unseeded "
                   f"sampled, {k['expected_tokens'] // max(1, k['requests'])} tokens each); the replica holding the most rows ({k.get('rows_on_it')}) killed once "
                   f"every stream had text.", "",
-                  "| requests | whole (every token, no error) | greedy/seeded texts as alone | completion tokens / asked "
+                  "| requests | whole (every token, no error) | greedy/seeded texts as undisturbed | completion tokens / asked "
                   "| rows moved | moves failed | longest pause in a stream s |",
                   "|---:|---:|---:|---:|---:|---:|---:|",
                   f"| {k['requests']} | {k['requests'] - len(k['problems'])} | {k['identical']} of {k['deterministic']} "

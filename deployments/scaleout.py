@@ -10,7 +10,8 @@ MLX node, none on the head); then runs, on that one cluster, in this order:
   nodes, every node on 127.0.0.1;
 - affinity: a 3-turn chat conversation with a session header and one without (routed by its
   cached prefix): turns 2 and 3 reach turn 1's replica and find their prefix cached there;
-- references: eight requests (greedy, seeded sampled, unseeded sampled), each alone;
+- references: the greedy and seeded ones of eight requests (greedy, seeded sampled, unseeded
+  sampled), undisturbed;
 - scale_down: the replicas go from two to one (the config's `num_replicas` for MTPReplica) while
   those eight stream in closed loops; the stopped replica's rows move to the other past its
   grace period;
@@ -20,7 +21,7 @@ MLX node, none on the head); then runs, on that one cluster, in this order:
 - kill: `kill -9` of the replica process holding the most rows while the eight stream.
 
 In every loaded phase each request must complete with all its tokens, and each greedy or seeded
-request's text must equal its text alone: nothing lost, nothing repeated. Exit status 0 when
+request's text must equal its undisturbed text: nothing lost, nothing repeated. Exit status 0 when
 every check holds (`report["checks"]`). Used by `tests/test_scaleout.py`.
 
 Every deploy goes through Serve's declarative API, as `serve run` / `serve deploy` of a config
@@ -59,7 +60,7 @@ APP_ARGS = {"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpu
 # long enough that a stopped replica's rows outlast the controller's stop and its grace period (a
 # row streams 200 tokens in about 4 s here: a scale-down sometimes found its rows already done)
 LOAD_TOKENS = 400
-# the loaded phases' requests: (prompt, settings, deterministic: its text alone is its text)
+# the loaded phases' requests: (prompt, settings, deterministic: its undisturbed text is its text)
 LOAD = [("def fibonacci(n):", {"temperature": 0.0}, True),
         ("class Stack:", {"temperature": 0.0}, True),
         ("import os\n", {"temperature": 0.0}, True),
@@ -127,13 +128,13 @@ def _load_headers(i: int) -> dict:
 
 
 def _check_load_result(i: int, res: dict, refs: Dict[int, str]) -> Optional[str]:
-    """Why a loaded request's answer is wrong (None: it is whole, and its text is its text alone)."""
+    """Why a loaded request's answer is wrong (None: it is whole, and its text is its undisturbed text)."""
     if res["error"] is not None or res["finish_reason"] != "length":
         return f"request {i}: {res['error'] or res['finish_reason']}"
     if (res["usage"] or {}).get("completion_tokens") != LOAD_TOKENS:
         return f"request {i}: {res['usage']} (expected {LOAD_TOKENS} completion tokens)"
     if LOAD[i][2] and res["text"] != refs.get(i):
-        return f"request {i}: its text differs from its text alone: {res['text']!r} vs {refs.get(i)!r}"
+        return f"request {i}: its text differs from its undisturbed text: {res['text']!r} vs {refs.get(i)!r}"
     return None
 
 
@@ -215,23 +216,22 @@ def _affinity_ok(r: dict) -> bool:
 
 
 async def references(app: App) -> Dict[int, str]:
-    """Each deterministic loaded request's text, alone."""
+    """Each deterministic loaded request's text, undisturbed: sent together, with no replica
+    going away (a greedy or seeded row's text does not depend on the rows beside it)."""
     import httpx
 
-    refs = {}
+    wanted = [i for i, (_, _, deterministic) in enumerate(LOAD) if deterministic]
     async with httpx.AsyncClient(base_url=app.base, timeout=300) as client:
-        for i, (_, _, deterministic) in enumerate(LOAD):
-            if deterministic:
-                res = await stream_chat(client, _load_body(i), headers=_load_headers(i))
-                refs[i] = res["text"] if res["error"] is None and res["finish_reason"] == "length" else None
-    return refs
+        results = await asyncio.gather(*[stream_chat(client, _load_body(i), headers=_load_headers(i)) for i in wanted])
+    return {i: res["text"] if res["error"] is None and res["finish_reason"] == "length" else None
+            for i, res in zip(wanted, results)}
 
 
 async def _closed_loops(app: App, refs: Dict[int, str], until: threading.Event, streaming: threading.Event) -> dict:
     """The eight loaded requests, each in a closed loop until `until` is set (each loop ends with
     the request it has in flight); `streaming` is set once every loop's first request streams.
     Returns the problems (`_check_load_result`), how many deterministic texts equal their text
-    alone, the completion tokens against those asked for, and the longest pause in a stream."""
+    undisturbed, the completion tokens against those asked for, and the longest pause in a stream."""
     import httpx
 
     results: List[tuple] = []

@@ -9,7 +9,7 @@ replicas; a 3-turn conversation's turns 2 and 3 find their prefix cached on turn
 (by its session, and by its prefix alone); the replicas scaled down from two to one under load;
 a rolling config update under load (back to two, every replica replaced); `kill -9` of a
 replica's process under 8 streaming clients. Under load, every request completes with all its
-tokens, and every greedy or seeded request's text equals its text alone (nothing lost, nothing
+tokens, and every greedy or seeded request's text equals its undisturbed text (nothing lost, nothing
 repeated)."""
 
 from __future__ import annotations
@@ -87,6 +87,6 @@ def test_a_rolling_config_update_under_load_loses_nothing(cluster_report):
 
 def test_kill_9_of_a_replica_under_8_streaming_clients(cluster_report):
     r = _phase(cluster_report, "kill")
-    assert not r["problems"], r["problems"]      # every stream whole; greedy and seeded texts as alone
+    assert not r["problems"], r["problems"]      # every stream whole; greedy and seeded texts as undisturbed
     assert r["rows_on_it"] >= 1 and r["rows_moved"] >= 1 and r["row_moves_failed"] == 0, r
     assert r["requests"] == 8
