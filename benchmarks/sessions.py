@@ -229,7 +229,7 @@ def render(record: dict, png: str) -> str:
 
     s = record["summary"]
     base = (s.get("power_of_two") or {}).get("ttft_later_p50_s")
-    lines = [f"## bench sessions: affinity routing against power of two, two nodes", "",
+    lines = ["## bench sessions: affinity routing against power of two, two nodes", "",
              f"`{record['command']}`, {record['date']}, {record['elapsed_s'] / 60:.1f} min. Model: {record['model']}.",
              machine_line(record["machine"]), "",
              f"{record['sessions']} chat sessions of {record['turns']} turns at once on a loopback cluster of a head "

@@ -120,11 +120,9 @@ class AffinityPolicy:
         total = sum(self.load[r] + pending[r] for r in live)
         return max(1, math.ceil(self.load_factor * (total + 1) / len(live)))
 
-    def route(self, session: Optional[str], prompt: tuple, salt: Optional[str], pending: Counter,
-              avoid: Iterable[str] = ()) -> Route:
+    def route(self, session: Optional[str], prompt: tuple, salt: Optional[str], pending: Counter) -> Route:
         """Where a row goes (`pending`: rows of its window already given a replica)."""
-        avoid = set(avoid)
-        live = [r for r in self.replicas() if r not in avoid]
+        live = self.replicas()
         if self.policy != "affinity":
             return Route(None, "power_of_two")
         if not live:             # none known yet: Serve's choice
