@@ -143,6 +143,22 @@ class ServerProcess:
             time.sleep(1.0)
         raise TimeoutError(f"{self.kind} not ready after {timeout_s:.0f} s{last}:\n{self.log_tail()}")
 
+    def peak_memory_mb(self) -> Optional[dict]:
+        """The peak resident memory (VmHWM) of this server's processes, read before it stops: its
+        largest process (the one holding the model) and the sum over all of them (Ray's daemons
+        included). Linux only; None elsewhere."""
+        marker = f"MTPLX_BENCH_TAG={self.tag}".encode()
+        peaks = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            peaks += [int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")]
+        return {"largest_process": max(peaks), "all_processes": sum(peaks), "processes": len(peaks)} if peaks else None
+
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
