@@ -28,6 +28,14 @@ def run(a) -> None:
         if run_structured(a):
             sys.exit(1)
         return
+    if a.what == "sessions":
+        from benchmarks.sessions import run_cli as run_sessions
+
+        record = run_sessions(runs=a.runs, quick=a.quick, json_out=a.json, no_report=a.no_report,
+                              command=a.command_line)
+        if any(s["errors"] for s in record["summary"].values()) or (record.get("kill") or {}).get("problems"):
+            sys.exit(1)
+        return
     if a.what == "exactness":
         from benchmarks.exactness import bench_exactness, render
 

@@ -112,8 +112,10 @@ def main(argv=None):
     g.add_argument("--mode", choices=("mtp", "ar"), default="mtp")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak, structured, exactness")
-    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak", "structured", "exactness"))
+    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak, structured, exactness, "
+                                     "sessions")
+    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak", "structured", "exactness",
+                                    "sessions"))
     b.add_argument("--model", default=None)
     b.add_argument("--tokens", type=int, default=None, help="tokens a row (structured: max_tokens, 96)")
     b.add_argument("--prompts", type=int, default=8, help="solo, exactness: prompts; service, http: rows of the "
@@ -126,8 +128,10 @@ def main(argv=None):
                         "BENCHMARKS.md section")
     b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests; "
                                                         "soak: 100 requests, 15 s of overload; "
-                                                        "structured: 1 round of 4 s per arm")
-    b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
+                                                        "structured: 1 round of 4 s per arm; "
+                                                        "sessions: 1 run, power_of_two and affinity only")
+    b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved; sessions: runs "
+                                                       "of every arm, rotated")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32; "
                                                    "structured --served: 1,8")
     b.add_argument("--direct-http", action="store_true", help="load, soak: clients call the ingress replica on its "
