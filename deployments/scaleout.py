@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import Callable, Dict, List, Optional
 
 from ._proc import LOOPBACK_RAY_ENV, free_port, is_loopback
@@ -178,9 +179,12 @@ async def _spread(app: App) -> dict:
         plain = await asyncio.gather(*plain)
         sessions = await asyncio.gather(*[stream_chat(client, _load_body(i, 8), headers={"x-session-id": f"s-{i}"})
                                           for i in range(8)])
-    return {"plain_replicas": sorted({_replica_of(r) for r in plain}),
-            "session_replicas": sorted({_replica_of(r) for r in sessions}),
-            "errors": [r["error"] for r in plain + sessions if r["error"]]}
+    return {"plain_replicas": sorted({str(_replica_of(r)) for r in plain}),
+            "session_replicas": sorted({str(_replica_of(r)) for r in sessions}),
+            "errors": [r["error"] for r in plain + sessions if r["error"]],
+            # a request that ended without naming its replica (no stats chunk) is a problem too
+            "unattributed": [{k: r[k] for k in ("finish_reason", "usage", "stats", "text")}
+                             for r in plain + sessions if _replica_of(r) is None and not r["error"]]}
 
 
 async def _conversation(client, session: Optional[str], n: int) -> List[dict]:
@@ -306,9 +310,13 @@ def _run_phases(app: App, report: dict, only, t0: float) -> None:
     def phase(name, fn):
         if name in only:
             t = time.time()
-            report[name] = fn()
+            try:
+                report[name] = fn()
+                checks[name] = PHASE_CHECKS[name](report[name])
+            except Exception as e:      # one phase's fault is reported; the later phases still run
+                report[name] = {"exception": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                checks[name] = False
             report["phases_s"][name] = round(time.time() - t, 1)
-            checks[name] = PHASE_CHECKS[name](report[name])
 
     phase("spread", lambda: _spread_report(app))
     phase("affinity", lambda: asyncio.run(_affinity(app)))
@@ -397,7 +405,8 @@ def _spread_report(app: App) -> dict:
 
 def _spread_ok(r: dict) -> bool:
     """Both replicas served, each on its own MLX node, and every node is on loopback."""
-    return (not r["errors"] and len(r["plain_replicas"]) == 2 and len(r["session_replicas"]) == 2
+    return (not r["errors"] and not r["unattributed"]
+            and len(r["plain_replicas"]) == 2 and len(r["session_replicas"]) == 2
             and len(set(r["replica_nodes"].values())) == 2 and r["replicas_on_mlx_nodes"]
             and all(is_loopback(a) for a in r["node_addresses"]) and is_loopback(r["gcs_address"].rsplit(":", 1)[0]))
 

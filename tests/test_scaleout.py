@@ -45,6 +45,7 @@ def cluster_report():
 
 def _phase(report: dict, name: str) -> dict:
     assert name in report, {k: report.get(k) for k in ("checks", "phases_s", "elapsed_s")}
+    assert "exception" not in report[name], report[name]
     return report[name]
 
 
@@ -52,7 +53,7 @@ def test_requests_spread_over_two_replicas_on_two_loopback_nodes(cluster_report)
     from deployments._proc import is_loopback
 
     r = _phase(cluster_report, "spread")
-    assert not r["errors"], r["errors"]
+    assert not r["errors"] and not r["unattributed"], (r["errors"], r["unattributed"])
     assert len(r["plain_replicas"]) == 2 and len(r["session_replicas"]) == 2, r
     assert len(set(r["replica_nodes"].values())) == 2 and r["replicas_on_mlx_nodes"], r
     assert r["node_addresses"] and all(is_loopback(a) for a in r["node_addresses"]), r
