@@ -19,12 +19,21 @@ def run(a) -> None:
 
         run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
                 logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
-                open_requests=a.open_requests, direct_http=a.direct_http)
+                open_requests=a.open_requests, direct_http=a.direct_http, long_prompt_tokens=a.long_prompt_tokens,
+                min_requests=a.min_requests, config=a.config)
         return
     if a.what == "structured":
         from benchmarks.structured import run_cli as run_structured
 
         if run_structured(a):
+            sys.exit(1)
+        return
+    if a.what == "sessions":
+        from benchmarks.sessions import run_cli as run_sessions
+
+        record = run_sessions(runs=a.runs, quick=a.quick, json_out=a.json, no_report=a.no_report,
+                              command=a.command_line)
+        if any(s["errors"] for s in record["summary"].values()) or (record.get("kill") or {}).get("problems"):
             sys.exit(1)
         return
     if a.what == "exactness":

@@ -143,6 +143,22 @@ class ServerProcess:
             time.sleep(1.0)
         raise TimeoutError(f"{self.kind} not ready after {timeout_s:.0f} s{last}:\n{self.log_tail()}")
 
+    def peak_memory_mb(self) -> Optional[dict]:
+        """The peak resident memory (VmHWM) of this server's processes, read before it stops: its
+        largest process (the one holding the model) and the sum over all of them (Ray's daemons
+        included). Linux only; None elsewhere."""
+        marker = f"MTPLX_BENCH_TAG={self.tag}".encode()
+        peaks = []
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            peaks += [int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")]
+        return {"largest_process": max(peaks), "all_processes": sum(peaks), "processes": len(peaks)} if peaks else None
+
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
@@ -168,15 +184,16 @@ class ServerProcess:
 
 
 def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float,
-               args_overrides: Optional[dict] = None, direct_http: bool = False) -> ServerProcess:
-    """`serve run` of the shipped config with a free port (and `model_path` when given, and any
-    app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
+               args_overrides: Optional[dict] = None, direct_http: bool = False,
+               config: Optional[Path] = None) -> ServerProcess:
+    """`serve run` of the shipped config (or `config`) with a free port (and `model_path` when
+    given, and any app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
     loopback as scripts/serve.sh starts it (`LOOPBACK_RAY_ENV`). With
     `direct_http` the ingress replica also answers HTTP on a port of its own (`direct_http_env`),
     and the returned server's url is that port's."""
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "serve_configs" / "config.yaml").read_text())
+    cfg = yaml.safe_load((config or ROOT / "serve_configs" / "config.yaml").read_text())
     port = free_port()
     cfg["http_options"]["port"] = port
     for app in cfg["applications"]:

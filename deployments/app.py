@@ -23,8 +23,10 @@ from mtplx.engine.repetition import RepetitionLimits
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS
 
 from ._proc import direct_http_enabled, is_loopback
+from .autoscaling import DEFAULT_TARGET_ROWS_PER_REPLICA, POLICY_PATH
 from .ingress import OpenAIIngress
 from .ingress.server import INGRESS_DEFAULTS as INGRESS
+from .router import ROUTING_POLICIES
 from .replica import (DEFAULT_MAX_WAITING_ROWS_PER_KEY, DEFAULT_NICENESS, DEFAULT_RETRY_AFTER_S,
                       DEFAULT_STREAM_INTERVAL_MS, DEFAULT_SUMMARY_INTERVAL_S, DEFAULT_WATCHDOG_S, MTPReplica)
 
@@ -51,6 +53,32 @@ class RepetitionStopArgs(BaseModel):
     min_repeated: int = Field(RepetitionLimits.min_repeated, ge=1)
     min_repeats: int = Field(RepetitionLimits.min_repeats, ge=2)
     max_block: int = Field(RepetitionLimits.max_block, ge=1)
+
+
+class AutoscalingArgs(BaseModel):
+    """The model replicas' autoscaling (`deployments.autoscaling`): between `min_replicas` and
+    `max_replicas`, as many as hold the replicas' rows (decoding, prefilling, waiting) at
+    `target_rows_per_replica` each, averaged over `look_back_period_s`; a change waits
+    `upscale_delay_s` / `downscale_delay_s`. `max_replicas`: at most the nodes with an MLX
+    device (one replica per node where replica_cpus pins it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    initial_replicas: Optional[int] = Field(None, ge=1)
+    target_rows_per_replica: float = Field(DEFAULT_TARGET_ROWS_PER_REPLICA, gt=0.0)
+    look_back_period_s: float = Field(10.0, gt=0.0)
+    upscale_delay_s: float = Field(10.0, ge=0.0)
+    downscale_delay_s: float = Field(120.0, ge=0.0)
+
+    def serve_config(self) -> Dict[str, Any]:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling: max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        out = self.model_dump(exclude={"target_rows_per_replica"}, exclude_none=True)
+        out["policy"] = {"policy_function": POLICY_PATH,
+                         "policy_kwargs": {"target_rows_per_replica": self.target_rows_per_replica}}
+        return out
 
 
 class AppArgs(BaseModel):
@@ -150,6 +178,21 @@ class AppArgs(BaseModel):
                                             "neither, e.g. to measure what they cost)")
     default_generation_mode: Literal["auto", "mtp", "ar"] = INGRESS["default_generation_mode"]
     num_replicas: int = Field(1, ge=1)
+    autoscaling: Optional[AutoscalingArgs] = Field(
+        None, description="Autoscale the model replicas by their rows (replaces num_replicas); null: num_replicas")
+    replica_graceful_shutdown_s: float = Field(
+        20.0, gt=0.0, le=3600.0, description="A model replica scaled down or replaced finishes its running rows "
+                                             "within this long; then it stops and its rows move to another replica")
+    routing: Literal[ROUTING_POLICIES] = Field(
+        INGRESS["routing"], description="affinity: a session's rows to its replica, others to the longest cached "
+                                        "prefix, within the load bound; power_of_two: Serve's choice only")
+    affinity_load_factor: float = Field(
+        INGRESS["affinity_load_factor"], ge=1.0, le=10.0,
+        description="Affinity's load bound: a replica takes affinity rows while it holds at most this times the "
+                    "mean rows in flight (consistent hashing with bounded loads)")
+    failover_timeout_s: float = Field(
+        INGRESS["failover_timeout_s"], gt=0.0, le=3600.0,
+        description="A row whose replica went away waits this long for another to take it over; then 503")
     replica_num_cpus: float = Field(1.0, ge=0.0)
     replica_resources: Optional[Dict[str, float]] = Field(
         None, description='Custom resources per replica, e.g. {"mlx": 1} to land on MLX hosts')
@@ -228,16 +271,19 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         replica_opts["resources"] = dict(a.replica_resources)
     # a replica pinned to its node's first CPUs (replica_cpus): two on one node would share them
     per_node = {} if a.replica_cpus is None else {"max_replicas_per_node": 1}
+    scaling = ({"autoscaling_config": a.autoscaling.serve_config()} if a.autoscaling is not None
+               else {"num_replicas": a.num_replicas})
     replica = serve.deployment(
         name=REPLICA_NAME,
-        num_replicas=a.num_replicas,
+        **scaling,
         **per_node,
         max_ongoing_requests=a.replica_max_ongoing_requests,
         max_queued_requests=a.replica_max_queued_requests,
         ray_actor_options=replica_opts,
         health_check_period_s=10,
         health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=20,
+        graceful_shutdown_timeout_s=a.replica_graceful_shutdown_s,
+        graceful_shutdown_wait_loop_s=1.0,
         request_router_config=RequestRouterConfig(
             request_router_class="deployments.router:ReplicaPinningRouter"),
     )(MTPReplica).bind(
@@ -265,7 +311,8 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         "max_waiting_rows": a.max_waiting_rows, "retry_after_s": a.retry_after_s,
         "overload_status": a.overload_status, "metrics": a.metrics, "max_tool_calls": a.max_tool_calls,
         "responses_store": a.responses_store, "responses_store_path": a.responses_store_path,
-        "responses_store_max_age_s": a.responses_store_max_age_s,
+        "responses_store_max_age_s": a.responses_store_max_age_s, "routing": a.routing,
+        "affinity_load_factor": a.affinity_load_factor, "failover_timeout_s": a.failover_timeout_s,
     }
     ingress_actor: Dict[str, Any] = {"num_cpus": a.ingress_num_cpus, "num_gpus": 0}
     if direct_http_enabled():
@@ -280,4 +327,4 @@ def build_app(args: Optional[Dict[str, Any]] = None):
     return ingress
 
 
-__all__ = ["AppArgs", "RepetitionStopArgs", "build_app", "ingress_max_ongoing", "INGRESS_NAME", "REPLICA_NAME"]
+__all__ = ["AppArgs", "AutoscalingArgs", "RepetitionStopArgs", "build_app", "ingress_max_ongoing", "INGRESS_NAME", "REPLICA_NAME"]

@@ -85,6 +85,9 @@ REPLICA_SERIES = {
     "prefill_tokens": ("counter", "mtplx_prefill_tokens", "Prompt tokens prefilled (not from the prefix cache)", (), None),
     "prefix_queries": ("counter", "mtplx_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", (), None),
     "prefix_hits": ("counter", "mtplx_prefix_cache_hits", "Prompt tokens served from the prefix cache", (), None),
+    "prefix_requests": ("counter", "mtplx_prefix_cache_requests",
+                        "Finished rows by whether the prefix cache served any of their prompt (hit: true/false)",
+                        ("hit",), None),
     "finished": ("counter", "mtplx_requests_finished", "Rows ended, by finish reason", ("finish_reason",), None),
     # a lane step that raised ends at most the row it is blamed on; the lane is rebuilt with the rest
     "rows_failed": ("counter", "mtplx_rows_failed",
@@ -108,6 +111,14 @@ INGRESS_SERIES = {
     "cohorts": ("counter", "mtplx_ingress_cohorts", "Cohorts sent to replicas", (), None),
     "cohort_size": ("histogram", "mtplx_ingress_cohort_size", "Rows per cohort sent", (), WIDTH_BOUNDARIES),
     "cancels": ("counter", "mtplx_row_cancels", "Rows cancelled by the ingress", ("reason",), None),
+    "routes": ("counter", "mtplx_routing_decisions",
+               "Rows routed, by why their replica was chosen: session, prefix (the longest cached prefix), spill "
+               "(the preferred replicas were at their load bound), fallback (neither decided: the least loaded), "
+               "power_of_two (routing: power_of_two, Serve's choice)",
+               ("reason",), None),
+    "rows_moved": ("counter", "mtplx_rows_moved",
+                   "Rows whose replica went away mid-stream: resumed on another replica, or failed (none took them)",
+                   ("outcome",), None),
 }
 
 # Ray Serve's own series the shipped dashboards also plot

@@ -4,9 +4,12 @@ The ingress sends the rows of each `@serve.batch` window here as one streaming c
 (`run_cohort`, a list of `mtplx.api.rows.RowSpec`). The replica turns the rows into
 `MTPBatchJob`s, submits them together
 (`service.submit_cohort`) and streams back, per wake-up of its event loop, the tokens every row
-committed since the last message and the final result of each row that ended. Token callbacks
-run on the service's model-owner thread; they only append to a locked buffer and wake the loop
-(at most one wake-up in flight), so a cohort costs about one Ray stream item per decode cycle.
+committed since the last message, each live row's checkpoint after them (its state at its lane
+step's end: what the ingress needs to resume the row on another replica should this one go
+away), the final result of each row that ended, and the prefix-cache events the ingress has not
+seen (`deployments.prefix_index`). Token callbacks run on the service's model-owner thread; they
+only append to a locked buffer and wake the loop (at most one wake-up in flight), so a cohort
+costs about one Ray stream item per decode cycle.
 
 MLX is imported inside `__init__` only: importing this module (the app builder does) stays light.
 """
@@ -22,12 +25,13 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from ray import serve
 
-from mtplx.api.rows import RowSpec, mtp_batch_compatibility_key
+from mtplx.api.rows import RowCheckpoint, RowSpec, mtp_batch_compatibility_key
 from mtplx.structured import GRAMMAR_MEMORY, holding_back
 from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST,
                                      checked_cancel_reason)
 
 from .metrics import REPLICA_SERIES, CohortMonitor, finish_reason_label, make_metrics, record
+from .prefix_index import PrefixCacheLog
 
 log = logging.getLogger("ray.serve")
 
@@ -98,6 +102,11 @@ class _CohortBuffer:
         self._in_lane_step = in_lane_step
         self._tokens: Dict[int, List[int]] = {}
         self._logprobs: Dict[int, list] = {}          # row -> entries parallel to its tokens (if asked)
+        # a lane step's tokens of a row wait here for the row's checkpoint after them, so that a
+        # message never carries a row's tokens past its last checkpoint (see push_checkpoint)
+        self._held: Dict[int, List[int]] = {}
+        self._held_logprobs: Dict[int, list] = {}
+        self._checkpoints: Dict[int, RowCheckpoint] = {}
         self._finals: Dict[int, Any] = {}
         self.first_token_at: Dict[int, float] = {}   # row -> wall clock of its first token
         self.sent: Dict[int, int] = {}               # row -> tokens already handed to the stream
@@ -128,22 +137,48 @@ class _CohortBuffer:
         with self._lock:
             if row not in self.first_token_at:
                 self.first_token_at[row] = time.time()
-            pending = self._tokens.setdefault(row, [])
-            pending.extend(int(t) for t in tokens)
-            if logprobs is not None:
-                self._logprobs.setdefault(row, []).extend(logprobs)
-            urgent = self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS
-            if urgent or not self._in_lane_step():
-                self._wake_locked(urgent=urgent)
+            if self._in_lane_step():       # held for the row's checkpoint at the step's end
+                self._held.setdefault(row, []).extend(int(t) for t in tokens)
+                if logprobs is not None:
+                    self._held_logprobs.setdefault(row, []).extend(logprobs)
+                return
+            self._release_locked(row, [int(t) for t in tokens], logprobs)
+
+    def _release_locked(self, row: int, tokens: list, logprobs) -> None:
+        pending = self._tokens.setdefault(row, [])
+        pending.extend(tokens)
+        if logprobs:
+            self._logprobs.setdefault(row, []).extend(logprobs)
+        urgent = self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS
+        if urgent or not self._in_lane_step():
+            self._wake_locked(urgent=urgent)
+
+    def _release_held_locked(self, row: int) -> bool:
+        tokens = self._held.pop(row, None)
+        if not tokens:
+            return False
+        self._release_locked(row, tokens, self._held_logprobs.pop(row, None))
+        return True
+
+    def push_checkpoint(self, row: int, checkpoint: RowCheckpoint) -> None:
+        """The row's state after the tokens its lane step just pushed: they go out together."""
+        with self._lock:
+            if self._release_held_locked(row):
+                self._checkpoints[row] = checkpoint
 
     def lane_step_ended(self) -> None:
-        """Called on the owner thread after each lane step: send what the step left waiting."""
+        """Called on the owner thread after each lane step: send what the step left waiting (tokens
+        whose checkpoint never came go without one)."""
         with self._lock:
+            for row in list(self._held):
+                self._checkpoints.pop(row, None)
+                self._release_held_locked(row)
             if self._tokens:
                 self._wake_locked()
 
     def push_final(self, row: int, outcome) -> None:
         with self._lock:
+            self._release_held_locked(row)
             self._finals[row] = outcome
             self._wake_locked(urgent=True)
 
@@ -155,18 +190,19 @@ class _CohortBuffer:
             return bool(self._finals) or any(self.sent.get(r, 0) < URGENT_TOKENS for r in self._tokens)
 
     def take(self):
-        """(tokens, log-probability entries, finals) handed over since the last take."""
+        """(tokens, log-probability entries, finals, checkpoints) handed over since the last take."""
         with self._lock:
             tokens, self._tokens = self._tokens, {}
             logprobs, self._logprobs = self._logprobs, {}
             finals, self._finals = self._finals, {}
+            checkpoints, self._checkpoints = self._checkpoints, {}
             for r, toks in tokens.items():
                 self.sent[r] = self.sent.get(r, 0) + len(toks)
             self._wake_pending = False
             self._urgent_pending = False
             self.event.clear()
             self.urgent_event.clear()
-        return tokens, logprobs, finals
+        return tokens, logprobs, finals, checkpoints
 
 
 def _cancel_keys(job) -> set:
@@ -262,6 +298,12 @@ class MTPReplica:
             kv_budget_bytes=resolve_kv_budget(kv_budget_gb),
             repetition_limits=RepetitionLimits(**repetition_stop) if repetition_stop is not None else None)
         self.load_s = time.perf_counter() - t0
+        # the prefix bank's events, numbered, for the ingresses' routers (deployments.prefix_index)
+        from mtplx.engine.prefill import PREFILL_CHUNK
+
+        self.cache_log = PrefixCacheLog(PREFILL_CHUNK)
+        if self.service.session_bank is not None:
+            self.service.session_bank.on_change = self.cache_log.on_change
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.stream_interval_s = max(0.0, float(stream_interval_ms) / 1000.0)
@@ -276,6 +318,8 @@ class MTPReplica:
         self._cohorts_started = 0
         self._overload_rejections = 0
         self._stream_messages = 0
+        self._rows = {"finished": 0, "prefix_hits": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "resumed": 0, "resumed_tokens": 0, "checkpoints": 0}
         if warmup:
             self._warmup()
         self._metrics, self._monitor = None, None
@@ -338,12 +382,16 @@ class MTPReplica:
                 out[name] = path.read_bytes()
         return out
 
-    async def run_cohort(self, rows: List[RowSpec]) -> AsyncIterator[dict]:
+    async def run_cohort(self, rows: List[RowSpec], cache_seen: Optional[Dict[str, int]] = None,
+                         **_routing) -> AsyncIterator[dict]:
         """Stream one cohort. Messages: first {"replica": id}; then {"t": {row: [tokens]},
-        "lp": {row: [log-probability entries]}, "f": {row: result | {"error": ...}}} until every
-        row has its final entry."""
+        "lp": {row: [log-probability entries]}, "c": {row: RowCheckpoint after its tokens so far},
+        "f": {row: result | {"error": ...}}} until every row has its final entry; any message may
+        carry "pc", the prefix-cache events after `cache_seen[this replica]` (how far the caller
+        has read them; absent: from the start). `_routing`: the router's keywords."""
         buf = _CohortBuffer(asyncio.get_running_loop(), lambda: self.service.in_lane_step)
         started, received_at = time.perf_counter(), time.time()
+        seen = [(cache_seen or {}).get(self.replica_id, -1)]
         jobs = [self._job(i, row, buf) for i, row in enumerate(rows)]
         with self._buffers_lock:
             self._buffers.add(buf)
@@ -355,13 +403,24 @@ class MTPReplica:
         self._cohorts_started += 1
         self._observe("cohorts", 1, {"generation_mode": rows[0].generation_mode if rows else "auto"})
         self._observe("width", len(jobs))
+        self._rows["resumed"] += sum(1 for row in rows if row.resume_tokens)
+        self._rows["resumed_tokens"] += sum(len(row.resume_tokens) for row in rows)
         try:
-            yield {"replica": self.replica_id}
+            yield self._with_cache_events({"replica": self.replica_id}, seen)
             self.service.submit_cohort(self._admit_within_limits(jobs))
             async for msg in self._stream(buf, rows, jobs, started, received_at):
-                yield msg
+                yield self._with_cache_events(msg, seen)
         finally:
             self._release(buf, jobs)
+
+    def _with_cache_events(self, msg: dict, seen: list) -> dict:
+        """`msg` with the prefix-cache events its stream has not passed on yet (`seen[0]`: the
+        last it did)."""
+        update = self.cache_log.since(seen[0])
+        if update is not None:
+            msg["pc"] = update
+            seen[0] = update["seq"] if "reset" in update else update["from"] + len(update["events"]) - 1
+        return msg
 
     def _job(self, i: int, row: RowSpec, buf: "_CohortBuffer"):
         """The scheduler's job for row `i` of a cohort: its tokens go to the cohort's buffer; the
@@ -378,7 +437,9 @@ class MTPReplica:
             cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
             omit_speculative_bonus=row.omit_speculative_bonus, prefill_group=row.prefill_group,
             constraint=holding_back(row.constraint, stops, row.min_tokens), cache_salt=row.cache_salt,
-            request_observability={"replica_id": self.replica_id})
+            request_observability={"replica_id": self.replica_id},
+            resume_tokens=row.resume_tokens, checkpoint=row.checkpoint,
+            checkpoint_callback=lambda cp: buf.push_checkpoint(i, cp))
         bank = self.service.session_bank     # the row's prompt is looked up and banked in its caller's partition
         if bank is not None:
             job.session_restore, job.session_commit = bank.job_hooks(job)
@@ -401,7 +462,7 @@ class MTPReplica:
                         await asyncio.wait_for(buf.urgent_event.wait(), delay)
                     except asyncio.TimeoutError:
                         pass
-            tokens, logprobs, finals = buf.take()
+            tokens, logprobs, finals, checkpoints = buf.take()
             last_sent = time.perf_counter()
             for i in set(tokens) - first_token_seen:
                 first_token_seen.add(i)
@@ -409,6 +470,9 @@ class MTPReplica:
             msg: Dict[str, Any] = {"t": tokens} if tokens else {}
             if logprobs:
                 msg["lp"] = logprobs
+            if checkpoints:
+                msg["c"] = checkpoints
+                self._rows["checkpoints"] += len(checkpoints)
             if finals:
                 msg["f"] = {i: self._final(jobs[i], rows[i].generation_mode, fut) for i, fut in finals.items()}
                 for i, fin in msg["f"].items():
@@ -486,6 +550,12 @@ class MTPReplica:
         self._observe("prefill_tokens", max(0, prompt - cached))
         self._observe("prefix_queries", prompt)
         self._observe("prefix_hits", cached)
+        self._observe("prefix_requests", 1, {"hit": "true" if cached else "false"})
+        rows = self._rows
+        rows["finished"] += 1
+        rows["prefix_hits"] += bool(cached)
+        rows["prompt_tokens"] += prompt
+        rows["cached_tokens"] += cached
         if st.get("request_elapsed_s"):
             self._observe("e2e", float(st["request_elapsed_s"]))
         if n > 1 and st.get("decode_elapsed_s"):
@@ -510,7 +580,8 @@ class MTPReplica:
         if isinstance(exc, self._mtp_batch.MTPBatchServiceClosed):
             log.error("mtplx replica %s: request %s refused, the service is closed: %s", self.replica_id,
                       job.request_id, exc)
-            return {"kind": "unavailable", "retry_after_s": self.retry_after_s,
+            # the row itself is fine: the ingress resumes it on another replica from what it streamed
+            return {"kind": "unavailable", "retry_after_s": self.retry_after_s, "resumable": True,
                     "message": "This model replica is shutting down or failed; retry (a new replica is starting)"}
         log.error("mtplx replica %s: request %s failed", self.replica_id, job.request_id,
                   exc_info=(type(exc), exc, exc.__traceback__))
@@ -531,7 +602,9 @@ class MTPReplica:
         snap = self.service.snapshot()
         snap.update({"replica_id": self.replica_id, "node_id": self.node_id, "model_id": self.model.model_id,
                      "cohort_calls": self._cohorts_started, "stream_messages": self._stream_messages,
-                     "rss_bytes": _rss_bytes(), "mlx_memory": self._mlx_memory(),
+                     "rss_bytes": _rss_bytes(), "mlx_memory": self._mlx_memory(), "pid": os.getpid(),
+                     "prefix_cache": self._prefix_cache_stats(), "resumed_rows": self._rows["resumed"],
+                     "resumed_tokens": self._rows["resumed_tokens"], "checkpoints_sent": self._rows["checkpoints"],
                      "live_requests": len({j.request_id for lst in self._jobs.values() for j in lst}), "overload_rejections": self._overload_rejections,
                      "max_waiting_rows_per_key": self.max_waiting_rows_per_key,
                      # structured output: what the live rows' grammars hold, and llguidance's bounds
@@ -539,6 +612,24 @@ class MTPReplica:
                      # tokens/s over the last 5 s (None without metrics or before two samples)
                      "decode_tok_s_5s": self._monitor.decode_tok_s() if self._monitor is not None else None})
         return snap
+
+    def _prefix_cache_stats(self) -> dict:
+        """This replica's prefix-cache hit rates over the rows it finished: of its requests (a
+        row with any cached token is a hit) and of their prompt tokens; and its event log."""
+        r = self._rows
+        return {"requests": r["finished"], "requests_hit": r["prefix_hits"],
+                "request_hit_rate": r["prefix_hits"] / r["finished"] if r["finished"] else None,
+                "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
+                "token_hit_rate": r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else None,
+                **self.cache_log.stats()}
+
+    async def record_autoscaling_stats(self) -> Dict[str, float]:
+        """Serve's custom autoscaling metrics (`deployments.autoscaling`): the rows this replica
+        holds (decoding, prefilling, waiting) and the lane slots its widest lane offers."""
+        snap = self.service.snapshot()
+        live = sum(ln["live_rows"] for ln in snap["lanes"])
+        return {"rows": float(live + snap["waiting_rows"]), "waiting_rows": float(snap["waiting_rows"]),
+                "live_rows": float(live), "lane_slots": float(self.service.max_cohort_rows)}
 
     @staticmethod
     def _mlx_memory() -> dict:

@@ -77,12 +77,20 @@ def add_load_options(p) -> None:
                    help="comma-separated arms: temperatures (0 greedy) and `mixed`, the arm of per-request "
                         "temperature and top_p (default 0,0.6,mixed)")
     p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
-    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="closed-loop requests per arm at least, whatever the clients (12)")
+    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48; 0: none)")
     p.add_argument("--modes", default=None,
                    help="ours only: closed-loop arms twice per generation_mode (mirrored order; one client: "
                         "request by request), e.g. auto,mtp,ar")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="ours only: closed-loop arms without and with logprobs: K, alternated")
+    p.add_argument("--config", default=None,
+                   help="ours: the serve config to run (default serve_configs/config.yaml; --model still sets "
+                        "its model_path)")
+    p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
+                   help="also an arm of greedy requests one at a time with prompts of about N tokens "
+                        "(time to first token on long prompts)")
 
 
 def add_structured_options(p) -> None:
@@ -111,8 +119,10 @@ def main(argv=None):
     g.add_argument("--mode", choices=("mtp", "ar"), default="mtp")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak, structured, exactness")
-    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak", "structured", "exactness"))
+    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak, structured, exactness, "
+                                     "sessions")
+    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak", "structured", "exactness",
+                                    "sessions"))
     b.add_argument("--model", default=None)
     b.add_argument("--tokens", type=int, default=None, help="tokens a row (structured: max_tokens, 96)")
     b.add_argument("--prompts", type=int, default=8, help="solo, exactness: prompts; service, http: rows of the "
@@ -125,8 +135,10 @@ def main(argv=None):
                         "BENCHMARKS.md section")
     b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests; "
                                                         "soak: 100 requests, 15 s of overload; "
-                                                        "structured: 1 round of 4 s per arm")
-    b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved")
+                                                        "structured: 1 round of 4 s per arm; "
+                                                        "sessions: 1 run, power_of_two and affinity only")
+    b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved; sessions: runs "
+                                                       "of every arm, rotated")
     b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32; "
                                                    "structured --served: 1,8")
     b.add_argument("--direct-http", action="store_true", help="load, soak: clients call the ingress replica on its "

@@ -39,7 +39,10 @@ def model():
 TEST_API_KEY = "mtplx-test-key-0123456789"
 TEST_APP_ARGS = {"batch_wait_timeout_s": 0.25, "max_concurrent_batches": 4, "default_max_tokens": 64,
                  "max_waiting_rows": 24, "max_tokens_limit": 2000, "max_body_bytes": 256 * 1024,
-                 "replica_cpus": 1}
+                 "replica_cpus": 1,
+                 # rows of the one replica a test kills wait for its replacement, which takes longer
+                 # than the default minute to start on a loaded 2-core machine
+                 "failover_timeout_s": 180.0}
 AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import struct
+import time
 import types
 
 import pytest
@@ -190,6 +191,9 @@ def test_cli_options_reach_the_plan(monkeypatch):
     assert seen["command"] == "mtplx bench load --runs 2 --clients 1,8 --temperatures 0,1.0 --modes auto,mtp,ar"
     cli.main(["--quick"])
     assert seen["temperatures"] == (0.0,) and seen["command"] == "mtplx bench load --quick"
+    cli.main(["--runs", "1", "--min-requests", "4", "--open-requests", "0", "--long-prompt-tokens", "1000"])
+    assert seen["min_requests"] == 4 and seen["open_requests"] == 0 and seen["long_prompt_tokens"] == 1000
+    assert seen["command"] == "mtplx bench load --runs 1 --min-requests 4 --open-requests 0 --long-prompt-tokens 1000"
 
 
 def test_runs_with_other_arms_or_models_get_sections_of_their_own():
@@ -474,3 +478,30 @@ def test_wait_ready_takes_a_200_that_is_not_json_for_not_ready(tmp_path, not_jso
     finally:
         proc.proc.kill()
         proc.proc.wait()
+
+
+def test_peak_memory_reads_the_servers_own_processes(tmp_path):
+    """The peak resident memory of the processes a server started (its tag in their environment),
+    its child included; none of another process's."""
+    import sys
+
+    hold = "import sys, subprocess; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); " \
+           "subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    proc = servers.ServerProcess("fake", [sys.executable, "-c", hold, "64"], {}, tmp_path / "fake.log",
+                                 "http://127.0.0.1:1", "m", 15)
+    try:
+        deadline = time.monotonic() + 30
+        while (peak := proc.peak_memory_mb()) is None or peak["processes"] < 2:
+            assert time.monotonic() < deadline, peak
+            time.sleep(0.2)
+        assert peak["largest_process"] >= 64 and peak["all_processes"] > peak["largest_process"]
+    finally:
+        proc.stop(grace_s=1)
+
+
+def test_long_prompts_are_long_and_share_no_prefix():
+    from benchmarks.load.workload import CHARS_PER_TOKEN, long_prompt_for
+
+    prompts = [long_prompt_for(i, 1000) for i in range(4)]
+    assert all(len(p) >= 1000 * CHARS_PER_TOKEN for p in prompts)
+    assert len({p[:20] for p in prompts}) == 4

@@ -35,7 +35,7 @@ def test_series_names_are_valid_and_follow_vllm():
     # bounded labels only: nothing keyed by request, path or user text
     tag_keys = {k for table in (REPLICA_SERIES, INGRESS_SERIES) for *_, tags, _ in table.values() for k in tags}
     assert tag_keys <= {"position", "lane", "width", "kind", "generation_mode", "finish_reason", "route", "status",
-                        "reason", "sampling"}
+                        "reason", "sampling", "hit", "outcome"}
     # a lane's label is its route (the key is the model id now); an unknown route stays bounded
     assert [lane_route_label(ln) for ln in ({"key": "mtplx-tiny-py", "route": "mixed"},
                                             {"key": "m", "route": "user text"})] == ["mixed", "other"]
@@ -56,7 +56,8 @@ def test_dashboard_expressions_name_exported_series():
                  "ray_mtplx_lane_live_rows", "ray_mtplx_lane_cycle_time_seconds_bucket",
                  "ray_mtplx_time_to_first_token_seconds_bucket", "ray_mtplx_requests_finished_total",
                  "ray_mtplx_prefix_cache_hits_total", "ray_mtplx_spec_decode_acceptance_length_bucket",
-                 "ray_mtplx_running_lanes", "ray_mtplx_lane_rows"):
+                 "ray_mtplx_running_lanes", "ray_mtplx_lane_rows", "ray_mtplx_prefix_cache_requests_total",
+                 "ray_mtplx_routing_decisions_total", "ray_mtplx_rows_moved_total"):
         assert must in named, must
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     # lanes per route and their rows: an operator sees rows split over lanes

@@ -195,11 +195,18 @@ def test_a_replica_takes_its_cpus_and_moves_its_nodes_other_processes_off():
         raylet.wait()
 
 
-def test_a_cycles_tokens_wait_for_the_lane_steps_end():
-    """During a lane step a row's tokens past its first few wait for the step's end, so that the
-    step's draft and bonus token go out as one message; a row's first tokens and tokens pushed
-    outside a lane step go at once."""
+def test_a_cycles_tokens_go_with_their_checkpoint_and_wait_for_the_lane_steps_end():
+    """During a lane step a row's tokens wait for the row's checkpoint after them, and go out with
+    it: a message never carries a row's tokens past its last checkpoint (the ingress resumes the
+    row elsewhere from there). A row's first few tokens then go at once; its later ones wait for
+    the step's end, so that the step's draft and bonus token go out as one message. Tokens whose
+    checkpoint never came go at the step's end without one; tokens pushed outside a lane step go
+    at once."""
     from deployments.replica import URGENT_TOKENS, _CohortBuffer
+    from mtplx.api.rows import RowCheckpoint
+
+    def cp(n):
+        return RowCheckpoint(n, True, None, (0.5, True, 16, 0))
 
     async def go():
         in_step = [True]
@@ -209,15 +216,22 @@ def test_a_cycles_tokens_wait_for_the_lane_steps_end():
             await asyncio.sleep(0.01)     # the wake is scheduled thread-safely onto the loop
             return buf.event.is_set()
 
-        buf.push_tokens(0, list(range(URGENT_TOKENS)))          # first tokens: urgent, at once
+        buf.push_tokens(0, list(range(URGENT_TOKENS)))
+        assert not await woken()                                  # held for its checkpoint
+        buf.push_checkpoint(0, cp(URGENT_TOKENS))                 # first tokens: urgent, at once
         assert await woken() and buf.urgent_event.is_set()
-        assert buf.take()[0] == {0: list(range(URGENT_TOKENS))}
+        tokens, _, _, checkpoints = buf.take()
+        assert tokens == {0: list(range(URGENT_TOKENS))} and checkpoints == {0: cp(URGENT_TOKENS)}
         buf.push_tokens(0, [7], [(-0.5, ())])
         buf.push_tokens(0, [8], [(-0.25, ())])
+        buf.push_checkpoint(0, cp(URGENT_TOKENS + 2))
         assert not await woken()                                  # mid-step: held
         buf.lane_step_ended()
         assert await woken() and not buf.urgent_event.is_set()
-        assert buf.take()[:2] == ({0: [7, 8]}, {0: [(-0.5, ()), (-0.25, ())]})
+        assert buf.take() == ({0: [7, 8]}, {0: [(-0.5, ()), (-0.25, ())]}, {}, {0: cp(URGENT_TOKENS + 2)})
+        buf.push_tokens(0, [5])
+        buf.lane_step_ended()                                     # no checkpoint came: without one
+        assert await woken() and buf.take() == ({0: [5]}, {}, {}, {})
         buf.lane_step_ended()                                     # nothing held: no wake
         assert not await woken()
         in_step[0] = False

@@ -8,8 +8,9 @@ from typing import Callable, Dict, List, Optional
 
 from benchmarks.load.clients import closed_loop, open_loop
 from benchmarks.load.summary import cycle_breakdown, drafting, lane_occupancy, summarize_arm
-from benchmarks.load.workload import (LONG_EVERY, OPEN_LOOP_LOAD, Arm, arm_label, closed_loop_requests,
-                                      poisson_arrivals, request_body)
+from benchmarks.load.workload import (LONG_ARM_REQUESTS, LONG_ARM_TOKENS, LONG_EVERY, OPEN_LOOP_LOAD, Arm,
+                                      arm_label, closed_loop_requests, long_prompt_for, poisson_arrivals,
+                                      request_body)
 from benchmarks.servers import ServerProcess, snapshot, snapshot_with
 
 
@@ -39,6 +40,8 @@ def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[Arm, O
             arms[key], rows_by_arm[key] = _timed_arm(server, lambda at_drain: closed_loop(server.url, bodies, n,
                                                                                           at_drain))
             log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])}")
+        if not plan["open_requests"]:
+            continue
         rate = open_rate.get(t)
         if rate is None:
             capacity_arm = f"{label}/closed-{plan['capacity_clients']}"
@@ -50,7 +53,23 @@ def run_turn(server: ServerProcess, plan: dict, run: int, open_rate: Dict[Arm, O
         arms[key], rows_by_arm[key] = _timed_arm(server, lambda _: open_loop(server.url, bodies, arrivals))
         arms[key]["offered_req_s"] = rate
         log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])} (offered {rate:.2f} req/s)")
+    if plan.get("long_prompt_tokens"):
+        key = f"{arm_label(0.0)}/long-{plan['long_prompt_tokens']}"
+        arms[key], rows_by_arm[key] = _long_prompt_arm(server, plan["long_prompt_tokens"], send_seed)
+        log(f"  {server.kind:4s} {key:18s} {_brief(arms[key])} (prompt tokens {arms[key]['prompt_tokens_p50']})")
     return {"arms": arms, "rows": rows_by_arm, "rates": rates}
+
+
+def _long_prompt_arm(server: ServerProcess, tokens: int, send_seed: bool) -> tuple:
+    """Time to first token on prompts of about `tokens` tokens: greedy requests one at a time,
+    after one unmeasured request of that length (its prefill shapes compiled, its caches grown)."""
+    def body(i):
+        return {**request_body(i, 0.0, server.model, send_seed), "prompt": long_prompt_for(i, tokens),
+                "max_tokens": LONG_ARM_TOKENS}
+
+    asyncio.run(closed_loop(server.url, [body(LONG_ARM_REQUESTS)], 1))
+    bodies = [body(i) for i in range(LONG_ARM_REQUESTS)]
+    return _timed_arm(server, lambda at_drain: closed_loop(server.url, bodies, 1, at_drain))
 
 
 def run_mode_arms(server: ServerProcess, plan: dict, run: int, log: Callable[[str], None]) -> dict:

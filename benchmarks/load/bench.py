@@ -24,6 +24,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                temperatures: Iterable[float] = DEFAULT_TEMPERATURES, per_client: int = 6, min_requests: int = 12,
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
                modes: Iterable[str] = (), logprobs: Optional[int] = None, direct_http: bool = False,
+               long_prompt_tokens: Optional[int] = None, config: Optional[str] = None,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
     started = time.time()
@@ -37,7 +38,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     plan = {"clients": clients, "temperatures": temperatures, "per_client": per_client,
             "min_requests": min_requests, "open_requests": open_requests, "seed": seed,
             "capacity_clients": capacity_clients, "modes": list(modes), "logprobs": logprobs,
-            "direct_http": direct_http}
+            "direct_http": direct_http, "long_prompt_tokens": long_prompt_tokens, "config": config}
     record = {"bench": "load", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "model": str(model_path) if model_path else "shipped", "runs": runs, "plan": plan,
               "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
@@ -56,18 +57,20 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                               ready_timeout_s)
             try:
                 p = run_turn(peer, plan, run, {}, send_seed=False, log=log)
+                result["peer_peak_memory_mb"] = peer.peak_memory_mb()
             finally:
                 result["peer_stop"] = peer.stop()
             record["peer"] = peer.info
             log(f"run {run + 1}/{runs}: ours (serve run)")
             ours = start_ours(model_path, out_dir / "logs" / f"load-{stamp}-ours-{run}.log", work, ready_timeout_s,
-                              direct_http=direct_http)
+                              direct_http=direct_http, config=Path(config).resolve() if config else None)
             try:
                 o = run_turn(ours, plan, run, p["rates"], send_seed=True, log=log)
                 if plan["modes"]:
                     result["ours_modes"] = run_mode_arms(ours, plan, run, log)
                 if plan["logprobs"] is not None:
                     result["ours_logprobs"] = run_logprob_arms(ours, plan, run, log)
+                result["ours_peak_memory_mb"] = ours.peak_memory_mb()
             finally:
                 result["ours_stop"] = ours.stop()
             record["ours"] = ours.info
@@ -76,6 +79,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                           loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
             record["per_run"].append(result)
     record["summary"] = summarize_runs(record["per_run"])
+    record["peak_memory_mb"] = {side: max((r[f"{side}_peak_memory_mb"] or {}).get("largest_process", 0)
+                                          for r in record["per_run"]) or None for side in ("ours", "peer")}
     record["mixed"] = summarize_mixed(record["summary"])
     record["modes"] = summarize_modes(record["per_run"])
     record["logprobs"] = summarize_logprobs(record["per_run"])

@@ -13,7 +13,9 @@ from benchmarks.load.workload import DEFAULT_CLIENTS, DEFAULT_TEMPERATURES, pars
 def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, model: Optional[str] = None,
             json_out: bool = False, per_client: Optional[int] = None, open_requests: Optional[int] = None,
             modes: Optional[str] = None, logprobs: Optional[int] = None,
-            temperatures: Optional[str] = None, direct_http: bool = False) -> dict:
+            temperatures: Optional[str] = None, direct_http: bool = False,
+            long_prompt_tokens: Optional[int] = None, min_requests: Optional[int] = None,
+            config: Optional[str] = None) -> dict:
     """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
@@ -24,7 +26,9 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
         opts["clients"] = [int(c) for c in clients.split(",")]
     if per_client:
         opts["per_client"] = per_client
-    if open_requests:
+    if min_requests:
+        opts["min_requests"] = min_requests
+    if open_requests is not None:
         opts["open_requests"] = open_requests
     if temperatures:
         opts["temperatures"] = parse_temperatures(temperatures)
@@ -32,15 +36,18 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
         opts["modes"] = [m.strip() for m in modes.split(",")]
     if logprobs is not None:
         opts["logprobs"] = logprobs
-    record = bench_load(model_dir=model, direct_http=direct_http, **opts)
+    record = bench_load(model_dir=model, direct_http=direct_http, long_prompt_tokens=long_prompt_tokens,
+                        config=config, **opts)
     record["quick"] = quick
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
         (f" --clients {clients}" if clients else "") + (f" --temperatures {temperatures}" if temperatures else "") + \
-        (f" --model {model}" if model else "") + \
+        (f" --model {model}" if model else "") + (f" --config {config}" if config else "") + \
         (f" --requests-per-client {per_client}" if per_client else "") + \
-        (f" --open-requests {open_requests}" if open_requests else "") + \
+        (f" --min-requests {min_requests}" if min_requests else "") + \
+        (f" --open-requests {open_requests}" if open_requests is not None else "") + \
         (f" --modes {modes}" if modes else "") + (f" --logprobs {logprobs}" if logprobs is not None else "") + \
-        (" --direct-http" if direct_http else "")
+        (" --direct-http" if direct_http else "") + \
+        (f" --long-prompt-tokens {long_prompt_tokens}" if long_prompt_tokens else "")
     out = write_outputs(record, command)
     if json_out:
         print(json.dumps(record, default=str), flush=True)
@@ -73,5 +80,6 @@ def main(argv=None) -> int:
             p.error(str(exc))
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
             per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
-            logprobs=a.logprobs, temperatures=a.temperatures, direct_http=a.direct_http)
+            logprobs=a.logprobs, temperatures=a.temperatures, direct_http=a.direct_http,
+            long_prompt_tokens=a.long_prompt_tokens, min_requests=a.min_requests, config=a.config)
     return 0

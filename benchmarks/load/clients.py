@@ -13,7 +13,7 @@ async def _one_request(client, index: int, body: dict) -> dict:
     """Stream one completion; times are from just before the request is sent."""
     t0 = time.perf_counter()
     row = {"index": index, "error": None, "ttft": None, "itl": None, "e2e": None, "tokens": 0, "text": "",
-           "gaps": []}
+           "gaps": [], "prompt_tokens": None}
     times, pieces, usage_tokens = [], [], None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -30,6 +30,7 @@ async def _one_request(client, index: int, body: dict) -> dict:
                     return row
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    row["prompt_tokens"] = obj["usage"].get("prompt_tokens")
                 text = (obj.get("choices") or [{}])[0].get("text")
                 if text:
                     times.append(time.perf_counter())

@@ -150,12 +150,28 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
         "identical: same completion text on both servers for the same request index, summed over runs",
         "(one leading space ignored: mlx-lm's streaming detokenizer drops it); in the mixed arm over its",
         "temperature-0 requests only.",
+        *_long_and_memory_lines(record),
         "",
         table,
         "",
         f"![bench load]({image})",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _long_and_memory_lines(record: dict) -> List[str]:
+    """The long-prompt arm's description and each server's peak memory, when the run has them."""
+    lines = []
+    tokens = record["plan"].get("long_prompt_tokens")
+    if tokens:
+        lines.append(f"Long prompts (`{arm_label(0.0)}/long-{tokens}`): greedy requests one at a time, prompts of "
+                     f"about {tokens} tokens sharing no prefix, 8 tokens each, after one unmeasured request of that "
+                     "length; its TTFT is the time to first token on a long prompt.")
+    peak = record.get("peak_memory_mb") or {}
+    if any(peak.values()):
+        lines.append(f"Peak resident memory (VmHWM of the largest process, most of any run): ours "
+                     f"{_fmt(peak.get('ours'))} MB, mlx_lm.server {_fmt(peak.get('peer'))} MB.")
+    return [""] + lines if lines else []
 
 
 def _mixed_lines() -> List[str]:

@@ -40,6 +40,7 @@ def summarize_arm(rows: List[dict], wall_s: float) -> dict:
         "itl_p50_s": percentile((r["itl"] for r in ok), 50), "itl_p95_s": percentile((r["itl"] for r in ok), 95),
         "chunk_gap_p50_s": percentile(gaps, 50), "chunk_gap_p95_s": percentile(gaps, 95),
         "e2e_p50_s": percentile((r["e2e"] for r in ok), 50), "e2e_p95_s": percentile((r["e2e"] for r in ok), 95),
+        "prompt_tokens_p50": percentile((r.get("prompt_tokens") for r in ok), 50),
     }
 
 

@@ -55,6 +55,19 @@ def prompt_for(index: int) -> str:
     return SNIPPETS[index % n]
 
 
+LONG_ARM_REQUESTS, LONG_ARM_TOKENS = 4, 8     # the long-prompt arm: requests, max_tokens each
+CHARS_PER_TOKEN = 3     # about, for these code snippets under the tokenizers benched (usage reports the truth)
+
+
+def long_prompt_for(index: int, tokens: int) -> str:
+    """A prompt of about `tokens` tokens: snippets from one rotated by `index` on, repeated as
+    needed (prompts of different indices share no prefix)."""
+    n, parts = len(SNIPPETS), []
+    while sum(len(p) for p in parts) < tokens * CHARS_PER_TOKEN:
+        parts.append(SNIPPETS[(index + len(parts)) % n])
+    return "\n\n\n".join(parts)
+
+
 def budget_for(index: int) -> int:
     """`max_tokens` of request `index`: 16..256, a fixed permutation (97 is coprime to 241), so
     any run of consecutive indices spreads over the whole range."""

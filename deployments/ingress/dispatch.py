@@ -1,19 +1,34 @@
-"""The ingress's side of the replicas: the `@serve.batch` window (one cohort call per window to
-one replica, its per-row updates demultiplexed back into the rows' batch slots), row
-cancellation pinned to the replica running the row, and calls fanned out to every replica."""
+"""The ingress's side of the replicas: the `@serve.batch` window (its rows grouped by the replica
+the routing policy chose for each, one cohort call per replica, every call's per-row updates
+demultiplexed back into the rows' batch slots), rows that move when their replica goes away, row
+cancellation pinned to the replica running the row, and calls fanned out to every replica.
+
+A row's replica may die (a crash, `kill -9`, a node lost) or shut down under it (scaled down,
+replaced by a config update, past its grace period). Its stream brought every token the client
+has, each followed by the row's checkpoint after it (`mtplx.api.rows.RowCheckpoint`), so the row
+is re-admitted on another replica from its prompt plus those tokens (`RowSpec.resume_tokens`):
+the client's stream goes on with no token lost or repeated, and a greedy or seeded row's text is
+what it would have been (`mtplx.scheduler.lane_rows.resume_from`). A row moves at most
+`MAX_MOVES` times, and only while another replica takes it within `failover_timeout_s`; past
+that it ends with a 503 (a row its client left, or ended with a stop string, is not moved)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
-from ..router import PIN_KWARG, known_replicas
+from mtplx.api.rows import RowCheckpoint, RowSpec
+
+from ..router import AVOID_KWARG, DEFAULT_LOAD_FACTOR, PIN_KWARG, AffinityPolicy, known_replicas
 from .admission import WaitingBound
 from .pending import DISCONNECT, STOP_STRING, PendingRow
 
@@ -24,8 +39,10 @@ _REPLICA_REASON = {DISCONNECT: "cancelled", STOP_STRING: "stop_string"}
 
 _SHUTTING_DOWN = {"kind": "unavailable", "message": "the server is shutting down; retry"}
 _REPLICA_FAILED = {"kind": "unavailable",
-                   "message": "The model replica serving this request failed; retry (a new replica is starting)"}
+                   "message": "The model replica serving this request failed and no other took it over; retry"}
 _NO_RESULT = {"kind": "internal", "message": "the replica ended the cohort without a result"}
+MAX_MOVES = 3                        # replicas a row may lose before it ends with a 503
+DEFAULT_FAILOVER_TIMEOUT_S = 60.0    # how long a moving row waits for a replica to take it
 
 
 def detached(coro):
@@ -42,11 +59,34 @@ async def call(handle, *args, timeout_s: float = 30.0, **kwargs):
     return await asyncio.wait_for(detached(go()), timeout=timeout_s)
 
 
+@dataclass
+class _Row:
+    """One row of a cohort as the dispatcher follows it, across replicas if it must move."""
+    pending: PendingRow
+    slot: int
+    tokens: list = field(default_factory=list)       # every token its client has been sent (ids)
+    checkpoint: Optional[RowCheckpoint] = None       # its state after exactly `tokens` (None: unknown)
+    replica: Optional[str] = None                    # the replica it is counted on (load)
+    done: bool = False
+    move: bool = False                               # its replica went away: resume it elsewhere
+    error: Optional[dict] = None
+
+    def spec(self) -> RowSpec:
+        """What the replica gets: the row, resuming after its tokens when it has any."""
+        spec = self.pending.spec
+        if not self.tokens:
+            return spec
+        return dataclasses.replace(spec, resume_tokens=tuple(self.tokens), checkpoint=self.checkpoint,
+                                   prefill_group=None)
+
+
 class ReplicaDispatcher:
     """Sends windows of rows to the model replicas and routes what comes back."""
 
     def __init__(self, replica, bound: WaitingBound, stats: dict, metric: Callable, *, retry_after_s: float,
-                 max_batch_size: int, batch_wait_timeout_s: float, max_concurrent_batches: int):
+                 max_batch_size: int, batch_wait_timeout_s: float, max_concurrent_batches: int,
+                 routing: str = "affinity", load_factor: float = DEFAULT_LOAD_FACTOR,
+                 failover_timeout_s: float = DEFAULT_FAILOVER_TIMEOUT_S):
         self._replica = replica
         self._replica_stream = replica.options(stream=True)
         self.replica_name = getattr(replica, "deployment_name", "MTPReplica")
@@ -54,10 +94,12 @@ class ReplicaDispatcher:
         self._stats = stats
         self._metric = metric
         self.retry_after_s = retry_after_s
+        self.failover_timeout_s = float(failover_timeout_s)
+        self.policy = AffinityPolicy(self.replica_name, routing, load_factor)
         # a row's batch slot: `async for update in dispatcher.rows(row)`
         self.rows = serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=batch_wait_timeout_s,
                                 max_concurrent_batches=max_concurrent_batches)(self._cohort_batch)
-        self.row_replica: Dict[str, str] = {}    # row id -> replica running its cohort (while the call runs)
+        self.row_replica: Dict[str, str] = {}    # row id -> replica running it (while it runs)
         self._background: set = set()
 
     def spawn(self, coro) -> asyncio.Task:
@@ -71,20 +113,22 @@ class ReplicaDispatcher:
         task.add_done_callback(self._background.discard)
 
     # ------------------------------------------------------------------------------------------
-    # The batch window: one call per window, demultiplexed per row
+    # The batch window: one call per target replica, demultiplexed per row
 
     async def _cohort_batch(self, rows: List[PendingRow]):
         queue: asyncio.Queue = asyncio.Queue()
         live = self._open_window(rows, queue)
-        # The whole window goes to one replica as one call; there each row joins the running lane
-        # of its compatibility key (the one place rows are grouped by key).
-        task = detached(self._drive_cohort([rows[i] for i in live], live, queue)) if live else None
+        # Each replica's rows go as one call; there each row joins the running lane of its
+        # compatibility key (the one place rows are grouped by key).
+        tasks = [detached(self._drive_cohort([_Row(rows[s], s) for s in slots], queue, target))
+                 for target, slots in self._by_replica(rows, live)]
         try:
             async for out in _demultiplex(queue, len(rows)):
                 yield out
         finally:
-            if task is not None and not task.done():
-                task.cancel()
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
 
     def _open_window(self, rows: List[PendingRow], queue: asyncio.Queue) -> List[int]:
         """Mark the window's rows started; a row whose client left before dispatch is dropped here.
@@ -102,55 +146,183 @@ class ReplicaDispatcher:
         _count(self._stats["batch_size_histogram"], len(rows))
         return live
 
+    def _by_replica(self, rows: List[PendingRow], live: List[int]) -> list:
+        """The window's live slots grouped by the replica the routing policy chose for each row
+        (None: Serve's choice); the rows of one request (n > 1) go together (one prefill)."""
+        pending, groups, of_request = Counter(), {}, {}
+        for slot in live:
+            spec = rows[slot].spec
+            group = spec.prefill_group
+            if group is not None and group in of_request:
+                target = of_request[group]
+            else:
+                route = self.policy.route(rows[slot].session, spec.prompt_ids, spec.cache_salt, pending)
+                self.policy.decided(route)
+                self._metric("routes", 1, {"reason": route.reason})
+                target = route.replica
+                if group is not None:
+                    of_request[group] = target
+            if target is not None:
+                pending[target] += 1
+            groups.setdefault(target, []).append(slot)
+        return list(groups.items())
+
     def dropped_unsent(self, row: PendingRow) -> None:
         """Serve dropped the row from its window before the window started (its caller left)."""
         self._stats["rows_dropped_before_dispatch"] += 1
         self.bound.row_leaves_wait(row)
 
-    async def _drive_cohort(self, rows: List[PendingRow], slots: List[int], queue: asyncio.Queue) -> None:
+    async def _drive_cohort(self, rows: List[_Row], queue: asyncio.Queue, target: Optional[str]) -> None:
+        """The rows' cohort call, and the calls that take over the rows whose replica went away."""
         self._stats["cohorts"] += 1
         _count(self._stats["cohort_size_histogram"], len(rows))
         self._metric("cohorts")
         self._metric("cohort_size", len(rows))
-        done: set = set()
-        error: Optional[dict] = None
         try:
-            async for msg in self._replica_stream.run_cohort.remote([row.spec for row in rows]):
-                self._route_message(msg, rows, slots, queue, done)
+            await self._call_until_done(rows, queue, target)
         except asyncio.CancelledError:
-            error = _SHUTTING_DOWN
+            for r in rows:
+                r.error = r.error or _SHUTTING_DOWN
             raise
-        except BackPressureError as exc:
-            error = {"kind": "overloaded", "retry_after_s": self.retry_after_s,
-                     "message": "The model replicas' queues are full; retry later"}
-            log.warning("mtplx ingress: replica queue full for rows %s: %s", [r.request_id for r in rows], exc)
-        except Exception:
-            log.exception("mtplx ingress: the cohort stream of rows %s failed", [r.request_id for r in rows])
-            error = _REPLICA_FAILED
         finally:
-            for i, row in enumerate(rows):
-                self.row_replica.pop(row.request_id, None)
-                if i not in done:
-                    queue.put_nowait((slots[i], ("error", error or _NO_RESULT)))
+            for r in rows:
+                self.row_replica.pop(r.pending.request_id, None)
+                if not r.done:
+                    self._unplace(r)
+                    queue.put_nowait((r.slot, ("error", r.error or (_REPLICA_FAILED if r.move else _NO_RESULT))))
 
-    def _route_message(self, msg: dict, rows: List[PendingRow], slots: List[int], queue: asyncio.Queue,
-                       done: set) -> None:
-        """One message of the cohort stream: {"replica": id} first, then tokens ("t", with "lp"
-        when rows asked for log-probabilities) and finals ("f") keyed by the row's index."""
+    async def _call_until_done(self, rows: List[_Row], queue: asyncio.Queue, target: Optional[str]) -> None:
+        """Call again with the rows that must move, away from the replicas that failed them, while
+        moves and the failover time last."""
+        avoid: List[str] = []
+        deadline: Optional[float] = None
+        todo, moves = rows, 0
+        while todo:
+            failed = await self._call(todo, queue, target, avoid, deadline)
+            moving = [r for r in todo if r.move and not r.done]
+            if not moving:
+                return
+            moves += 1
+            if failed is not None:
+                avoid.append(failed)
+            deadline = deadline or time.monotonic() + self.failover_timeout_s
+            if moves > MAX_MOVES or time.monotonic() >= deadline:
+                self._moved(moving, "failed")
+                return
+            self._moved(moving, "resumed")
+            if failed is None:          # which replica failed is unknown: give Serve a moment
+                await asyncio.sleep(0.5)
+            todo, target = moving, None
+
+    def _moved(self, rows: List[_Row], outcome: str) -> None:
+        key = "rows_moved" if outcome == "resumed" else "row_moves_failed"
+        self._stats[key] += len(rows)
+        self._metric("rows_moved", len(rows), {"outcome": outcome})
+        for r in rows:
+            if outcome == "resumed":
+                r.move = False
+            else:
+                r.error = _REPLICA_FAILED
+        log.warning("mtplx ingress: %d rows %s after their replica went away: %s", len(rows), outcome,
+                    [(r.pending.request_id, len(r.tokens)) for r in rows])
+
+    async def _call(self, rows: List[_Row], queue: asyncio.Queue, target: Optional[str], avoid: List[str],
+                    deadline: Optional[float]) -> Optional[str]:
+        """One cohort call of `rows` (to `target`, never to a replica in `avoid`), its messages
+        routed to the rows' slots. A call that failed marks its open rows to move (a replica that
+        shut down under a row says so in the row's final); returns the replica they leave. A
+        call with a `deadline` (rows moving) fails when no replica takes it by then."""
+        replica: List[Optional[str]] = [None]
+        stream = self._replica_stream.run_cohort.remote([r.spec() for r in rows], **self._call_kwargs(target, avoid))
+        try:
+            if deadline is not None:      # the first message says a replica took the rows
+                first = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+                self._route_message(first, rows, replica, queue)
+            async for msg in stream:
+                self._route_message(msg, rows, replica, queue)
+        except StopAsyncIteration:
+            pass
+        except BackPressureError as exc:
+            self._overloaded(rows, exc)
+        except Exception as exc:     # the replica died or left (a timeout: no replica took the rows)
+            stream.cancel()
+            self._lost(rows, replica[0] or target, exc)
+        return (replica[0] or target) if any(r.move for r in rows) else None
+
+    def _call_kwargs(self, target: Optional[str], avoid: List[str]) -> Dict[str, Any]:
+        """A cohort call's keywords: how far this ingress has read each replica's prefix-cache
+        events, and the router's pin and replicas to avoid."""
+        kwargs: Dict[str, Any] = {"cache_seen": self.policy.index.seqs()}
+        if target is not None:
+            kwargs[PIN_KWARG] = target
+        if avoid:
+            kwargs[AVOID_KWARG] = list(avoid)
+        return kwargs
+
+    def _overloaded(self, rows: List[_Row], exc: Exception) -> None:
+        log.warning("mtplx ingress: replica queue full for rows %s: %s", [r.pending.request_id for r in rows], exc)
+        for r in rows:
+            r.error = r.error or {"kind": "overloaded", "retry_after_s": self.retry_after_s,
+                                  "message": "The model replicas' queues are full; retry later"}
+
+    def _lost(self, rows: List[_Row], replica: Optional[str], exc: Exception) -> None:
+        """The call's replica went away: its open rows move, unless their client left."""
+        log.warning("mtplx ingress: the cohort call of rows %s on replica %s failed: %s: %s",
+                    [r.pending.request_id for r in rows], replica, type(exc).__name__, exc)
+        self._stats["replica_failures"] += 1
+        for r in rows:
+            if not r.done:
+                self._unplace(r)
+                r.move = not r.pending.ended_early
+                r.error = None if r.move else _REPLICA_FAILED
+
+    def _route_message(self, msg: dict, rows: List[_Row], replica: list, queue: asyncio.Queue) -> None:
+        """One message of a cohort stream: {"replica": id} first, then tokens ("t", with "lp" when
+        rows asked for log-probabilities), checkpoints ("c") and finals ("f"), keyed by the row's
+        index in the call; any may carry prefix-cache events ("pc")."""
         if "replica" in msg:
-            for row in rows:
-                self.row_replica[row.request_id] = msg["replica"]
-                if row.ended_early:       # it ended while its call was on the way
-                    self._send_cancel(row.request_id, msg["replica"], _REPLICA_REASON[row.ended_early])
-            return
+            replica[0] = msg["replica"]
+            self._placed(rows, msg["replica"])
+        if "pc" in msg and replica[0] is not None:
+            self.policy.index.apply(replica[0], msg["pc"])
         logprobs = msg.get("lp") or {}
         for i, tokens in (msg.get("t") or {}).items():
-            if i not in done:
-                queue.put_nowait((slots[i], ("tokens", tokens, logprobs.get(i))))
+            r = rows[i]
+            if not r.done:
+                r.tokens.extend(tokens)
+                r.checkpoint = None
+                queue.put_nowait((r.slot, ("tokens", tokens, logprobs.get(i))))
+        for i, cp in (msg.get("c") or {}).items():
+            r = rows[i]
+            r.checkpoint = cp if cp.tokens == len(r.tokens) else None
         for i, final in (msg.get("f") or {}).items():
-            if i not in done:
-                done.add(i)
-                queue.put_nowait((slots[i], ("error", final["error"]) if "error" in final else ("final", final)))
+            self._final(rows[i], final, queue)
+
+    def _placed(self, rows: List[_Row], replica: str) -> None:
+        """A replica took the rows: they count on it, cancels go there, sessions follow."""
+        live = [r for r in rows if not r.done]
+        for r in live:
+            r.replica = replica
+            self.row_replica[r.pending.request_id] = replica
+            if r.pending.ended_early:       # it ended while its call was on the way
+                self._send_cancel(r.pending.request_id, replica, _REPLICA_REASON[r.pending.ended_early])
+        self.policy.placed(replica, len(live), [r.pending.session for r in live])
+
+    def _unplace(self, r: _Row) -> None:
+        self.policy.left(r.replica)
+        r.replica = None
+
+    def _final(self, r: _Row, final: dict, queue: asyncio.Queue) -> None:
+        if r.done:
+            return
+        self._unplace(r)
+        error = final.get("error")
+        if error is not None and error.get("resumable") and not r.pending.ended_early:
+            r.move = True           # its replica is shutting down: the row goes on elsewhere
+            return
+        r.done = True
+        self.row_replica.pop(r.pending.request_id, None)
+        queue.put_nowait((r.slot, ("error", error) if error is not None else ("final", final)))
 
     # ------------------------------------------------------------------------------------------
     # Rows that end here: a client that left, a stop string that matched

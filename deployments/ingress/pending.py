@@ -16,13 +16,15 @@ STOP_STRING = "stop_string"         # a stop string matched: a normal stop, not 
 @dataclass
 class PendingRow:
     """`spec`, and when its HTTP request arrived and its batch started, whether it counts as
-    waiting for a batch, and why it ended early (DISCONNECT, STOP_STRING), if it did."""
+    waiting for a batch, why it ended early (DISCONNECT, STOP_STRING), if it did, and its
+    session for affinity routing (`deployments.router.session_key`; None: none)."""
 
     spec: RowSpec
     http_received_at: float
     batch_started_at: Optional[float] = None
     waiting_here: bool = False
     ended_early: Optional[str] = None
+    session: Optional[str] = None
 
     @property
     def request_id(self) -> str:

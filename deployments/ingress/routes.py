@@ -116,6 +116,7 @@ class RequestContext:
     client_id: Optional[str] = None
     caller: Optional[str] = None        # a digest of the caller's API key (`auth.caller_digest`); None: no key
     authenticated: bool = False         # carries a valid key, or no key is configured
+    session: Optional[str] = None       # the x-session-id header (affinity routing: deployments.router)
 
     @property
     def anthropic(self) -> bool:
@@ -130,6 +131,16 @@ class RequestContext:
             raise oa.invalid_request(f"The {REQUEST_ID_HEADER} header must be 1-128 printable ASCII characters "
                                      f"without spaces", param=REQUEST_ID_HEADER)
         self.client_id = value
+
+    def read_session(self, request: Request, header: str) -> None:
+        """The client's session header, if any (1-128 printable ASCII characters, like an id)."""
+        value = request.headers.get(header)
+        if value is None:
+            return
+        if not _CLIENT_ID_OK.match(value):
+            raise oa.invalid_request(f"The {header} header must be 1-128 printable ASCII characters without spaces",
+                                     param=header)
+        self.session = value
 
     def headers(self) -> Dict[str, str]:
         out = {REQUEST_ID_HEADER: self.rid}

@@ -39,7 +39,8 @@ from ..metrics import INGRESS_SERIES, make_metrics, record
 from .admission import Admission, WaitingBound
 from .auth import BrowserGuard, auth_summary, authorize, cache_partition, caller_digest, load_api_keys
 from .constraints import ConstraintChecker
-from .dispatch import ReplicaDispatcher, call
+from ..router import DEFAULT_LOAD_FACTOR, SESSION_HEADER, session_key
+from .dispatch import DEFAULT_FAILOVER_TIMEOUT_S, ReplicaDispatcher, call
 from .formats import AnthropicFormat, ChatFormat, CompletionFormat, choices_response, choices_sse
 from .model_files import load_model_metadata, load_tokenizer, resolve_model_dir
 from .pending import PendingRow
@@ -60,7 +61,8 @@ INGRESS_DEFAULTS = {
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
     "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
     "max_tool_calls": DEFAULT_MAX_TOOL_CALLS, "responses_store": "sqlite", "responses_store_path": DEFAULT_STORE_PATH,
-    "responses_store_max_age_s": 30 * 24 * 3600.0,
+    "responses_store_max_age_s": 30 * 24 * 3600.0, "routing": "affinity", "affinity_load_factor": DEFAULT_LOAD_FACTOR,
+    "failover_timeout_s": DEFAULT_FAILOVER_TIMEOUT_S,
 }
 # Work on a request's prompt (parse, chat template, tokenize) below this size runs on the event
 # loop: a thread hop would cost more. Above it, in `PROMPT_THREADS` threads, so that one large
@@ -120,12 +122,13 @@ class OpenAIIngress:
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
                        "cohort_size_histogram": {}, "row_cancels": 0, "stop_string_stops": 0, "errors": 0,
                        "rejected_overload": 0, "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0,
-                       "replica_health_checks": 0}
+                       "replica_health_checks": 0, "replica_failures": 0, "rows_moved": 0, "row_moves_failed": 0}
         self._metrics = make_metrics(INGRESS_SERIES, log) if cfg["metrics"] else None
         self.dispatch = ReplicaDispatcher(
             replica, self.bound, self._stats, self._metric, retry_after_s=self.bound.retry_after_s,
             max_batch_size=self.max_batch_size, batch_wait_timeout_s=self.batch_wait_timeout_s,
-            max_concurrent_batches=self.max_concurrent_batches)
+            max_concurrent_batches=self.max_concurrent_batches, routing=cfg["routing"],
+            load_factor=cfg["affinity_load_factor"], failover_timeout_s=cfg["failover_timeout_s"])
         self.constraints = ConstraintChecker()
         self.responses_store = self._open_store(cfg)
         self._router = self._routes()
@@ -243,6 +246,7 @@ class OpenAIIngress:
 
     async def _handle(self, request: Request, found, ctx: RequestContext) -> Response:
         ctx.read_client_id(request)
+        ctx.read_session(request, SESSION_HEADER)
         self.guard.check(request)
         if found.open:     # served without a key; a valid one still says who calls (/health's details)
             try:
@@ -420,8 +424,9 @@ class OpenAIIngress:
         received_at = time.time() - (time.perf_counter() - t0)
         self._stats["requests"] += 1
         rows = self._choice_rows(req, spec) if req.requested_rows > 1 else [spec]
-        formats = [answer(RowStream(self, PendingRow(s, received_at), req, response_id=ctx.rid, t0=t0,
-                                    client_id=ctx.client_id, route=route or answer.name, plan=plan))
+        session = session_key(ctx.session, getattr(req, "user", None), ctx.caller)
+        formats = [answer(RowStream(self, PendingRow(s, received_at, session=session), req, response_id=ctx.rid,
+                                    t0=t0, client_id=ctx.client_id, route=route or answer.name, plan=plan))
                    for s in rows]
         place.hand_over(f.run for f in formats)
         if len(formats) > 1:
@@ -629,7 +634,8 @@ class OpenAIIngress:
                   "rows_in_flight": len(self.dispatch.row_replica), "rows_waiting": self.bound.waiting_rows,
                   "requests_admitting": self.bound.admitting, "max_waiting_rows": self.bound.max_waiting_rows,
                   "batch_size_histogram": dict(self._stats["batch_size_histogram"]),
-                  "cohort_size_histogram": dict(self._stats["cohort_size_histogram"])})
+                  "cohort_size_histogram": dict(self._stats["cohort_size_histogram"]),
+                  "routing": self.dispatch.policy.snapshot()})
         return s
 
     async def _cancel(self, request: Request, ctx: RequestContext) -> Response:

@@ -49,10 +49,28 @@ def speculation(generation_mode: str) -> tuple:
 
 
 @dataclass(frozen=True)
+class RowCheckpoint:
+    """A live row's state after its first `tokens` tokens, as the replica streams it beside them
+    (the engine's `RowMark` in plain values): whether its last token is still to be fed, its RNG
+    state (numpy's PCG64 state dict; None for a greedy row) and its drafting policy. With the
+    row's prompt and those tokens it re-admits the row on any replica, continuing with the draws
+    it would have made (`RowSpec.resume_tokens`)."""
+
+    tokens: int
+    pending: bool
+    rng_state: Optional[dict]
+    policy: tuple           # (acceptance estimate, drafting, probe period, cycles to the next probe)
+
+
+@dataclass(frozen=True)
 class RowSpec:
     """One completion row as the scheduler needs it: prompt, budget, sampling, stops, logprobs.
     `stop_token_ids` are the request's own; the model's EOS joins them at the replica unless
-    `ignore_eos`. `prefill_group`: rows of one request (n > 1) that share one prefill."""
+    `ignore_eos`. `prefill_group`: rows of one request (n > 1) that share one prefill.
+    `resume_tokens`: a row re-admitted after the replica running it went away continues after
+    these tokens (already streamed to its client), from `checkpoint` (its state after them, as
+    the replica streamed it; None: unknown, and a sampled row continues with fresh draws from
+    its seed at that position). Its `max_tokens` counts them."""
 
     request_id: str
     model: str
@@ -73,6 +91,8 @@ class RowSpec:
     # cache's partition (the caller's key and the request's cache_salt) its prompt is looked up in
     owner: Optional[str] = None
     cache_salt: Optional[str] = None
+    resume_tokens: tuple = ()
+    checkpoint: Optional[RowCheckpoint] = None
 
     def __post_init__(self):
         speculation(self.generation_mode)    # a bad mode fails here, where the row is built

@@ -51,17 +51,34 @@ class row_work:
 
 
 @dataclass(frozen=True)
+class RowMark:
+    """A live row's state at the end of its last step that completed, its news reported: how
+    many tokens (and log-probability entries) it had emitted, whether its last token is still to
+    be fed (its pending primary), its RNG state (None for a greedy row: it draws nothing) and its
+    drafting policy. With the row's prompt and those tokens it is all a resume needs
+    (`RowResume`); each `RowEvent` of a live row carries it, so that a consumer holding the
+    streamed tokens can resume the row elsewhere (another lane, another process)."""
+    tokens: int
+    entries: int
+    pending: bool
+    rng_state: Optional[dict]
+    policy: tuple                       # (accept_est, drafting, probe_every, probe_in)
+
+
+@dataclass(frozen=True)
 class RowResume:
     """Where a row stood at the end of its last step that completed: what it had emitted (and
     reported), its RNG and drafting policy, and whether its last token is still to be fed (its
     pending primary). A row re-admitted with it prefills its prompt plus its tokens and continues
-    with the same draws it would have made (`RunningLane.salvage`)."""
+    with the same draws it would have made (`RunningLane.salvage`). `rng_state` None: the row's
+    RNG starts from its seed (a greedy row draws nothing); `policy` None: its drafting policy
+    starts afresh; `result` None: its counters start at zero (a row resumed in another process)."""
     tokens: tuple
     logprobs: tuple
     pending: bool                       # the last token is not in the caches yet (fed next cycle)
     rng_state: Optional[dict]
-    policy: tuple                       # (accept_est, drafting, probe_every, probe_in)
-    result: "A3BMTPBatchStreamResult"   # its counters so far (its tokens and entries are the above)
+    policy: Optional[tuple]             # (accept_est, drafting, probe_every, probe_in)
+    result: Optional["A3BMTPBatchStreamResult"] = None   # its counters so far (its tokens and entries are the above)
 
 
 def _noop(*_args, **_kwargs):
@@ -155,6 +172,7 @@ class RowEvent:
     times: list = field(default_factory=list)     # when each token was emitted (perf_counter)
     prefill_started_s: Optional[float] = None     # on the first event after its prefill started (perf_counter)
     decode_started_s: Optional[float] = None      # on the first event after it took its slot
+    mark: Optional[RowMark] = None                # a live row's state after this event's tokens (`RowMark`)
 
 
 @dataclass
@@ -215,7 +233,7 @@ class LaneRow:
         self.ended_reported = False
         self.prefill_started_s: Optional[float] = None    # when its prefill started / it took its slot,
         self.decode_started_s: Optional[float] = None     # until an event reports them
-        self._mark: Optional[RowResume] = None            # its state at its last completed step's end
+        self._mark: Optional[RowMark] = None              # its state at its last completed step's end
         if req.resume is not None:
             self._resume(req.resume)
 
@@ -225,26 +243,28 @@ class LaneRow:
         """Remember where the row stands: its last step completed and its news is reported. Its
         tokens and entries only grow, so their counts say which."""
         r = self.result
-        self._mark = (len(r.tokens), len(r.logprobs), self.pending is not None,
-                      None if self.greedy else self.rng.bit_generator.state,
-                      (self.accept_est, self.drafting, self.probe_every, self.probe_in))
+        self._mark = RowMark(len(r.tokens), len(r.logprobs), self.pending is not None,
+                             None if self.greedy else self.rng.bit_generator.state,
+                             (self.accept_est, self.drafting, self.probe_every, self.probe_in))
 
     def resume_point(self) -> Optional[RowResume]:
         """Where the row resumes after its lane failed (None: from its start). Its counters are
         as the failed step left them (stats only: they decide nothing)."""
-        if self._mark is None:
+        at = self._mark
+        if at is None:
             return None
-        n, n_entries, pending, rng_state, policy = self._mark
         r = self.result
-        tokens, logprobs = tuple(r.tokens[:n]), tuple(r.logprobs[:n_entries])
-        return RowResume(tokens, logprobs, pending, rng_state, policy, replace(r, tokens=[], logprobs=[]))
+        tokens, logprobs = tuple(r.tokens[:at.tokens]), tuple(r.logprobs[:at.entries])
+        return RowResume(tokens, logprobs, at.pending, at.rng_state, at.policy, replace(r, tokens=[], logprobs=[]))
 
     def _resume(self, at: RowResume) -> None:
-        self.result = replace(at.result, tokens=list(at.tokens), logprobs=list(at.logprobs), finish_reason=None,
+        base = at.result if at.result is not None else self.result
+        self.result = replace(base, tokens=list(at.tokens), logprobs=list(at.logprobs), finish_reason=None,
                               terminal_perf_s=None)
         if at.rng_state is not None:
             self.rng.bit_generator.state = at.rng_state
-        self.accept_est, self.drafting, self.probe_every, self.probe_in = at.policy
+        if at.policy is not None:
+            self.accept_est, self.drafting, self.probe_every, self.probe_in = at.policy
         if self.counts is not None:
             for t in at.tokens:
                 self.counts[t] = self.counts.get(t, 0) + 1
@@ -363,6 +383,8 @@ class LaneRow:
         if ended:
             self.ended_reported = True
             event.finish_reason, event.result = r.finish_reason, r
+        elif self._mark is not None and self._mark.tokens == len(r.tokens):   # its step completed
+            event.mark = self._mark
         return event
 
     def emit(self, token: int, logprob: Optional[tuple] = None) -> bool:

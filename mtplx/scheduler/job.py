@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Optional
 
-from mtplx.api.rows import mtp_batch_compatibility_key
+from mtplx.api.rows import RowCheckpoint, mtp_batch_compatibility_key
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.config import checked_cancel_reason
 from mtplx.structured import Constraint
@@ -60,6 +60,11 @@ class MTPBatchJob:
     ``compatibility_key=None`` uses ``mtp_batch_compatibility_key(None)``: every job of any
     sampling settings shares one lane. ``seed=None`` draws a fresh seed (recorded in ``job.seed``).
     ``session_id`` is accepted (the seed's signature) and unused: prefix reuse needs no session.
+    ``resume_tokens`` / ``checkpoint``: a row that decoded elsewhere (another replica) continues
+    after these tokens from that state (``mtplx.api.rows.RowSpec`` says how); they count in its
+    ``tokens`` and ``max_tokens`` but are not emitted again. ``checkpoint_callback(checkpoint)``:
+    after each lane step that emitted tokens of a live row, its state after them (a
+    ``RowCheckpoint``), once those tokens have reached ``token_callback``.
     """
 
     def __init__(self, request_id: str, prompt_ids: Iterable[int], max_tokens: int,
@@ -76,7 +81,9 @@ class MTPBatchJob:
                  session_restore: Optional[Callable[[], Any]] = None,
                  session_commit: Optional[Callable[..., Any]] = None, speculative: bool = True,
                  adaptive: bool = True, prefill_group: Optional[Hashable] = None,
-                 constraint: Optional[Constraint] = None, cache_salt: Optional[str] = None):
+                 constraint: Optional[Constraint] = None, cache_salt: Optional[str] = None,
+                 resume_tokens: Iterable[int] = (), checkpoint: Optional[RowCheckpoint] = None,
+                 checkpoint_callback: Optional[Callable[[RowCheckpoint], None]] = None):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -111,13 +118,16 @@ class MTPBatchJob:
         # the prefix bank's partition its prompt is looked up and banked in (`SessionBank.job_hooks`):
         # a digest of its caller and its request's cache salt; None: the shared partition
         self.cache_salt = cache_salt
+        self.resume_tokens = tuple(int(t) for t in resume_tokens)
+        self.checkpoint = checkpoint
+        self.checkpoint_callback = checkpoint_callback
 
         # runtime
-        self.future: Future = Future()
-        self.tokens: list[int] = []
-        self.token_times: list[float] = []
-        self.callback_error: Optional[BaseException] = None
         self.created_s = time.perf_counter()
+        self.future: Future = Future()
+        self.tokens: list[int] = list(self.resume_tokens)
+        self.token_times: list[float] = [self.created_s] * len(self.resume_tokens)
+        self.callback_error: Optional[BaseException] = None
         self.admitted_s: Optional[float] = None
         self.decode_started_s: Optional[float] = None
         self.completed_s: Optional[float] = None
@@ -152,6 +162,18 @@ class MTPBatchJob:
             else:
                 self.token_callback([token], [logprob])
         except Exception as exc:  # row-local: the cohort and its peers never see it
+            self.callback_error = exc
+            self.cancel_event.set()
+            self._fail(exc)
+
+    def emit_checkpoint(self, tokens: int, pending: bool, rng_state: Optional[dict], policy: tuple) -> None:
+        """The row's state after its first `tokens` tokens (a lane step's end) to
+        ``checkpoint_callback``; a no-op once cancelled. A raising callback fails this job alone."""
+        if self.checkpoint_callback is None or self.cancel_requested():
+            return
+        try:
+            self.checkpoint_callback(RowCheckpoint(tokens, pending, rng_state, policy))
+        except Exception as exc:
             self.callback_error = exc
             self.cancel_event.set()
             self._fail(exc)

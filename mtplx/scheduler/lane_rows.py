@@ -11,7 +11,8 @@ from mtplx.scheduler.results import build_result, lane_placement, lane_row_stats
 
 def lane_request(job, row_id: str, *, numerics: str, repetition_stop: bool):
     """The engine's request for a job (its row is `row_id` in its lane). No callbacks: the lane's
-    `RowEvent`s bring the row's progress, tokens and end back (`deliver_event`)."""
+    `RowEvent`s bring the row's progress, tokens and end back (`deliver_event`). A job resumed
+    from another replica's tokens resumes as a row re-admitted after a lane fault does."""
     from mtplx.engine.row import A3BMTPBatchRequest
 
     return A3BMTPBatchRequest(
@@ -23,7 +24,22 @@ def lane_request(job, row_id: str, *, numerics: str, repetition_stop: bool):
         adaptive=job.adaptive and numerics != "b1-exact", prefill_group=job.prefill_group,
         repetition_stop=repetition_stop or bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
         session_restore=failsafe(job.session_restore), session_commit=failsafe(job.session_commit),
-        constraint=job.constraint)
+        constraint=job.constraint, resume=resume_from(job))
+
+
+def resume_from(job):
+    """The engine's `RowResume` of a job that continues after `job.resume_tokens` (None: a job that
+    starts afresh). With its checkpoint after exactly those tokens it continues with the draws it
+    would have made; without one, its caches take every token and it draws afresh from its seed
+    there (a greedy row's tokens are the same either way)."""
+    from mtplx.engine.row import RowResume
+
+    if not job.resume_tokens:
+        return None
+    cp = job.checkpoint
+    if cp is None or cp.tokens != len(job.resume_tokens):
+        return RowResume(job.resume_tokens, (), False, None, None)
+    return RowResume(job.resume_tokens, (), bool(cp.pending), cp.rng_state, tuple(cp.policy))
 
 
 def deliver_event(job, event) -> None:
@@ -40,6 +56,9 @@ def deliver_event(job, event) -> None:
                           "tokens_done": len(job.prompt_ids)})
     for i, token in enumerate(event.tokens):
         job.emit_token(token, event.logprobs[i] if event.logprobs else None, at=event.times[i])
+    if event.mark is not None:
+        m = event.mark
+        job.emit_checkpoint(m.tokens, m.pending, m.rng_state, m.policy)
     if event.finish_reason == "cancelled" and not job.stopped_by_caller:   # its future fails at once
         job._fail(job._cancel_exception())
 

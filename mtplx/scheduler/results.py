@@ -62,6 +62,7 @@ def build_result(job, placement: Placement, *, finish_reason: str, cycles: int =
     request_elapsed_s = max(completed_s - job.created_s, 1e-9)
     admitted_s = job.admitted_s if job.admitted_s is not None else placement.started_s
     n = len(job.tokens)
+    resumed = len(getattr(job, "resume_tokens", ()))      # decoded elsewhere (another replica) before
     depth = (MTP_DEPTH if depth is None else int(depth)) if job.speculative else 0
     stats = dict(extra_stats or {})
     stats.update({
@@ -71,10 +72,11 @@ def build_result(job, placement: Placement, *, finish_reason: str, cycles: int =
         "cached_tokens": int(cached_tokens),
         "prompt_eval_time_s": decode_started_s - placement.started_s,
         "decode_elapsed_s": decode_elapsed_s,
-        "decode_tok_s": n / decode_elapsed_s,
+        "decode_tok_s": (n - resumed) / decode_elapsed_s,
         "elapsed_s": completed_s - placement.started_s,
         "request_elapsed_s": request_elapsed_s,
-        "end_to_end_tok_s": n / request_elapsed_s,
+        "end_to_end_tok_s": (n - resumed) / request_elapsed_s,
+        "resumed_tokens": resumed,
         "queue_wait_s": admitted_s - job.created_s,
         "generation_mode": job.generation_mode,
         "mtp_depth": depth,

@@ -9,6 +9,9 @@ and only matches that model. Under a service with a memory budget the bank also 
 rows' decode state leaves (`room`): rows come first, a banked prefix is only saved work. Hooks for
 one request come from `hooks(prompt)`; they are what `MTPBatchJob(session_restore=...,
 session_commit=...)` and the solo path take; `job_hooks(job)` gives a job its partition's.
+`on_change(stored, salt, key, whole)`, when set, hears of every entry banked (stored True) and
+every entry that left (evicted or replaced: False), under the bank's lock: the replica turns
+these into the prefix-cache events the router's index follows.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class SessionBank:
         self.yielded = 0                  # entries evicted to make room for rows' decode state
         # bytes the decode state of running rows leaves the bank (set by a service with a budget)
         self.room: Optional[Callable[[], int]] = None
+        self.on_change: Optional[Callable[[bool, Optional[str], tuple, bool], None]] = None
 
     def lookup(self, prompt, salt: Optional[str] = None) -> Optional[PrefixState]:
         """The whole-prompt state of exactly `prompt` in partition `salt`, else its longest banked
@@ -71,12 +75,13 @@ class SessionBank:
         with self._lock:
             old = self._entries.pop((salt, state.key, state.whole), None)
             if old is not None:
-                self._forget(old)
+                self._forget(salt, old)
             self._entries[(salt, state.key, state.whole)] = state
             self._bytes += size
             if not state.whole:
                 self._boundary_lengths[len(state.key)] += 1
             self.commits += 1
+            self._changed(True, salt, state)
             self._evict_to(limit)
 
     def shrink(self, to_bytes: int) -> None:
@@ -88,14 +93,22 @@ class SessionBank:
     def _evict_to(self, limit: int) -> int:
         evicted = 0
         while self._bytes > limit:
-            _, state = self._entries.popitem(last=False)
-            self._forget(state)
+            (salt, _, _), state = self._entries.popitem(last=False)
+            self._forget(salt, state)
             evicted += 1
         self.evictions += evicted
         return evicted
 
-    def _forget(self, state: PrefixState) -> None:
+    def _changed(self, stored: bool, salt: Optional[str], state: PrefixState) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(stored, salt, state.key, state.whole)
+            except Exception:     # a listener's problem only costs the router its news
+                pass
+
+    def _forget(self, salt: Optional[str], state: PrefixState) -> None:
         """Bookkeeping for an entry that has left `_entries`."""
+        self._changed(False, salt, state)
         self._bytes -= state.nbytes
         if not state.whole:
             self._boundary_lengths[len(state.key)] -= 1
