@@ -1,2 +1,4 @@
 """Benchmarks (`mtplx bench ...`): the lane in process, the served app against `mlx_lm.server`
 under load, the soak. The library never imports this package; the CLI reaches it lazily."""
+
+import mtplx  # noqa: F401,E402  (loads an optimized BLAS before any benchmark module imports mlx.core)

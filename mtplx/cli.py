@@ -1,4 +1,5 @@
-"""`mtplx` command line: generate a completion, run benchmarks, print runtime info, install models."""
+"""`mtplx` command line: generate a completion, run benchmarks, print runtime info, install models,
+train an MTP head for a checkpoint without one."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ def _models(a):
     except ModelLoadError as exc:
         print(f"mtplx models add: error: {exc}", file=sys.stderr)
         sys.exit(1)
+
+
+def _train_head(a):
+    from mtplx.training.train_head import main as train_head
+
+    train_head(a)
 
 
 def _bench(a):
@@ -151,6 +158,12 @@ def main(argv=None):
     ml = msub.add_parser("list", help="known models, and which are installed where")
     ml.add_argument("--json", action="store_true")
     m.set_defaults(func=_models)
+    t = sub.add_parser("train-head", help="train an MTP head for a checkpoint without one (self-distillation "
+                                          "on the target's own text); it is written beside the checkpoint")
+    from mtplx.training.train_head import add_arguments as add_train_head_arguments
+
+    add_train_head_arguments(t)
+    t.set_defaults(func=_train_head)
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
     a = ap.parse_args(argv)

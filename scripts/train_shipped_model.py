@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -39,13 +38,15 @@ import mtplx  # noqa: E402,F401  (loads the fast BLAS before MLX)
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
 
 from mtplx.models.loader import _architectures  # noqa: E402
+from mtplx.models.mtp_chain import chained_drafts  # noqa: E402
 from mtplx.models.mtp_head import MTPHead  # noqa: E402
+from mtplx.training.corpus import stdlib_files  # noqa: E402
+from mtplx.training.distill import continue_text, fit, mlx_lm_classes, tokens_per_chain  # noqa: E402
 
 # ---------------------------------------------------------------- settings
 SEED = 1234
@@ -92,13 +93,6 @@ CHAT_TEMPLATE = (
 
 
 # ---------------------------------------------------------------- 1. corpus
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = ("site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__")
-    files = [p for p in sorted(root.rglob("*.py")) if not any(s in p.relative_to(root).parts for s in skip)]
-    return [p for p in files if 200 < p.stat().st_size < 400_000]
-
-
 def as_document(path: Path, text: str, index: int) -> str:
     """Half the files are wrapped as a chat turn, so the chat template leads to code."""
     if index % 2:
@@ -160,15 +154,6 @@ def use_chunked_gdn() -> None:
     qwen3_5.gated_delta_update = gated_delta_update_chunked
 
 
-def mlx_lm_classes(module: nn.Module) -> None:
-    """mlx-lm's own classes for the engine's subclasses of them (same weights): training
-    differentiates through the head, and the engine's CPU exponential has no gradient."""
-    for m in module.modules():
-        base = type(m).__mro__[1]
-        if type(m).__module__.startswith("mtplx.") and base.__module__.startswith("mlx_lm."):
-            m.__class__ = base
-
-
 class TargetWithMTP(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
@@ -205,66 +190,6 @@ def phase2_loss(model, x):
     return soft_ce, (soft_ce, soft_ce)
 
 
-def _qkv(layer, x, offset: int):
-    """A head block's queries, keys and values [B, heads, T, D] for inputs at positions offset + t."""
-    a = layer.self_attn
-    B, T, _ = x.shape
-    y = layer.input_layernorm(x)
-    q = a.q_norm(a.q_proj(y).reshape(B, T, a.n_heads, -1)).transpose(0, 2, 1, 3)
-    k = a.k_norm(a.k_proj(y).reshape(B, T, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-    v = a.v_proj(y).reshape(B, T, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    return a.rope(q, offset=offset), a.rope(k, offset=offset), v
-
-
-def _chain_attention(q, history, own, scale):
-    """Queries [B, H, T, D] of one chain entry per start p: over the real history's keys at
-    positions <= p (`history`: keys, values [B, Hkv, T, D]) and over the chain's own entries at
-    the same p (`own`: a list of keys, values [B, Hkv, T, D], the latest last)."""
-    B, H, T, D = q.shape
-    kh, vh = history
-    Hkv = kh.shape[1]
-    q = (q * scale).reshape(B, Hkv, H // Hkv, T, D)
-    s_hist = (q.reshape(B, Hkv, -1, D) @ kh.swapaxes(-1, -2)).reshape(B, Hkv, H // Hkv, T, T)
-    causal = mx.arange(T)[:, None] >= mx.arange(T)[None]
-    s_hist = mx.where(causal, s_hist, -mx.inf)
-    s_own = [(q * k[:, :, None]).sum(-1, keepdims=True) for k, _ in own]
-    w = mx.softmax(mx.concatenate([s_hist] + s_own, axis=-1), axis=-1, precise=True)
-    out = (w[..., :T].reshape(B, Hkv, -1, T) @ vh).reshape(B, Hkv, H // Hkv, T, D)
-    for i, (_, v) in enumerate(own):
-        out = out + w[..., T + i:T + i + 1] * v[:, :, None]
-    return out.reshape(B, H, T, D)
-
-
-def chained_drafts(head, hidden, next_embeds, depth):
-    """The head's outputs [B, T, H] for each draft of a chain of `depth`, from every start p at
-    once, as drafting runs them: draft 1 from the target's h_p and token p+1 (predicts token
-    p+2); draft k from the head's own output for draft k-1 and token p+k (predicts token p+k+1),
-    attending to the real history at positions <= p and to its chain's earlier drafts, none of the
-    other chains'. Teacher-forced: the chain's tokens are the text's, as an accepted draft's are.
-    `hidden` [B, T, H], `next_embeds` [B, T + depth - 1, H] (tokens 1 .. T + depth - 1)."""
-    T = hidden.shape[1]
-    if depth == 1:        # the head as it is, any block
-        return [head(hidden, next_embeds[:, :T])]
-    history = [None] * len(head.layers)
-    own = [[] for _ in head.layers]
-    outs = []
-    for k in range(depth):
-        e = next_embeds[:, k:k + T]
-        x = head.fc(mx.concatenate([head.pre_fc_norm_embedding(e), head.pre_fc_norm_hidden(hidden)], axis=-1))
-        for i, layer in enumerate(head.layers):
-            q, kk, v = _qkv(layer, x, offset=k)
-            if k == 0:
-                history[i] = (kk, v)
-            else:
-                own[i].append((kk, v))
-            attn = _chain_attention(q, history[i], own[i], layer.self_attn.scale)
-            h = x + layer.self_attn.o_proj(attn.transpose(0, 2, 1, 3).reshape(x.shape[0], T, -1))
-            x = h + layer.mlp(layer.post_attention_layernorm(h))
-        hidden = head.norm(x)
-        outs.append(hidden)
-    return outs
-
-
 def phase3_loss(model, x):
     """Each draft of a chain distils the frozen target's distribution where it predicts: draft k
     from start p at the target's position p + k."""
@@ -287,19 +212,6 @@ def batches(data: np.ndarray, rng: np.random.Generator):
         yield mx.array(np.stack([data[s:s + SEQ] for s in starts]))
 
 
-def continue_text(model, prompts: mx.array, new_tokens: int, temperature: float) -> np.ndarray:
-    """Prompts [B, P] continued by the target for `new_tokens`, through its KV cache: greedy at
-    temperature 0, else sampled. Returns [B, P + new_tokens]."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model.target)
-    seq = [prompts]
-    for _ in range(new_tokens):
-        logits = model.target(seq[-1], cache=cache)[:, -1]
-        seq.append((mx.argmax(logits, -1) if temperature == 0 else mx.random.categorical(logits / temperature))[:, None])
-    return np.array(mx.concatenate(seq, axis=1))
-
-
 def own_text(model, data: np.ndarray, rng: np.random.Generator, n_seqs: int) -> np.ndarray:
     """[n_seqs, SEQ] sequences: GEN_PROMPT corpus tokens (random windows of the training split)
     continued by the target itself, greedily in every other batch and sampled at GEN_TEMPERATURE
@@ -320,32 +232,8 @@ def sequence_batches(seqs: np.ndarray, rng: np.random.Generator):
 
 
 def train(model, loss_fn, params_filter, steps, lr, source, label):
-    warm = min(50, steps // 5)
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(lr / 20, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 20)], [warm])
-    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
-    model.freeze()
-    params_filter(model)
-    state = [model.state, opt.state]
-    value_and_grad = nn.value_and_grad(model, lambda m, x: loss_fn(m, x))
-
-    def step(x):
-        (loss, parts), grads = value_and_grad(model, x)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(model, grads)
-        return loss, parts
-
-    step = mx.compile(step, inputs=state, outputs=state)
-    t0, seen = time.perf_counter(), 0
-    for i, x in zip(range(steps), source):
-        loss, (a, b) = step(x)
-        mx.eval(state, loss)
-        seen += x.size
-        if i % 50 == 0 or i == steps - 1:
-            dt = time.perf_counter() - t0
-            print(f"[{label}] step {i:5d}/{steps} loss {loss.item():.3f} ce {a.item():.3f} "
-                  f"mtp {b.item():.3f}  {seen / dt:,.0f} tok/s  {dt / 60:.1f} min", flush=True)
-    model.unfreeze()
+    """`steps` steps on the batches of `source` (mtplx.training.distill.fit, printing every 50)."""
+    fit(model, loss_fn, params_filter, steps, lr, lambda i: next(source), label, progress=False)
 
 
 # ---------------------------------------------------------------- 6. eval
@@ -380,11 +268,6 @@ def chained_acceptance(model, prompts, depth, new_tokens=128) -> list:
             alive &= drafts == np.array(seq[start + k + 2:start + k + 2 + len(alive)])
             kept[k + 1] += alive.sum()
     return [float(kept[k + 1] / max(kept[k], 1)) for k in range(depth)]
-
-
-def tokens_per_chain(acceptance) -> float:
-    """Tokens a row keeps per cycle at a depth of len(acceptance): the target's own plus each kept draft."""
-    return float(1 + np.cumprod(acceptance).sum())
 
 
 # ---------------------------------------------------------------- 7. export
@@ -490,7 +373,7 @@ def main():
                           f"held-out files, {len(train_data):,} train tokens")
 
     chain = 1
-    if ARCH == "qwen3":       # chained_drafts' block forward is qwen3's
+    if ARCH == "qwen3":       # phase 3 is the shipped recipe's (the qwen3_5 sibling stops after phase 2)
         # phase 3 from its own seeds: the same head whether it runs on after phase 2 or --from
         chain, t3 = CHAIN, time.perf_counter()
         rng3 = np.random.default_rng(SEED + 3)

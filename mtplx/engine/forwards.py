@@ -50,12 +50,12 @@ def _draft(model, mtp_caches, h_hist, h_last, t_hist, x0, owed):
     h_in = mx.take_along_axis(mx.concatenate([h_hist, h_last], axis=1), take[:, :, None], axis=1)
     t_in = mx.take_along_axis(mx.concatenate([t_hist, x0[:, None]], axis=1), take, axis=1)
     g = mx.take_along_axis(model.draft_hidden(h_in, t_in, mtp_caches), owed[:, None, None], axis=1)
-    return model.logits(g)[:, 0], g
+    return model.draft_logits(g)[:, 0], g
 
 
 def _chain(model, mtp_caches, g, d):
     g = model.draft_hidden(g, d[:, None], mtp_caches)
-    return model.logits(g)[:, 0], g
+    return model.draft_logits(g)[:, 0], g
 
 
 class CycleForwards:

@@ -78,6 +78,11 @@ def add_model(name: str, *, dtype: str = "auto", force: bool = False, install: b
                 if todo():
                     _install(e, dtype, variants, todo(), install, say)
         say(f"done in {time.perf_counter() - start:.0f} s")
+    if e.get("mtp_head"):          # a head the package ships for this model (draft_head.py)
+        from .draft_head import install_shipped_head
+
+        for _, path, _ in variants:
+            install_shipped_head(path, e["mtp_head"], say)
     say(next_steps(e, [path for _, path, _ in variants], kept))
     return [path for _, path, _ in variants]
 

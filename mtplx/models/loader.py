@@ -20,6 +20,7 @@ from mlx_lm.utils import _get_classes
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from .cpu_ops import column_major_weights
+from .draft_head import DraftVocab, build_draft_vocab, read_head
 from .errors import CheckpointShapeError, ModelLoadError, ModelNotFoundError, UnsupportedModelError  # noqa: F401
 from .mtp_head import MTPHead
 
@@ -53,6 +54,7 @@ class MTPModel:
     arch: ModuleType
     mtp_disabled_reason: Optional[str] = None
     eos_token_ids: frozenset = field(default_factory=frozenset)
+    draft_vocab: Optional[DraftVocab] = None     # a head trained onto a reduced vocabulary (draft_head.py)
 
     @property
     def model_id(self) -> str:
@@ -88,6 +90,13 @@ class MTPModel:
 
     def draft_hidden(self, hidden: mx.array, next_tokens: mx.array, mtp_cache) -> mx.array:
         return self.mtp(hidden, self.embed(next_tokens), mtp_cache)
+
+    def draft_logits(self, draft_hidden: mx.array) -> mx.array:
+        """The head's logits over the target's whole vocabulary: through the shared output layer,
+        or a reduced draft vocabulary's (its logits at their ids, a floor elsewhere)."""
+        if self.draft_vocab is not None:
+            return self.draft_vocab.logits(draft_hidden)
+        return self.logits(draft_hidden)
 
     def make_cache(self) -> list:
         make = getattr(self.arch, "make_cache", None)      # hybrids: RecurrentCache for GDN layers
@@ -141,9 +150,10 @@ def _quant_params(module: nn.Module, path: str, weights: dict, default: dict) ->
     return default
 
 
-def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Optional[Path] = None) -> MTPHead:
+def _build_mtp(arch: ModuleType, args, config: dict, weights: dict, path: Optional[Path] = None,
+               sanitize: bool = True) -> MTPHead:
     n_layers = int(_text_config(config).get("mtp_num_hidden_layers") or config.get("mtp_num_hidden_layers") or 1)
-    if hasattr(arch, "sanitize_mtp"):                   # HF layout -> mlx layout (norms, experts)
+    if sanitize and hasattr(arch, "sanitize_mtp"):      # HF layout -> mlx layout (norms, experts)
         weights = arch.sanitize_mtp(weights, path, args)
     head = MTPHead(arch.hidden_size(args), arch.rms_norm_eps(args),
                    lambda: arch.make_mtp_block(args), num_layers=n_layers)
@@ -196,14 +206,25 @@ def _checked_checkpoint(path: Path) -> tuple:
 
 
 def _load_head(path: Path, arch, target, config: dict) -> tuple:
-    """(the MTP head, None), or (None, why the checkpoint has none)."""
-    weights = _mtp_weights(path, getattr(arch, "MTP_PREFIXES", ("mtp.",)))
+    """(the MTP head, its draft ids or None, None), or (None, None, why the checkpoint has none).
+    A head stored beside the checkpoint (config.json's `mtplx_mtp_head`, `draft_head.py`) is
+    already in MLX's layout, and runs in the target's dtype whatever it was stored in (a shipped
+    head is stored in float16 to halve its size)."""
+    stored = read_head(path, config)
+    if stored is not None:
+        weights, draft_ids, entry = stored
+        dtype = arch.embed(target, mx.array([[0]])).dtype       # the target's activations'
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        config = dict(config, mtp_num_hidden_layers=entry.get("num_hidden_layers", 1),
+                      mtplx_mtp_quantization=entry.get("quantization"))
+    else:
+        weights, draft_ids = _mtp_weights(path, getattr(arch, "MTP_PREFIXES", ("mtp.",))), None
     if not weights:
-        return None, f"checkpoint {path.name} has no mtp.* weights"
-    mtp = _build_mtp(arch, target.args, config, weights, path)
+        return None, None, f"checkpoint {path.name} has no mtp.* weights"
+    mtp = _build_mtp(arch, target.args, config, weights, path, sanitize=stored is None)
     mtp.eval()
     _cpu_float32_experts(mtp)
-    return mtp, None
+    return mtp, draft_ids, None
 
 
 def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
@@ -235,15 +256,22 @@ def load_model(path=None, *, load_mtp: bool = True) -> MTPModel:
         arch.prepare_target(target)
     _cpu_float32_experts(target)
 
-    mtp, reason = _load_head(path, arch, target, config) if load_mtp else (None, "MTP disabled by load_mtp=False")
+    mtp, draft_ids, reason = _load_head(path, arch, target, config) if load_mtp \
+        else (None, None, "MTP disabled by load_mtp=False")
+    draft_vocab = None
+    if draft_ids is not None:
+        draft_vocab = build_draft_vocab(target, arch, draft_ids, int(_text_config(config)["vocab_size"]))
 
     column_major_weights(target)
     if mtp is not None:
         column_major_weights(mtp)
+    if draft_vocab is not None:
+        column_major_weights(draft_vocab.proj)
     tokenizer = _load_tokenizer(path)
     eos = config.get("eos_token_id", _text_config(config).get("eos_token_id"))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
     return MTPModel(target=target, mtp=mtp, tokenizer=tokenizer, config=config, path=path, arch=arch,
-                    mtp_disabled_reason=reason, eos_token_ids=frozenset(int(e) for e in eos_ids))
+                    mtp_disabled_reason=reason, eos_token_ids=frozenset(int(e) for e in eos_ids),
+                    draft_vocab=draft_vocab)
