@@ -243,6 +243,7 @@ def tiny_registry(tiny_gguf, tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(pkg.parent))
     entry = json.loads(json.dumps(registry.known_models()["gemma-3-270m"]))
+    entry.pop("mtp_head")        # Gemma's shipped head is refused for other weights (test_train_head)
     entry.update(parameters=300_000, requires=["gguf>=0.17"], serve_config=None,
                  variants=[{"name": "tiny-gemma"}, {"name": "tiny-gemma-4bit", "quantize": {"bits": 4, "group_size": 64}}])
     entry["gguf"].update(assembler="tiny_gemma_assembler", file="tiny.gguf", sha256=sha, download_mb=1,
@@ -387,3 +388,13 @@ def test_real_gemma_3_270m_installs_and_writes_english_in_mlx_lm():
         words = text.split()
         assert "<start_of_image>" not in text and len(words) >= 12 and len(set(words)) >= 8
         assert sum(w.strip(".,;:!?'\"").isalpha() for w in words) >= 0.8 * len(words)
+
+
+def test_the_shipped_gemma_head_names_the_weights_the_registry_installs():
+    from mtplx.models import draft_head
+
+    entry = registry.known_models()["gemma-3-270m"]
+    head = json.loads((draft_head.ASSETS / entry["mtp_head"] / draft_head.ASSET_ENTRY).read_text())
+    assert head["trained_on"]["source_sha256"] == entry["gguf"]["sha256"]
+    assert (draft_head.ASSETS / entry["mtp_head"] / head["file"]).is_file()
+    assert "Gemma Terms of Use" in (draft_head.ASSETS / entry["mtp_head"] / "NOTICE").read_text()
