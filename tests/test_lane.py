@@ -214,6 +214,7 @@ def test_selfcheck_parity_tolerance_follows_the_dtype(model, monkeypatch):
         return r
 
     monkeypatch.setattr(install_mod, "generate_ar", one_token_off)
+    monkeypatch.setitem(model.__dict__, "_selfcheck_references", {})    # (the faked references, this test's only)
     with pytest.raises(LaneSelfCheckError, match="greedy_parity"):
         install_a3b_mtp_batch_lane(model, 3)
     monkeypatch.setattr(install_mod, "parity_tolerance", lambda m: ("bfloat16", 1e9))

@@ -18,6 +18,7 @@ from benchmarks.load.workload import (CAPACITY_CLIENTS, DEFAULT_CLIENTS, DEFAULT
                                       arm_label, closed_loop_requests)
 from benchmarks.report import ROOT, machine_info
 from benchmarks.servers import SHIPPED_MODEL, make_peer_checkpoint, start_ours, start_peer
+from mtplx.models.registry import check_installed
 
 
 def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable[int] = DEFAULT_CLIENTS,
@@ -31,7 +32,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     clients = sorted(set(int(c) for c in clients))
     temperatures = list(temperatures)
     capacity_clients = min(clients, key=lambda c: (abs(c - CAPACITY_CLIENTS), c))
-    model_path = Path(model_dir).resolve() if model_dir else None
+    # a directory, or an installed model's name (as a config's model_path takes it)
+    model_path = Path(check_installed(model_dir)).resolve() if model_dir else None
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = ROOT / "build" / "bench"
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)

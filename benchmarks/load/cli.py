@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1 run, clients 1,8, greedy only, few requests")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--clients", default=None, help="comma-separated closed-loop client counts (default 1,8,16,32)")
-    p.add_argument("--model", default=None, help="checkpoint dir for both servers (default: the shipped model)")
+    p.add_argument("--model", default=None, help="checkpoint dir or installed model name for both servers (default: the shipped model)")
     p.add_argument("--json", action="store_true", help="print the JSON record instead of the table")
     p.add_argument("--direct-http", action="store_true", help="ours: clients call the ingress replica on its own port")
     add_load_options(p)

@@ -18,6 +18,10 @@ from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.models.cache import RaggedKVCache, commit_rows
 from mtplx.sampling import GREEDY
 
+MEASURE_BUDGET_S = 4.0       # a lane's step-cost measurement stops past this, once it has ...
+MIN_MEASURE_ROUNDS = 2       # ... this many rounds (the first warms up and is not counted)
+
+
 class LaneSelfCheckError(RuntimeError):
     """The lane's self-check failed; the lane was not installed. `receipt` names the failed checks."""
 
@@ -56,7 +60,8 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
     return lane
 
 
-def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: int = 3) -> dict:
+def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: int = 3,
+                       budget_s: float = MEASURE_BUDGET_S) -> dict:
     """Seconds per MTP cycle and per plain AR step at the lane's width, measured on this machine:
     a full lane of greedy rows runs blocks of `block` steps of each kind in turn; the first round
     warms up (first use of each shape), and the first step of a block carries the switch (owed
@@ -65,7 +70,10 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
     it: a load that comes and goes between rounds cancels) and its median kept, at least 1 (an
     MTP cycle does an AR step's work and more); medians of each kind alone swung with the
     machine's load. `lane.step_costs` gets
-    the median AR step and the MTP cycle at that ratio; running lanes then keep both current."""
+    the median AR step and the MTP cycle at that ratio; running lanes then keep both current.
+    Past `budget_s` it stops after MIN_MEASURE_ROUNDS rounds: a model whose step takes a second
+    (Gemma 3 270M at width 32 on a CPU) would otherwise take minutes per lane at a replica's start,
+    and a step that long is timed well by fewer rounds."""
     running = RunningLane(lane, prefill_budget=None)
     prompt = tuple(3 + i % (lane.model.vocab_size - 3) for i in range(16))
     for b in range(lane.width):
@@ -73,15 +81,18 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
                                        max_tokens=3 * block * rounds + 8))
     running.admit_all()
     times = {"mtp": [], "ar": []}
-    for i in range(2 * block * rounds):
-        kind = "mtp" if (i // block) % 2 == 0 else "ar"
-        t0 = time.perf_counter()
-        running._run_step(kind)
-        mx.eval(running.logits_last, running.h_last)
-        if i % block and i >= 2 * block:
-            times[kind].append(time.perf_counter() - t0)
+    start, done = time.perf_counter(), 0
+    while done < rounds and (done < MIN_MEASURE_ROUNDS or time.perf_counter() - start < budget_s):
+        for i in range(2 * block):
+            kind = "mtp" if i < block else "ar"
+            t0 = time.perf_counter()
+            running._run_step(kind)
+            mx.eval(running.logits_last, running.h_last)
+            if i % block and done:
+                times[kind].append(time.perf_counter() - t0)
+        done += 1
     running.cancel_all()
-    per_round = {k: np.median(np.reshape(v, (rounds - 1, block - 1)), axis=1) for k, v in times.items()}
+    per_round = {k: np.median(np.reshape(v, (done - 1, block - 1)), axis=1) for k, v in times.items()}
     ratio = max(1.0, float(np.median(per_round["mtp"] / per_round["ar"])))
     ar = float(np.median(times["ar"]))
     lane.step_costs.update(mtp=ratio * ar, ar=ar)
@@ -147,12 +158,12 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
                 return
         failures.append(f"greedy_parity: row {b}: batched greedy {got} != solo {ref}")
 
-    refs = [generate_ar(model, p, m, GREEDY).tokens for p, m in zip(prompts, budgets)]
+    refs = [_solo_reference(model, p, m) for p, m in zip(prompts, budgets)]
     first = cohort(prompts, refs)
     for b in range(W):
         parity(b, prompts[b], first.streams[b].tokens, refs[b])
     swapped = [tuple(int(t) for t in rng.integers(3, vocab, size=5))] + prompts[1:]
-    second = cohort(swapped, [generate_ar(model, swapped[0], budgets[0], GREEDY).tokens] + refs[1:])
+    second = cohort(swapped, [_solo_reference(model, swapped[0], budgets[0])] + refs[1:])
     for b in range(1, W):
         if second.streams[b].tokens != first.streams[b].tokens:
             failures.append(f"row_isolation: row {b} changed when row 0's prompt changed")
@@ -164,6 +175,16 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
             "failed_checks": sorted({f.split(":")[0] for f in failures}), "rows": W,
             "commit_keeps_seen": keeps, "greedy_parity_rows": W, "dtype": dtype, "parity_tolerance": tol,
             "tolerated_divergences": tolerated, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _solo_reference(model, prompt: tuple, max_tokens: int) -> list:
+    """`generate_ar`'s greedy tokens for a self-check row, decoded once per loaded model: every
+    width's self-check draws the same prompts for its first rows, so a replica installing widths
+    3..32 decodes 32 references, not 59 (on a real model each is max_tokens one-row forwards)."""
+    refs = model.__dict__.setdefault("_selfcheck_references", {})
+    if (prompt, max_tokens) not in refs:
+        refs[prompt, max_tokens] = generate_ar(model, prompt, max_tokens, GREEDY).tokens
+    return list(refs[prompt, max_tokens])
 
 
 def _check_commit_math() -> list:
