@@ -118,3 +118,27 @@ def test_min_tokens_holds_stop_strings_and_tokens_back(http):
     assert k <= 8 and n >= k + 3 and held.startswith(early)
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+def test_a_completions_text_prompt_gets_the_tokenizers_special_tokens_unless_asked_not_to():
+    """vLLM's `add_special_tokens` (default true on completions), as mlx-lm's server encodes a
+    completion: a tokenizer that adds a BOS (Gemma's; without it Gemma repeats its prompt) gets it
+    on a text prompt; token-id prompts are as sent. The shipped tokenizer, given a BOS here."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from mtplx.api.openai import CompletionRequest, encode_prompt
+    from mtplx.models.loader import SHIPPED_MODEL
+
+    shipped = AutoTokenizer.from_pretrained(str(SHIPPED_MODEL))
+    bos = shipped.convert_tokens_to_ids("<|endoftext|>")
+    backend = Tokenizer.from_str(shipped.backend_tokenizer.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                           special_tokens=[("<|endoftext|>", bos)])
+    with_bos = PreTrainedTokenizerFast(tokenizer_object=backend)
+    plain = shipped.encode("def add(a, b):", add_special_tokens=False)
+    assert encode_prompt(with_bos, "def add(a, b):") == [bos] + plain
+    assert encode_prompt(with_bos, "def add(a, b):", add_special_tokens=False) == plain
+    assert encode_prompt(with_bos, [5, 6]) == [5, 6]
+    assert CompletionRequest(model=MODEL, prompt="x").add_special_tokens is True
+    assert CompletionRequest(model=MODEL, prompt="x", add_special_tokens=False).add_special_tokens is False

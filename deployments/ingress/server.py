@@ -320,7 +320,8 @@ class OpenAIIngress:
             prompt = req.single_prompt()
             if isinstance(prompt, str):
                 self._check_prompt_chars(len(prompt), "prompt")
-            prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt)
+            prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
+                                              req.add_special_tokens)
             if not prompt_ids:
                 raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
             return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place, plan=plan)

@@ -289,6 +289,9 @@ class ChatCompletionRequest(_GenerationFields):
 
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, List[int], List[str], List[List[int]]]
+    # vLLM's: a text prompt gets the tokenizer's special tokens (Gemma's BOS, without which it
+    # degenerates), as mlx-lm's server and vLLM encode completions; token-id prompts are as sent
+    add_special_tokens: bool = Field(default=True, strict=True)
     echo: bool = False
     best_of: Optional[int] = Field(default=None, ge=1, strict=True)
     suffix: Optional[str] = None
@@ -488,12 +491,12 @@ def encode_chat(tokenizer, messages: List[ChatMessage], add_generation_prompt: b
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def encode_prompt(tokenizer, prompt: Union[str, List[int]]) -> List[int]:
+def encode_prompt(tokenizer, prompt: Union[str, List[int]], add_special_tokens: bool = True) -> List[int]:
     """A completion's prompt as token ids (ids were checked against the vocabulary at parse)."""
     if isinstance(prompt, str):
         if prompt == "":
             raise invalid_request("prompt is empty", param="prompt")
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     return list(prompt)
 
 
