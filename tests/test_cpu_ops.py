@@ -48,8 +48,9 @@ def test_column_major_weights_keep_values_and_products():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = nn.Linear(192, 576)
-            self.embed = nn.Embedding(4096, 192)
+            self.proj = nn.Linear(192, 576)          # taller than wide: stays row-major
+            self.down = nn.Linear(576, 192)          # wider than tall: column-major
+            self.embed = nn.Embedding(4096, 192)     # a tied output layer: stays row-major
             self.half = nn.Linear(192, 8)
             self.half.set_dtype(mx.float16)
 
@@ -58,13 +59,14 @@ def test_column_major_weights_keep_values_and_products():
     before = {k: mx.array(v) for k, v in tree_flatten(net.parameters())}
     x = mx.random.normal((8, 192), key=mx.random.key(6))
     tokens = mx.array([[1, 7, 4095]])
-    want = (net.proj(x), net.embed.as_linear(x), net.embed(tokens))
-    assert A.column_major_weights(net) == 2                           # not the float16 layer
+    wide = mx.random.normal((8, 576), key=mx.random.key(7))
+    want = (net.proj(x), net.embed.as_linear(x), net.down(wide), net.embed(tokens))
+    assert A.column_major_weights(net) == 1                           # `down` only (not the float16 layer)
     assert all(mx.array_equal(v, before[k]).item() for k, v in tree_flatten(net.parameters()))
-    got = (net.proj(x), net.embed.as_linear(x), net.embed(tokens))
+    got = (net.proj(x), net.embed.as_linear(x), net.down(wide), net.embed(tokens))
     for g, w in zip(got, want):
         assert mx.allclose(g, w, rtol=1e-5, atol=1e-5).item()
-    assert mx.array_equal(got[2], want[2]).item()
+    assert mx.array_equal(got[3], want[3]).item()
 
 
 @pytest.mark.parametrize("heads,kv_heads,T,S,mask", [
