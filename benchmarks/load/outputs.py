@@ -127,7 +127,7 @@ def render_section(record: dict, table: str, image: str, command: str, name: str
         f"mlx {rt.get('mlx_version')} on `{rt.get('mlx_device')}`, mlx-lm {rt.get('mlx_lm_version')}, "
         f"Python {rt.get('python')}. Model: {record['model']}.",
         "",
-        "Ours: `serve run serve_configs/config.yaml` on a free port" + (
+        f"Ours: `serve run {record['plan'].get('config') or 'serve_configs/config.yaml'}` on a free port" + (
             ", clients on the ingress replica's own port (`--direct-http`: Serve's direct ingress, no proxy hop)"
             if record["plan"].get("direct_http") else "") + ". Peer: `mlx_lm.server "
         f"--decode-concurrency {n} --prompt-concurrency {n}` on the same checkpoint without its `mtp.*`",
