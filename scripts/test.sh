@@ -15,4 +15,4 @@ fi
 .venv/bin/lint-imports
 # pytest-randomly (installed with [dev]) shuffles the order; the seed is printed at the start and the
 # end: `bash scripts/test.sh --randomly-seed=N` replays an order, `-p no:randomly` keeps the files'
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
