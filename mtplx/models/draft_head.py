@@ -21,7 +21,6 @@ tokens outside the K still has a distribution to draw from (uniform over what it
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .errors import CheckpointShapeError
+from .registry import files_sha256
 
 HEAD_FILE = "mtp_head.safetensors"
 CONFIG_KEY = "mtplx_mtp_head"
@@ -186,14 +186,6 @@ def remove_head(model_dir) -> bool:
     return True
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_asset(model_dir, asset: str, notice_line: str, assets: Optional[Path] = None) -> Path:
     """Make the head trained beside `model_dir` a package asset, `assets/<asset>/` (ASSETS by
     default): HEAD_FILE with its float tensors in float16 (half the size; the loader runs a head
@@ -230,7 +222,7 @@ def install_shipped_head(model_dir, asset: str, say=print) -> bool:
     source = json.loads(marker.read_text()).get("source_sha256") if marker.is_file() else None
     if entry.get("trained_on", {}).get("source_sha256") not in (None, source):
         raise CheckpointShapeError(f"the shipped head {asset} was trained on another model than {model_dir.name}")
-    digest = _sha256(src / HEAD_FILE)
+    digest = files_sha256([src / HEAD_FILE])
     config = json.loads((model_dir / "config.json").read_text())
     if (read_entry(config) or {}).get("sha256") == digest and (model_dir / HEAD_FILE).is_file():
         return False

