@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import load as mlx_lm_load
-from test_gemma3 import POST_NORMS, VOCAB, Oracle, _checkpoint, _drain, _prompts, _req, _staggered
+from test_gemma3 import (POST_NORMS, VOCAB, Oracle, _checkpoint, _prompts, _req,
+                         _seeded_rows_each_as_if_alone, _staggered)
 
 import mtplx
 from mtplx.engine.decode import generate_ar, generate_mtpk
@@ -179,25 +180,12 @@ def test_constrained_rows_with_a_reduced_head_match_their_ar_decoding(reduced):
 
 
 def test_seeded_sampled_rows_reproduce_and_are_each_as_if_alone(reduced):
-    from mtplx.engine.installed import solo_lane
-
     m, _, _ = reduced
     settings = [SamplerConfig(temperature=0.8), GREEDY, SamplerConfig(temperature=1.0, top_p=0.9),
                 SamplerConfig(temperature=0.6, top_k=20)]
-    prompts = _prompts(4, seed=61)
-    reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=c, seed=10 + i, max_tokens=30)
-            for i, (p, c) in enumerate(zip(prompts, settings))]
-    alone = []
-    for r in reqs:
-        one = RunningLane(solo_lane(m, 2))
-        alone.append(one.add(r))
-        _drain(one)
-    again = generate_mtpk(m, prompts[0], 30, settings[0], depth=2, seed=10)
+    streams, alone = _seeded_rows_each_as_if_alone(m, settings)
+    again = generate_mtpk(m, _prompts(4, seed=61)[0], 30, settings[0], depth=2, seed=10)
     assert again.tokens == alone[0].tokens
-    lane = install_a3b_mtp_batch_lane(m, 8, depth=2, selfcheck=False)
-    streams = _staggered(RunningLane(lane, sampled_ladder=[lane]), reqs, every=2)
-    for i, (s, ref) in enumerate(zip(streams, alone)):
-        assert s.tokens == ref.tokens, f"row {i} ({settings[i]})"
     assert sum(s.rejected_drafts for s in streams) > 0
 
 

@@ -278,6 +278,27 @@ def _staggered(running, reqs, every: int = 3) -> list:
     return streams
 
 
+def _seeded_rows_each_as_if_alone(m, settings, seed: int = 61) -> tuple:
+    """Seeded rows of these settings (depth 2), each decoded alone in the one-row lane, then
+    together in a width-8 lane, joining mid-flight: (the lane's streams, the alone ones), each
+    row asserted to have the same tokens either way."""
+    from mtplx.engine.installed import solo_lane
+
+    prompts = _prompts(len(settings), seed=seed)
+    reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=c, seed=10 + i, max_tokens=30)
+            for i, (p, c) in enumerate(zip(prompts, settings))]
+    alone = []
+    for r in reqs:
+        one = RunningLane(solo_lane(m, 2))
+        alone.append(one.add(r))
+        _drain(one)
+    lane = install_a3b_mtp_batch_lane(m, 8, depth=2, selfcheck=False)
+    streams = _staggered(RunningLane(lane, sampled_ladder=[lane]), reqs, every=2)
+    for i, (s, ref) in enumerate(zip(streams, alone)):
+        assert s.tokens == ref.tokens, f"row {i} ({settings[i]})"
+    return streams, alone
+
+
 def test_width8_lane_rows_joining_mid_flight_match_mlx_lm_mtp(gemma):
     """MTP rows (depth 2) join a width-8 lane (widening from 3) mid-flight, prompts of 1-300
     tokens (chunked prefill, some prefilled together), budgets ending at different cycles: each
@@ -329,25 +350,14 @@ def test_sampled_rows_in_a_width8_lane_are_each_as_if_alone(gemma):
     """Seeded sampled rows (their own settings, chaining 2 drafts: residual resamples and
     rollbacks across the window) beside greedy rows in a width-8 lane, joining mid-flight: each
     row's tokens are the same request's decoded alone in the one-row lane (contract 4)."""
-    from mtplx.engine.installed import solo_lane
     from mtplx.sampling import SamplerConfig
 
     m, oracle = gemma["agree"]
     settings = [SamplerConfig(temperature=0.8), GREEDY, SamplerConfig(temperature=1.0, top_p=0.9),
                 SamplerConfig(temperature=0.6, top_k=20), GREEDY, SamplerConfig(temperature=0.7, min_p=0.05)]
-    prompts = _prompts(6, seed=61)
-    reqs = [A3BMTPBatchRequest(request_id=str(i), prompt_ids=p, sampler=c, seed=10 + i, max_tokens=30)
-            for i, (p, c) in enumerate(zip(prompts, settings))]
-    alone = []
-    for r in reqs:
-        one = RunningLane(solo_lane(m, 2))
-        alone.append(one.add(r))
-        _drain(one)
-    lane = install_a3b_mtp_batch_lane(m, 8, depth=2, selfcheck=False)
-    streams = _staggered(RunningLane(lane, sampled_ladder=[lane]), reqs, every=2)
-    for i, (s, ref) in enumerate(zip(streams, alone)):
-        assert s.tokens == ref.tokens, f"row {i} ({settings[i]})"
+    streams, alone = _seeded_rows_each_as_if_alone(m, settings)
     assert sum(s.rejected_drafts for i, s in enumerate(streams) if not settings[i].is_greedy) > 0
+    prompts = _prompts(len(settings), seed=61)
     for i in (1, 4):
         assert streams[i].tokens == oracle.greedy(prompts[i], 30)
 
