@@ -48,9 +48,9 @@ def test_column_major_weights_keep_values_and_products():
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = nn.Linear(192, 576)          # taller than wide: stays row-major
+            self.proj = nn.Linear(192, 576)          # taller than wide but small: column-major
             self.down = nn.Linear(576, 192)          # wider than tall: column-major
-            self.embed = nn.Embedding(4096, 192)     # a tied output layer: stays row-major
+            self.embed = nn.Embedding(4096, 192)     # a tied output layer, tall and large: stays row-major
             self.half = nn.Linear(192, 8)
             self.half.set_dtype(mx.float16)
 
@@ -61,7 +61,9 @@ def test_column_major_weights_keep_values_and_products():
     tokens = mx.array([[1, 7, 4095]])
     wide = mx.random.normal((8, 576), key=mx.random.key(7))
     want = (net.proj(x), net.embed.as_linear(x), net.down(wide), net.embed(tokens))
-    assert A.column_major_weights(net) == 1                           # `down` only (not the float16 layer)
+    loaded = {name: getattr(net, name).weight for name in ("proj", "down", "embed", "half")}
+    assert A.column_major_weights(net) == 2                           # `proj`, `down` (not the float16 layer)
+    assert [name for name, w in loaded.items() if getattr(net, name).weight is not w] == ["proj", "down"]
     assert all(mx.array_equal(v, before[k]).item() for k, v in tree_flatten(net.parameters()))
     got = (net.proj(x), net.embed.as_linear(x), net.down(wide), net.embed(tokens))
     for g, w in zip(got, want):
