@@ -7,9 +7,11 @@ batching and affinity do not fight (rows of any window join their replica's runn
 
 - A row of a session (the `x-session-id` header, else the request's `user`: OpenAI's field, or
   Anthropic's `metadata.user_id`; per API key) goes where its session's last row went; a session
-  this ingress has not seen goes where its prompt's longest prefix is cached, else to its
-  rendezvous-hash replica (highest random weight of session and replica id: every ingress
-  replica picks the same one, and a replica that leaves moves only its own sessions).
+  this ingress has not seen goes where its prompt's longest prefix is cached (another ingress
+  replica's turns of it included, from the replicas' cache events), else as a row without one
+  (fallback, below): its first turn lands on the least loaded replica. (A rendezvous hash of
+  session and replica placed 16 new sessions 7 and 9 on two replicas in `bench sessions`, whose
+  TTFT then followed the busier one.)
 - A row without a session goes to the replica whose prefix cache holds the longest prefix of its
   prompt (from the replicas' own cache events, `deployments.prefix_index`), when one holds more
   than the others (a system prompt every replica holds decides nothing).
@@ -42,7 +44,6 @@ import math
 import random
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from hashlib import blake2b
 from typing import Dict, Iterable, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -68,10 +69,6 @@ def session_key(header: Optional[str], user: Optional[str], caller: Optional[str
     its caller's key (None: no session)."""
     session = header or user
     return None if not session else f"{caller or ''}/{session}"
-
-
-def _rendezvous(session: str, replica: str) -> int:
-    return int.from_bytes(blake2b(f"{session}\0{replica}".encode(), digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True)
@@ -130,10 +127,8 @@ class AffinityPolicy:
         held = self.index.held(prompt, salt, live)
         floor = min(held.values())
         by_prefix = sorted((r for r in live if held[r] > floor), key=lambda r: (-held[r], self.load[r] + pending[r]))
-        if session is not None:
-            last = self.sessions.get(session)
-            ranked = ([last] if last in live else by_prefix) + sorted(live, key=lambda r: -_rendezvous(session, r))
-            reason = "session"
+        if session is not None and self.sessions.get(session) in live:
+            ranked, reason = [self.sessions[session], *by_prefix], "session"
         elif by_prefix:
             ranked, reason = by_prefix, "prefix"
         else:

@@ -18,7 +18,11 @@ MLX node, none on the head); then runs, on that one cluster, in this order:
 - rolling_update: a config update that changes the replicas' actor options (their environment)
   and goes back to two replicas, under the same load: every model replica is replaced, one at a
   time, and the ingress stays;
-- kill: `kill -9` of the replica process holding the most rows while the eight stream.
+- kill: `kill -9` of the replica process holding the most rows while the eight stream;
+- autoscale: the app redeployed with the rows autoscaling policy (`AUTOSCALING`: one replica to
+  two, a target of 2 rows a replica) and one replica; Serve's autoscaler, fed by the replicas'
+  own row counts, adds the second replica while the eight stream, and takes it away again once
+  they are done.
 
 In every loaded phase each request must complete with all its tokens, and each greedy or seeded
 request's text must equal its undisturbed text: nothing lost, nothing repeated. Exit status 0 when
@@ -51,13 +55,18 @@ from typing import Callable, Dict, List, Optional
 from ._proc import LOOPBACK_RAY_ENV, free_port, is_loopback
 
 MODEL = "mtplx-tiny-py"
-PHASES = ("spread", "affinity", "scale_down", "rolling_update", "kill")
+PHASES = ("spread", "affinity", "scale_down", "rolling_update", "kill", "autoscale")
 APP_ARGS = {"num_replicas": 2, "replica_resources": {"mlx": 1}, "replica_num_cpus": 1, "widths": [3, 8],
             "blas_threads": 1, "max_concurrent_batches": 16, "batch_wait_timeout_s": 0.05, "warmup": False,
             # a stopped replica's rows outlast this, so they move; a moving row waits for a replica this long
             "replica_graceful_shutdown_s": 0.5, "failover_timeout_s": 180.0, "summary_interval_s": 10.0,
             # the ingress may land on the head node: get the tokenizer from a replica
             "tokenizer_source": "replica"}
+# the autoscale phase's policy: short windows and delays, so that Serve's autoscaler acts within seconds
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_rows_per_replica": 2,
+               "look_back_period_s": 2.0, "upscale_delay_s": 0.0, "downscale_delay_s": 2.0}
+# how often replicas push their autoscaling metrics to Serve's controller (Serve's default: 10 s)
+METRICS_PUSH_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
 # long enough that a stopped replica's rows outlast the controller's stop and its grace period (a
 # row streams 200 tokens in about 4 s here: a scale-down sometimes found its rows already done)
 LOAD_TOKENS = 400
@@ -148,7 +157,7 @@ class App:
         self.cluster = cluster
         self.workers = workers
 
-    def deploy(self, num_replicas: int = 2, revision: str = "1", **args) -> None:
+    def deploy(self, num_replicas: Optional[int] = 2, revision: str = "1", **args) -> None:
         _deploy_config(num_replicas, revision, {**APP_ARGS, **args})
 
     def snapshot(self) -> dict:
@@ -320,12 +329,34 @@ def _run_phases(app: App, report: dict, only, t0: float) -> None:
 
     phase("spread", lambda: _spread_report(app))
     phase("affinity", lambda: asyncio.run(_affinity(app)))
-    refs = asyncio.run(references(app)) if set(only) & {"scale_down", "rolling_update", "kill"} else {}
+    refs = asyncio.run(references(app)) if set(only) & {"scale_down", "rolling_update", "kill", "autoscale"} else {}
     report["references"] = {i: (t or "")[:40] for i, t in refs.items()}
     phase("scale_down", lambda: _config_update(app, refs, {"num_replicas": 1}, replicas=1))
     phase("rolling_update", lambda: _config_update(app, refs, {"num_replicas": 2, "revision": "2"}, replicas=2))
     phase("kill", lambda: under_load(app, refs, lambda: kill_busiest(app), once=True))
     report["ingress"] = app.ingress()
+    phase("autoscale", lambda: _autoscale(app, refs))
+
+
+def _wait_for_replicas(app: App, count: int, timeout_s: float) -> Optional[float]:
+    """Seconds until `count` model replicas serve; None if they did not within `timeout_s`."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if len(app.replicas()) == count:
+            return round(time.time() - t0, 1)
+        time.sleep(0.5)
+    return None
+
+
+def _autoscale(app: App, refs: Dict[int, str]) -> dict:
+    """Redeploy with the rows autoscaling policy at one replica; under the eight streams, Serve's
+    autoscaler must add the second; once they end, take it away."""
+    app.deploy(num_replicas=None, autoscaling=AUTOSCALING)     # new args: every deployment anew
+    started = _wait_for_replicas(app, 1, 300)
+    out = under_load(app, refs, lambda: {"scaled_up_after_s": _wait_for_replicas(app, 2, 180)})
+    out.update(started_s=started, replicas_under_load=sorted(app.replicas()),
+               scaled_down_after_s=_wait_for_replicas(app, 1, 120))
+    return out
 
 
 def _scale_down_ok(r: dict) -> bool:
@@ -341,7 +372,12 @@ def _kill_ok(r: dict) -> bool:
     return not r["problems"] and r["rows_moved"] >= 1 and r["row_moves_failed"] == 0
 
 
-def _deploy_config(num_replicas: int, revision: str, args: dict, timeout_s: float = 600.0) -> None:
+def _autoscale_ok(r: dict) -> bool:
+    return (not r["problems"] and r["started_s"] is not None and r["scaled_up_after_s"] is not None
+            and r["scaled_down_after_s"] is not None and r["row_moves_failed"] == 0)
+
+
+def _deploy_config(num_replicas: Optional[int], revision: str, args: dict, timeout_s: float = 600.0) -> None:
     """Deploy the app with these args, `num_replicas` MTPReplicas and `revision` (an environment
     variable of their actors: a new value replaces every replica), as `serve deploy` of a config
     file does; wait until it runs. Options of one deployment change that deployment alone; a
@@ -351,10 +387,13 @@ def _deploy_config(num_replicas: int, revision: str, args: dict, timeout_s: floa
     from ray.serve.schema import ServeDeploySchema
 
     actor = {"num_cpus": args["replica_num_cpus"], "num_gpus": 0, "resources": args["replica_resources"],
-             "runtime_env": {"env_vars": {"MTPLX_SCALEOUT_REVISION": revision}}}
+             "runtime_env": {"env_vars": {"MTPLX_SCALEOUT_REVISION": revision, **METRICS_PUSH_ENV}}}
+    replica = {"name": "MTPReplica", "ray_actor_options": actor}
+    if num_replicas is not None:          # None: the app's autoscaling config decides
+        replica["num_replicas"] = num_replicas
     config = {"applications": [{
         "name": "mtplx", "route_prefix": "/", "import_path": "deployments:build_app", "args": args,
-        "deployments": [{"name": "MTPReplica", "num_replicas": num_replicas, "ray_actor_options": actor}]}]}
+        "deployments": [replica]}]}
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
     deadline = time.time() + timeout_s
     time.sleep(1.0)
@@ -412,7 +451,7 @@ def _spread_ok(r: dict) -> bool:
 
 
 PHASE_CHECKS = {"spread": _spread_ok, "affinity": _affinity_ok, "scale_down": _scale_down_ok,
-                "rolling_update": _rolling_update_ok, "kill": _kill_ok}
+                "rolling_update": _rolling_update_ok, "kill": _kill_ok, "autoscale": _autoscale_ok}
 
 
 def _ray_on_loopback():

@@ -82,9 +82,11 @@ def test_sessions_stay_prefixes_attract_others_fall_back(replicas):
     assert policy.route(None, prompt, None, Counter({"r2": 1})).replica == "r1"
     policy.load.clear()
     policy.rows_by_replica.clear()
-    # a session goes to its rendezvous replica, then where its last row went
+    # a new session with nothing cached goes to the least loaded replica, then where its last row went
+    policy.load.update({"r0": 1, "r2": 1})
     first = policy.route("s1", prompt, None, Counter())
-    assert first.reason == "session" and first.replica in replicas
+    assert (first.replica, first.reason) == ("r1", "fallback")
+    policy.load.clear()
     policy.placed(first.replica, 1, ["s1"])
     policy.left(first.replica)
     again = policy.route("s1", prompt, None, Counter())

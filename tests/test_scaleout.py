@@ -8,7 +8,8 @@ reads its phase. The phases, in order: unrelated requests and sessions spread ov
 replicas; a 3-turn conversation's turns 2 and 3 find their prefix cached on turn 1's replica
 (by its session, and by its prefix alone); the replicas scaled down from two to one under load;
 a rolling config update under load (back to two, every replica replaced); `kill -9` of a
-replica's process under 8 streaming clients. Under load, every request completes with all its
+replica's process under 8 streaming clients; Serve's autoscaler with the rows policy, from one
+replica to two under load and back to one after. Under load, every request completes with all its
 tokens, and every greedy or seeded request's text equals its undisturbed text (nothing lost, nothing
 repeated)."""
 
@@ -91,3 +92,15 @@ def test_kill_9_of_a_replica_under_8_streaming_clients(cluster_report):
     assert not r["problems"], r["problems"]      # every stream whole; greedy and seeded texts as undisturbed
     assert r["rows_on_it"] >= 1 and r["rows_moved"] >= 1 and r["row_moves_failed"] == 0, r
     assert r["requests"] == 8
+
+
+def test_serves_autoscaler_adds_a_replica_under_load_and_removes_it_after(cluster_report):
+    """The rows autoscaling policy as Serve runs it: the replicas' own row counts reach the
+    controller, which adds the second replica while eight rows stream on one, and removes it once
+    they are done; every stream whole meanwhile."""
+    r = _phase(cluster_report, "autoscale")
+    assert not r["problems"], r["problems"]
+    assert r["started_s"] is not None, r                     # the autoscaled app started at one replica
+    assert r["scaled_up_after_s"] is not None and len(r["replicas_under_load"]) == 2, r
+    assert r["scaled_down_after_s"] is not None, r
+    assert r["row_moves_failed"] == 0 and r["requests"] >= 8, r
