@@ -1,6 +1,6 @@
 """Scale-out demo and check: a multi-node Ray cluster on this machine, one MTP replica per MLX node.
 
-    python -m deployments.scaleout [--json] [--only spread,affinity,scale_down,rolling_update,kill]
+    python -m deployments.scaleout [--json] [--only spread,affinity,scale_down,rolling_update,kill,autoscale]
 
 Builds a `ray.cluster_utils.Cluster`: a head node with no "mlx" resource and two worker nodes
 with {"mlx": 1} each; deploys the app with two replicas (`replica_resources={"mlx": 1}`: one per
