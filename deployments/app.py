@@ -68,7 +68,7 @@ class AutoscalingArgs(BaseModel):
     max_replicas: int = Field(2, ge=1)
     initial_replicas: Optional[int] = Field(None, ge=1)
     target_rows_per_replica: float = Field(DEFAULT_TARGET_ROWS_PER_REPLICA, gt=0.0)
-    look_back_period_s: float = Field(10.0, gt=0.0)
+    look_back_period_s: float = Field(30.0, gt=0.0)     # Serve's default; above its metrics interval (10 s)
     upscale_delay_s: float = Field(10.0, ge=0.0)
     downscale_delay_s: float = Field(120.0, ge=0.0)
 

@@ -182,6 +182,7 @@ def test_the_autoscaling_args_make_a_config_serve_takes_with_this_policy():
     args = AppArgs(autoscaling={"min_replicas": 1, "max_replicas": 3, "target_rows_per_replica": 6})
     config = AutoscalingConfig(**args.autoscaling.serve_config())
     assert (config.min_replicas, config.max_replicas) == (1, 3)
+    assert config.look_back_period_s > config.metrics_interval_s     # else a future Serve refuses it
     policy = config.policy.get_policy()(**config.policy.policy_kwargs)   # as Serve builds a policy class
     assert type(policy).__name__ == "RowsAutoscaling" and policy.target_rows == 6.0
     with pytest.raises(ValueError):
