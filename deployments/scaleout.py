@@ -338,11 +338,13 @@ def _run_phases(app: App, report: dict, only, t0: float) -> None:
     phase("autoscale", lambda: _autoscale(app, refs))
 
 
-def _wait_for_replicas(app: App, count: int, timeout_s: float) -> Optional[float]:
-    """Seconds until `count` model replicas serve; None if they did not within `timeout_s`."""
+def _wait_for_replicas(app: App, count: int, timeout_s: float, gone=()) -> Optional[float]:
+    """Seconds until `count` model replicas serve, none of them one of `gone`; None if they did
+    not within `timeout_s`."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
-        if len(app.replicas()) == count:
+        now = app.replicas()
+        if len(now) == count and not set(now) & set(gone):
             return round(time.time() - t0, 1)
         time.sleep(0.5)
     return None
@@ -414,13 +416,8 @@ def _config_update(app: App, refs: Dict[int, str], changes: dict, replicas: int)
     def update() -> dict:
         in_flight = app.ingress()["routing"]["rows_in_flight"]
         app.deploy(**changes)
-        replaced = "revision" in changes
-        deadline = time.time() + 600
-        while time.time() < deadline:      # until the replicas are the new set, the old ones gone
-            now = app.replicas()
-            if len(now) == replicas and not (replaced and set(now) & set(before)):
-                break
-            time.sleep(0.5)
+        # until the replicas are the new set, the old ones gone
+        _wait_for_replicas(app, replicas, 600, gone=before if "revision" in changes else ())
         return {"rows_in_flight_before": in_flight}
 
     out = under_load(app, refs, update)
