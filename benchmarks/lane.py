@@ -138,7 +138,7 @@ def bench_solo(model, tokens=128, n_prompts=8, rounds=3, blas_off_child=True) ->
 
 def _child_bench(args, env_extra) -> dict:
     env = dict(os.environ, **env_extra)
-    cmd = [sys.executable, "-m", "mtplx.cli", "bench", *args, "--json", "--no-child", "--no-report"]
+    cmd = [sys.executable, "-m", "benchmarks", *args, "--json", "--no-child", "--no-report"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         return {"error": res.stderr[-500:]}

@@ -26,7 +26,7 @@ judged, counted).
 
 Served (`bench_structured_served`, `--served`, with its matched arm too: each free request's
 `max_tokens` its schema's median constrained completion so far): our app started as `bench load`
-starts it (`serve run` of serve_configs/config.yaml on a free port), closed loops of 1 and 8 clients for `duration_s`
+starts it (`serve run` of serve_configs/config.yaml, or `--config`, on a free port), closed loops of 1 and 8 clients for `duration_s`
 each (requests still in flight at the end are awaited and counted; the wall time includes them, so
 the longer unconstrained rows pay a slightly longer tail: small against 20 s arms), non-streaming
 `/v1/completions` with `response_format` json_schema (strict) against the same requests without it;
@@ -437,9 +437,10 @@ def check_structured_server(base_url: str, endpoint: str, model: str) -> dict:
 def bench_structured_served(model_dir: Optional[str] = None, rounds: int = 3, duration_s: float = DURATION_S,
                             clients: Iterable[int] = SERVED_CLIENTS, max_tokens: int = MAX_TOKENS,
                             endpoint: str = "completions", ready_timeout_s: float = 600.0, warmup_s: float = 3.0,
-                            log: Callable[[str], None] = LOG) -> dict:
+                            log: Callable[[str], None] = LOG, config: Optional[str] = None) -> dict:
     """The served arms (see the module docstring): `served` (per client count and sampler, the
-    summary), `per_round_served`, `served_setup`."""
+    summary), `per_round_served`, `served_setup`. `config`: the serve config (default the shipped
+    serve_configs/config.yaml)."""
     from benchmarks.report import ROOT
     from benchmarks.servers import snapshot, start_ours
 
@@ -450,7 +451,8 @@ def bench_structured_served(model_dir: Optional[str] = None, rounds: int = 3, du
     with tempfile.TemporaryDirectory(prefix="mtplx-bench-structured-") as tmp:
         log("structured --served: starting serve run")
         server = start_ours(Path(model_dir).resolve() if model_dir else None,
-                            logs / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.log", Path(tmp), ready_timeout_s)
+                            logs / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.log", Path(tmp), ready_timeout_s,
+                            config=Path(config) if config else None)
         try:
             probe = check_structured_server(server.url, endpoint, server.model)
 
@@ -496,7 +498,7 @@ def bench_structured_served(model_dir: Optional[str] = None, rounds: int = 3, du
     return {"served": served, "per_round_served": per_round,
             "served_setup": {"endpoint": endpoint_path(endpoint), "clients": clients, "duration_s": duration_s,
                              "max_tokens": max_tokens, "rounds": rounds, "probe": probe, "server": server.info,
-                             "stop": stopped}}
+                             "stop": stopped, "config": config or "serve_configs/config.yaml"}}
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -592,7 +594,7 @@ def render_structured(record: dict, image: str) -> str:
         lines += ["", f"**Served**: not measured: {served['error']}"]
     elif served:
         s = record["served_setup"]
-        lines += ["", f"**Served**: `serve run` of serve_configs/config.yaml, non-streaming `{s['endpoint']}`, "
+        lines += ["", f"**Served**: `serve run` of {s.get('config', 'serve_configs/config.yaml')}, non-streaming `{s['endpoint']}`, "
                       f"constrained requests with `response_format` json_schema (strict); closed loops of "
                       f"{', '.join(map(str, s['clients']))} client(s), {s['duration_s']:.0f} s per arm, {s['rounds']} "
                       "round(s); tok/s: usage completion tokens / wall time; acceptance and rows/cycle from the "
@@ -647,7 +649,7 @@ def run_cli(a) -> int:
     if served:
         try:
             result.update(bench_structured_served(a.model, rounds, duration, clients, max_tokens, a.endpoint,
-                                                  warmup_s=1.0 if a.quick else 3.0))
+                                                  warmup_s=1.0 if a.quick else 3.0, config=a.config))
         except ResponseFormatRefused as exc:
             failed = str(exc)
             result["served"] = {"error": failed}

@@ -64,47 +64,18 @@ def _train_head(a):
     train_head(a)
 
 
-def _bench(a):
-    from benchmarks.cli import run   # the library never imports the benchmarks but here, on demand
+def _bench(argv) -> int:
+    """`mtplx bench ...` runs the benchmarks as a program of their own (`python -m benchmarks`): they
+    sit above the library, which never imports them; their parser is theirs (benchmarks/cli.py)."""
+    import subprocess
 
-    run(a)
-
-
-def add_load_options(p) -> None:
-    """The options only `bench load` takes, shared by `mtplx bench load` and `python -m
-    benchmarks.load` (here, so that building this parser imports nothing heavy)."""
-    p.add_argument("--temperatures", default=None,
-                   help="comma-separated arms: temperatures (0 greedy) and `mixed`, the arm of per-request "
-                        "temperature and top_p (default 0,0.6,mixed)")
-    p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
-    p.add_argument("--min-requests", type=int, default=None,
-                   help="closed-loop requests per arm at least, whatever the clients (12)")
-    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48; 0: none)")
-    p.add_argument("--modes", default=None,
-                   help="ours only: closed-loop arms twice per generation_mode (mirrored order; one client: "
-                        "request by request), e.g. auto,mtp,ar")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="ours only: closed-loop arms without and with logprobs: K, alternated")
-    p.add_argument("--config", default=None,
-                   help="ours: the serve config to run (default serve_configs/config.yaml; --model still sets "
-                        "its model_path)")
-    p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
-                   help="also an arm of greedy requests one at a time with prompts of about N tokens "
-                        "(time to first token on long prompts)")
-
-
-def add_structured_options(p) -> None:
-    """The options only `bench structured` takes."""
-    p.add_argument("--duration", type=float, default=None, help="seconds per arm (20; --quick: 4)")
-    p.add_argument("--served", action="store_true", help="also through `serve run` (response_format json_schema), "
-                                                         "closed loops of --clients clients")
-    p.add_argument("--served-only", action="store_true", help="only the served arms")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="served: /v1/completions (code prompts, the default) or /v1/chat/completions")
-    p.add_argument("--blas-threads", type=int, default=1, help="in process: BLAS threads (1, as a replica)")
+    return subprocess.call([sys.executable, "-m", "benchmarks", *argv])
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        sys.exit(_bench(argv[1:]))
     ap = argparse.ArgumentParser(prog="mtplx", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="complete a prompt and print stats")
@@ -119,33 +90,9 @@ def main(argv=None):
     g.add_argument("--mode", choices=("mtp", "ar"), default="mtp")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
-    b = sub.add_parser("bench", help="benchmarks: solo, lane, service, http, load, soak, structured, exactness, "
-                                     "sessions")
-    b.add_argument("what", choices=("solo", "lane", "service", "http", "load", "soak", "structured", "exactness",
-                                    "sessions"))
-    b.add_argument("--model", default=None)
-    b.add_argument("--tokens", type=int, default=None, help="tokens a row (structured: max_tokens, 96)")
-    b.add_argument("--prompts", type=int, default=8, help="solo, exactness: prompts; service, http: rows of the "
-                                                          "cohort")
-    b.add_argument("--rounds", type=int, default=3)
-    b.add_argument("--json", action="store_true", help="one JSON line")
-    b.add_argument("--no-child", action="store_true", help="skip the BLAS-off child run")
-    b.add_argument("--no-report", action="store_true",
-                   help="solo/lane/service/http/structured: print only; no JSON record, chart or "
-                        "BENCHMARKS.md section")
-    b.add_argument("--quick", action="store_true", help="load: 1 run, clients 1,8, greedy only, few requests; "
-                                                        "soak: 100 requests, 15 s of overload; "
-                                                        "structured: 1 round of 4 s per arm; "
-                                                        "sessions: 1 run, power_of_two and affinity only")
-    b.add_argument("--runs", type=int, default=3, help="load: runs per server, turns interleaved; sessions: runs "
-                                                       "of every arm, rotated")
-    b.add_argument("--clients", default=None, help="load: closed-loop client counts, e.g. 1,8,16,32; "
-                                                   "structured --served: 1,8")
-    b.add_argument("--direct-http", action="store_true", help="load, soak: clients call the ingress replica on its "
-                                                              "own port (Serve's direct ingress), not the proxy")
-    add_load_options(b.add_argument_group("load only"))
-    add_structured_options(b.add_argument_group("structured only"))
-    b.set_defaults(func=_bench)
+    sub.add_parser("bench", add_help=False,
+                   help="benchmarks: solo, lane, service, http, load, soak, structured, exactness, sessions, profile "
+                        "(`mtplx bench --help`)")
     m = sub.add_parser("models", help="install known models as MLX checkpoints; list them")
     msub = m.add_subparsers(dest="action", required=True)
     ma = msub.add_parser("add", help="install a known model (packages, conversion, a 4-bit variant): "
@@ -167,7 +114,6 @@ def main(argv=None):
     i = sub.add_parser("info", help="print the live runtime (BLAS, device, versions)")
     i.set_defaults(func=lambda a: print(json.dumps(__import__("mtplx").runtime_info(), indent=2)))
     a = ap.parse_args(argv)
-    a.command_line = " ".join(["mtplx", *(sys.argv[1:] if argv is None else argv)])
     a.func(a)
 
 

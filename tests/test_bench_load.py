@@ -3,6 +3,8 @@
 import asyncio
 import json
 import struct
+import subprocess
+import sys
 import time
 import types
 
@@ -357,9 +359,9 @@ def test_temperatures_accept_the_mixed_arm(monkeypatch):
     assert seen["temperatures"] == (0.0, 0.6, "mixed") == workload.DEFAULT_TEMPERATURES
     with pytest.raises(SystemExit):
         cli.main(["--temperatures", "0,hot"])
-    from mtplx import cli as mtplx_cli
+    from benchmarks import cli as bench_cli
     seen.clear()
-    mtplx_cli.main(["bench", "load", "--temperatures", "0,0.6,mixed", "--clients", "8"])
+    bench_cli.main(["load", "--temperatures", "0,0.6,mixed", "--clients", "8"])
     assert seen["temperatures"] == [0.0, 0.6, "mixed"] and seen["clients"] == [8]
 
 
@@ -505,3 +507,12 @@ def test_long_prompts_are_long_and_share_no_prefix():
     prompts = [long_prompt_for(i, 1000) for i in range(4)]
     assert all(len(p) >= 1000 * CHARS_PER_TOKEN for p in prompts)
     assert len({p[:20] for p in prompts}) == 4
+
+
+def test_mtplx_bench_runs_the_benchmarks_as_a_program():
+    """`mtplx bench ...` is `python -m benchmarks ...`: the library's command line never imports the
+    benchmarks (the layer contract has no exception for it), and their options are theirs."""
+    out = subprocess.run([sys.executable, "-m", "mtplx.cli", "bench", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: mtplx bench") and "--long-prompt-tokens" in out.stdout

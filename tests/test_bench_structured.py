@@ -187,7 +187,7 @@ def test_a_server_refusing_response_format_stops_the_served_part(monkeypatch, ca
     monkeypatch.setattr(S, "bench_structured_served", refused)
     a = argparse.Namespace(quick=True, rounds=3, duration=None, tokens=None, clients=None, served=True,
                            served_only=True, endpoint="completions", blas_threads=1, model=None, no_report=True,
-                           json=True, command_line="mtplx bench structured --served-only")
+                           json=True, command_line="mtplx bench structured --served-only", config=None)
     assert S.run_cli(a) == 1
     out, err = capsys.readouterr()
     assert json.loads(out)["served"] == {"error": "the server refused response_format"}

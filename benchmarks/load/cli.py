@@ -57,10 +57,31 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
     return record
 
 
+def add_load_options(p) -> None:
+    """The options only `bench load` takes, shared by `mtplx bench load` and `python -m
+    benchmarks.load`."""
+    p.add_argument("--temperatures", default=None,
+                   help="comma-separated arms: temperatures (0 greedy) and `mixed`, the arm of per-request "
+                        "temperature and top_p (default 0,0.6,mixed)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="closed-loop requests per client (6)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="closed-loop requests per arm at least, whatever the clients (12)")
+    p.add_argument("--open-requests", type=int, default=None, help="requests in the open-loop arm (48; 0: none)")
+    p.add_argument("--modes", default=None,
+                   help="ours only: closed-loop arms twice per generation_mode (mirrored order; one client: "
+                        "request by request), e.g. auto,mtp,ar")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="ours only: closed-loop arms without and with logprobs: K, alternated")
+    p.add_argument("--config", default=None,
+                   help="ours: the serve config to run (default serve_configs/config.yaml; --model still sets "
+                        "its model_path)")
+    p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
+                   help="also an arm of greedy requests one at a time with prompts of about N tokens "
+                        "(time to first token on long prompts)")
+
+
 def main(argv=None) -> int:
     import argparse
-
-    from mtplx.cli import add_load_options
 
     import benchmarks.load
 
