@@ -32,7 +32,7 @@ import numpy as np
 
 from mtplx.engine.cohort import generate_a3b_mtp_batch
 from mtplx.engine.install import install_a3b_mtp_batch_lane
-from mtplx.engine.installed import default_draft_draw
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import A3BMTPBatchRequest
 from benchmarks.report import grouped_bars, machine_line, pyplot, save_figure
 from mtplx.engine.decode import generate_ar, generate_mtpk
@@ -300,7 +300,7 @@ def bench_lane(model, tokens=256, rounds=3) -> dict:
     chained = {(w, d): install_a3b_mtp_batch_lane(model, w, selfcheck=False, depth=d) for w in (2, 8) for d in (2, 3)}
     for lane in [lanes[8], *chained.values()]:
         _lane_round(lane, prompts8[:lane.width], 8, GREEDY)  # warm up
-    draw = default_draft_draw()
+    draw = EngineSettings().draft_draw
     other_draw = "host" if draw == "device" else "device"
     out = {"draft_draw": draw}
     for name, sampler in (("greedy", GREEDY), ("t0.6", SAMPLED)):

@@ -278,7 +278,7 @@ def bench_structured_lane(model, rounds: int = 3, duration_s: float = DURATION_S
                           log: Callable[[str], None] = LOG) -> dict:
     """The in-process arms (see the module docstring); returns `lane` (per sampler, the summary),
     `per_round_lane` (every run) and `lane_setup`."""
-    from mtplx.engine.installed import default_draft_draw
+    from mtplx.engine.settings import EngineSettings
     from mtplx.runtime import set_blas_threads
 
     threads = set_blas_threads(blas_threads) if blas_threads else set_blas_threads()
@@ -314,7 +314,7 @@ def bench_structured_lane(model, rounds: int = 3, duration_s: float = DURATION_S
             "lane_setup": {"width": width, "duration_s": duration_s, "max_tokens": max_tokens, "rounds": rounds,
                            "blas_threads": threads,
                            "greedy_depths": {str(w): d for w, d in ladder.greedy_depths.items()},
-                           "sampled_depth": ladder.sampled_depth, "draft_draw": default_draft_draw(),
+                           "sampled_depth": ladder.sampled_depth, "draft_draw": EngineSettings().draft_draw,
                            "install_s": round(install_s, 2), "schemas": len(items)}}
 
 

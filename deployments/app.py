@@ -40,6 +40,8 @@ REFUSAL_SLOTS = 256
 # tokenized off it). Through Serve's proxy it is left on its own thread.
 INGRESS_DIRECT_HTTP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 REPLICA_NAME = "MTPReplica"
+# AppArgs' fields the replica hands to the engine's settings (with `repetition_stop`)
+ENGINE_SETTINGS = ("force_width", "draft_draw", "compiled", "overlap", "device_judging", "run_ahead", "kv_budget_gb")
 
 
 class RepetitionStopArgs(BaseModel):
@@ -100,6 +102,8 @@ class AppArgs(BaseModel):
                     "it, never on the row's neighbours)")
     numerics: Literal["throughput", "b1-exact"] = Field(
         "throughput", description="b1-exact: every row decodes alone in the one-row lane (the solo path's numerics)")
+    # The engine's settings (ENGINE_SETTINGS; mtplx.engine.settings.EngineSettings): None takes the
+    # replica's environment variable named, else the default.
     force_width: Optional[int] = Field(
         None, ge=1, le=32, description="Pin the narrowest lane width (an installed width); None: "
                                        "MTPLX_MTP_BATCH_FORCE_WIDTH in the replica's environment, else none")
@@ -111,6 +115,12 @@ class AppArgs(BaseModel):
     overlap: Optional[bool] = Field(
         None, description="Launch a lane's next MTP cycle before its step's tokens stream out; None: "
                           "MTPLX_OVERLAP, else on a GPU only (MLX's CPU backend computes the launch at once)")
+    device_judging: Optional[bool] = Field(
+        None, description="Judge sampled rows' draft chains on the device; None: MTPLX_DEVICE_JUDGE, else on a "
+                          "GPU only (on the CPU the device is the host's core: no gain)")
+    run_ahead: Optional[bool] = Field(
+        None, description="Greedy lanes launch each MTP cycle before the host reads the last one's verify; "
+                          "None: MTPLX_RUN_AHEAD, else on")
     kv_budget_gb: Optional[float] = Field(
         None, gt=0.0, description="Decode state (KV and recurrent) all lanes of a replica may hold, GiB; rows "
                                   "wait beyond it. None: MTPLX_KV_BUDGET_GB, else half the replica's memory")
@@ -254,6 +264,15 @@ def warn_if_ray_is_reachable() -> None:
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before `serve run`.", node)
 
 
+def engine_args(a: AppArgs) -> Optional[dict]:
+    """The engine settings the config gives (None: none; the replica fills the rest from its
+    environment, else the defaults)."""
+    given = {name: getattr(a, name) for name in ENGINE_SETTINGS if getattr(a, name) is not None}
+    if a.repetition_stop is not None:
+        given["repetition_stop"] = a.repetition_stop.model_dump()
+    return given or None
+
+
 def build_app(args: Optional[Dict[str, Any]] = None):
     """The application builder named by `import_path: deployments:build_app`."""
     warn_if_ray_is_reachable()
@@ -294,9 +313,7 @@ def build_app(args: Optional[Dict[str, Any]] = None):
         warmup=a.warmup, niceness=a.niceness if a.replica_niceness is None else a.replica_niceness,
         max_waiting_rows_per_key=a.max_waiting_rows_per_key, retry_after_s=a.retry_after_s,
         watchdog_s=a.watchdog_s, summary_interval_s=a.summary_interval_s, metrics=a.metrics,
-        force_width=a.force_width, draft_draw=a.draft_draw, compiled=a.compiled, overlap=a.overlap,
-        kv_budget_gb=a.kv_budget_gb, replica_cpus=a.replica_cpus,
-        repetition_stop=a.repetition_stop.model_dump() if a.repetition_stop is not None else None)
+        engine=engine_args(a), replica_cpus=a.replica_cpus)
     # Batches must be able to fill: a replica of the ingress holds every row of its open batches,
     # the rows waiting for a window, and requests it is answering 429 (so that overload gets our
     # OpenAI-shaped 429 rather than the proxy's plain 503 queue).

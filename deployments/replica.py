@@ -257,12 +257,12 @@ class MTPReplica:
                  max_waiting_rows_per_key: int = DEFAULT_MAX_WAITING_ROWS_PER_KEY,
                  retry_after_s: float = DEFAULT_RETRY_AFTER_S, watchdog_s: float = DEFAULT_WATCHDOG_S,
                  summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S, metrics: bool = True,
-                 force_width: Optional[int] = None, draft_draw: Optional[str] = None,
-                 compiled: Optional[bool] = None, kv_budget_gb: Optional[float] = None,
-                 repetition_stop: Optional[dict] = None, overlap: Optional[bool] = None,
-                 replica_cpus: Optional[int] = None):
-        """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: chosen by measured cost;
-        `repetition_stop`: the limits every row stops within, None: off)."""
+                 engine: Optional[dict] = None, replica_cpus: Optional[int] = None):
+        """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: chosen by measured cost).
+        `engine`: the engine's settings the config gives (`ENGINE_SETTINGS` of AppArgs: force_width,
+        draft_draw, compiled, overlap, device_judging, run_ahead, kv_budget_gb, repetition_stop),
+        None for unset: unset ones come from this process's environment, else the defaults
+        (`mtplx.engine.settings.EngineSettings`, built here once and passed down)."""
         from ._proc import freeze_startup_objects, keep_node_off, pin_replica_cpus, renice_process
 
         self.niceness = renice_process(niceness)   # before the BLAS and owner threads exist: they inherit it
@@ -278,13 +278,18 @@ class MTPReplica:
         # (macOS, or MTPLX_BLAS=off).
         import mtplx
         from mtplx.engine.repetition import RepetitionLimits
+        from mtplx.engine.settings import EngineSettings
         from mtplx.runtime import set_blas_threads
         from mtplx.scheduler import service as mtp_batch
-        from mtplx.scheduler.config import resolve_kv_budget
 
         self._mtplx = mtplx
         self.blas_threads = set_blas_threads(int(blas_threads) if blas_threads else 1)
         self._mtp_batch = mtp_batch
+        engine = dict(engine or {})
+        stop = engine.pop("repetition_stop", None)
+        self.engine_settings = EngineSettings.from_environ(
+            os.environ, **engine, repetition_limits=RepetitionLimits(**stop) if stop is not None else None,
+            repetition_stop_all=True if stop is not None else None)
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)
         self._buffers: set = set()            # the live cohort calls' buffers (see _lane_step_ended)
@@ -294,9 +299,7 @@ class MTPReplica:
             numerics=numerics, on_lane_step=self._lane_step_ended,
             greedy_depths=GREEDY_DEPTHS_BY_COST if greedy_depths is None else greedy_depths,
             sampled_depth=sampled_depth,
-            force_width=force_width, draft_draw=draft_draw, compiled=compiled, overlap=overlap,
-            kv_budget_bytes=resolve_kv_budget(kv_budget_gb),
-            repetition_limits=RepetitionLimits(**repetition_stop) if repetition_stop is not None else None)
+            settings=self.engine_settings)
         self.load_s = time.perf_counter() - t0
         # the prefix bank's events, numbered, for the ingresses' routers (deployments.prefix_index)
         from mtplx.engine.prefill import PREFILL_CHUNK

@@ -8,6 +8,7 @@ import pytest
 from mtplx.engine.admission import Admission, batchable
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.lane import RunningLane
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import A3BMTPBatchRequest, LaneRow
 from mtplx.sampling import SamplerConfig
 
@@ -129,7 +130,7 @@ def test_a_lane_running_ahead_decodes_greedy_rows_as_without(model):
 
     def run(depth, run_ahead):
         running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=depth),
-                              run_ahead=run_ahead)
+                              settings=EngineSettings(run_ahead=run_ahead))
         reqs = [_req(0, prompts[0], 60, stop_token_ids=frozenset({solo[0][23]})),
                 _req(1, prompts[1], 37, omit_speculative_bonus=True),
                 _req(2, prompts[0], 60, speculative=False),
@@ -182,7 +183,8 @@ def test_overlapped_cycles_decode_every_row_as_without(model, lane8):
     hot = SamplerConfig(temperature=0.7, top_p=0.9, top_k=0)
 
     def run(overlap):
-        running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), overlap=overlap)
+        running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2),
+                              settings=EngineSettings(overlap=overlap))
         streams = [running.add(_req(i, prompts[i], 40 + 7 * i, sampler=hot if i % 2 else SamplerConfig(),
                                     seed=i, logprobs=2 if i == 3 else None)) for i in range(4)]
         for _ in range(6):

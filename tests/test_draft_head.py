@@ -24,6 +24,7 @@ import mtplx
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.lane import RunningLane
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.models import gemma3
 from mtplx.models.draft_head import CONFIG_KEY, DRAFT_FLOOR, HEAD_FILE, build_draft_vocab, remove_head, save_head
@@ -233,7 +234,7 @@ def test_sampled_rows_keep_the_target_joint_distribution_with_a_reduced_head(spl
     m, ids, cfg, joint, keep = split_vocab
     assert 4 <= len(joint) <= 9
     assert {t2 for _, t2 in joint} - keep and {t2 for _, t2 in joint} & keep
-    running = RunningLane(install_a3b_mtp_batch_lane(m, 8, selfcheck=False), draft_draw=draw)
+    running = RunningLane(install_a3b_mtp_batch_lane(m, 8, selfcheck=False), settings=EngineSettings(draft_draw=draw))
     n = 1200
     streams, counts = seeded_outcomes(running, ids, n, 2, cfg, cfg)
     assert running.peak_rows == 8

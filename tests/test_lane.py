@@ -12,6 +12,7 @@ import mtplx.engine.row as row_mod
 from mtplx.engine.cohort import generate_a3b_mtp_batch
 from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
 from mtplx.engine.row import A3BMTPBatchCapacityError, A3BMTPBatchRequest
+from mtplx.engine.settings import DRAFT_DRAWS, EngineSettings
 from mtplx.engine.decode import generate_ar
 from mtplx.sampling import SamplerConfig
 
@@ -312,7 +313,7 @@ def test_admission_into_a_slot_freed_by_a_cancel(model, lanes, run_ahead, admitt
     there when the lane runs ahead, the boundary after the cycle that was launched ahead."""
     prompts = _prompts(model, 4)
     flag = threading.Event()
-    running = lane_mod.RunningLane(lanes[3], run_ahead=run_ahead)
+    running = lane_mod.RunningLane(lanes[3], settings=EngineSettings(run_ahead=run_ahead))
     streams = [running.add(_req(i, p, 60, cancelled=(flag.is_set if i == 1 else row_mod._never)))
                for i, p in enumerate(prompts[:3])]
     _steps(running, 5)
@@ -374,20 +375,20 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
         assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
 
 
-@pytest.mark.parametrize("draw", installed_mod.DRAFT_DRAWS)
-def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes, draw, monkeypatch):
+@pytest.mark.parametrize("draw", DRAFT_DRAWS)
+def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes, draw):
     from mtplx.engine.installed import solo_lane
     from mtplx.engine.decode import generate_mtpk
 
-    monkeypatch.setenv("MTPLX_DRAFT_DRAW", draw)     # the solo path's lane too
+    settings = EngineSettings(draft_draw=draw)
     hot = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)
     prompts = _prompts(model, 6)
-    alone = lane_mod.RunningLane(solo_lane(model))
+    alone = lane_mod.RunningLane(solo_lane(model), settings=settings)
     ref = alone.add(_req("x", prompts[5], 40, sampler=hot, seed=77))
     _drain(alone)
     assert alone.draft_draw == draw and (alone.device_drafts > 0) == (draw == "device")
-    assert ref.tokens == generate_mtpk(model, prompts[5], 40, hot, seed=77).tokens
-    running = lane_mod.RunningLane([lanes[3], lanes[8]])
+    assert ref.tokens == generate_mtpk(model, prompts[5], 40, hot, seed=77, draft_draw=draw).tokens
+    running = lane_mod.RunningLane([lanes[3], lanes[8]], settings=settings)
     for i, p in enumerate(prompts[:5]):
         running.add(_req(i, p, 80, sampler=hot, seed=i))
     _steps(running, 9)
@@ -471,7 +472,7 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft,
     joint = _target_joint(model, ids, cfg)
     assert 4 <= len(joint) <= 40
     n = 800
-    running = RunningLane(lanes[8], draft_draw=draw)
+    running = RunningLane(lanes[8], settings=EngineSettings(draft_draw=draw))
     streams, counts = seeded_outcomes(running, ids, n, 2, cfg, draft)
     assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 100
     assert (running.device_drafts > 100) == (draw == "device" and not draft.is_greedy)
@@ -525,7 +526,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
             p3 = dist([t1, t2], [t1, t2])
             joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
     running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), keep_log=True,
-                          draft_draw="host")
+                          settings=EngineSettings(draft_draw="host"))
     streams, counts = seeded_outcomes(running, ids, 400, 3, cfg, draft)
     assert running.device_drafts == 0
     running.draft_draw = "device"
@@ -645,7 +646,7 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes, monke
     from mtplx.engine.acceptor import DeviceVerdicts
     from mtplx.engine.installed import solo_lane
 
-    monkeypatch.setenv("MTPLX_DEVICE_JUDGE", device_judging)
+    settings = EngineSettings(device_judging=device_judging == "1")
     judged = []
     launch = DeviceVerdicts.launch.__func__
     monkeypatch.setattr(DeviceVerdicts, "launch", classmethod(
@@ -656,10 +657,11 @@ def test_rows_of_every_setting_share_a_lane_each_as_if_alone(model, lanes, monke
     reqs = [_req(i, prompts[i], budgets[i], sampler=s, seed=100 + i, **kw) for i, (s, kw) in enumerate(MIXED)]
     refs = []
     for r in reqs:
-        alone = lane_mod.RunningLane(solo_lane(model, 2))
+        alone = lane_mod.RunningLane(solo_lane(model, 2), settings=settings)
         refs.append(alone.add(r))
         _drain(alone)
-    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, narrow_after=3)
+    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, narrow_after=3,
+                                   settings=settings)
     mixed_depths = set()        # (lane depth, a sampled row's chain) in cycles where one drafted
     streams = {0: running.add(reqs[0]), 7: running.add(reqs[7])}
     _steps(running, 5)
@@ -716,7 +718,6 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
         return verdicts
 
     monkeypatch.setattr(DeviceVerdicts, "launch", classmethod(spy))
-    monkeypatch.setenv("MTPLX_DEVICE_JUDGE", "1")       # the default on a GPU; host judging: a penalty
     ids = model.tokenizer.encode("def ")
 
     def dist(seq, sampler=cfg):
@@ -732,7 +733,9 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
             p3 = dist([t1, t2])
             joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
     ladder, greedy, sampled = _mixed_ladders(model, lanes)
-    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, keep_log=True)
+    # device judging on (a GPU's default); on the host instead: a presence penalty
+    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, keep_log=True,
+                                   settings=EngineSettings(device_judging=True))
     neighbours = _prompts(model, 3)
     for i, (s, kw) in enumerate(MIXED[:3]):
         running.add(_req(f"n{i}", neighbours[i], 400, sampler=s, seed=7 + i, **kw))

@@ -13,6 +13,7 @@ import mtplx
 from mtplx.engine.cohort import generate_a3b_mtp_batch
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.row import A3BMTPBatchRequest
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import GREEDY, SamplerConfig
 from mtplx.synthetic import QWEN3_VOCAB, QWEN35_VOCAB, write_checkpoint
@@ -107,7 +108,9 @@ def test_repetition_stop_through_the_service(models):
     assert len(set(ar[-12:])) == 1                        # the model does repeat
     results = []
     for limits in (RepetitionLimits(20, 12, 4, 8), None):     # every row armed (the config's repetition_stop), none
-        service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.01, repetition_limits=limits)
+        service = MTPBatchGenerationService.for_model(
+            m, widths=(3,), batch_wait_s=0.01,
+            settings=EngineSettings(repetition_limits=limits, repetition_stop_all=True) if limits else EngineSettings())
         try:
             results.append(service.submit(MTPBatchJob(request_id="r", prompt_ids=ids, max_tokens=40,
                                                       sampler=GREEDY)).result(120))

@@ -25,11 +25,3 @@ def test_shortest_qualifying_block_and_all_its_copies():
 ])
 def test_tails_that_do_not_qualify(tokens):
     assert repeated_tail(tokens, SMALL) is None
-
-
-def test_limits_from_the_environment(monkeypatch):
-    monkeypatch.setenv("MTPLX_REPETITION_STOP_MIN_TOKENS", "10")
-    assert RepetitionLimits.from_env() == RepetitionLimits(min_tokens=10)
-    monkeypatch.setenv("MTPLX_REPETITION_STOP_MAX_BLOCK", "zero")
-    with pytest.raises(ValueError, match="MTPLX_REPETITION_STOP_MAX_BLOCK"):
-        RepetitionLimits.from_env()

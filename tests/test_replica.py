@@ -91,11 +91,19 @@ def test_check_health_catches_a_stuck_model_thread(replica):
     replica.check_health()
 
 
-def test_a_closed_service_answers_unavailable():
+def test_a_closed_service_answers_unavailable(monkeypatch):
+    """(And the replica's engine settings: what its config gave, else its environment's, read
+    once here and handed to the service.)"""
     from deployments.replica import MTPReplica
 
+    monkeypatch.setenv("MTPLX_DRAFT_DRAW", "host")
+    monkeypatch.setenv("MTPLX_MTP_BATCH_FORCE_WIDTH", "3")
     with process_state.restored():
-        rep = MTPReplica(widths=(3,), warmup=False)
+        rep = MTPReplica(widths=(3,), warmup=False, engine={"force_width": None, "run_ahead": False,
+                                                            "repetition_stop": {"min_tokens": 50}})
+        settings = rep.service.settings
+        assert (settings.draft_draw, settings.force_width, settings.run_ahead) == ("host", 3, False)
+        assert settings.repetition_stop_all and settings.repetition_limits.min_tokens == 50
         rep.__del__()          # what Serve calls when it stops a replica: the service shuts down
         finals = _finals(rep, [_row(rep, 30)])
     err = finals[0]["error"]

@@ -14,14 +14,16 @@ from mtplx.engine.cohort import generate_a3b_mtp_batch
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.installed import solo_lane
 from mtplx.engine.row import A3BMTPBatchRequest
+from mtplx.engine.settings import ENVIRONMENT, EngineSettings
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.service import (FORCE_WIDTH_ENV, MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob,
+from mtplx.scheduler.service import (MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob,
                                     MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
 
 from references import greedy_ar
 
 GREEDY = SamplerConfig(temperature=0.0)
+FORCE_WIDTH_ENV = ENVIRONMENT["force_width"]
 HOT = SamplerConfig(temperature=0.9, top_p=1.0, top_k=0)   # sampled, wide support
 SNIPPETS = ["def add(a, b):\n", "import os\n", "class Node:\n", "for i in range(3):\n",
             "def main():\n    ", "x = [1, 2, 3]\n", "while True:\n", "# utils\ndef f(x):\n",
@@ -224,27 +226,29 @@ def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n
     assert snap["target_verify_cycles"] == snap["fixed_width_histogram"][str(fixed)] > 0
 
 
-def test_force_width_env(monkeypatch, make_service, prompts):
-    monkeypatch.setenv(FORCE_WIDTH_ENV, "8")
+def test_force_width_from_the_entry_points_environment(monkeypatch, make_service, prompts):
+    """MTPLX_MTP_BATCH_FORCE_WIDTH reaches the service through the settings an entry point builds
+    (the service itself reads no environment)."""
+    monkeypatch.setenv(FORCE_WIDTH_ENV, "3")
     service = make_service()
-    monkeypatch.delenv(FORCE_WIDTH_ENV)          # read once, at construction
+    assert service.snapshot()["forced_width"] is None
+    service = make_service(settings=EngineSettings.from_environ({FORCE_WIDTH_ENV: "8"}))
     assert service.snapshot()["forced_width"] == 8
     results = run_held(service, [job(prompts[i], seed=i) for i in range(2)])
     assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {8}
 
-    monkeypatch.setenv(FORCE_WIDTH_ENV, "3")
-    service = make_service()
+    service = make_service(settings=EngineSettings.from_environ({FORCE_WIDTH_ENV: "3"}))
     results = run_held(service, [job(prompts[i], seed=i) for i in range(5)])   # 3 does not fit 5
     assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {8}
     results = run_held(service, [job(prompts[i], seed=i) for i in range(2)])
     assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {3}
 
 
-@pytest.mark.parametrize("value", ["5", "eight"])
-def test_force_width_env_must_name_an_installed_width(monkeypatch, make_service, value):
-    monkeypatch.setenv(FORCE_WIDTH_ENV, value)
-    with pytest.raises(ValueError, match=FORCE_WIDTH_ENV):
-        make_service()
+@pytest.mark.parametrize("value, named", [("5", "force_width=5 is not an installed width"),
+                                          ("eight", FORCE_WIDTH_ENV + "='eight' is invalid")])
+def test_force_width_env_must_name_an_installed_width(make_service, value, named):
+    with pytest.raises(ValueError, match=named):
+        make_service(settings=EngineSettings.from_environ({FORCE_WIDTH_ENV: value}))
 
 
 def test_ninth_row_joins_the_running_b8_lane_when_a_slot_frees(model, service, prompts):
@@ -759,18 +763,18 @@ def test_greedy_depths_are_checked(make_service, depths):
 
 
 def test_force_width_setting_names_itself(make_service, prompts):
-    service = make_service(force_width=8)
+    service = make_service(settings=EngineSettings(force_width=8))
     results = run_held(service, [job(prompts[i], seed=i) for i in range(2)])
     assert {r["stats"]["mtp_batch_fixed_width"] for r in results} == {8}
     with pytest.raises(ValueError, match="force_width=5 is not an installed width"):
-        make_service(force_width=5)
+        make_service(settings=EngineSettings(force_width=5))
 
 
-@pytest.mark.parametrize("settings, named", [({"draft_draw": "gpu"}, "draft_draw="),
-                                            ({"numerics": "fast", "lanes": {}}, "numerics=")])
+@pytest.mark.parametrize("settings, named", [(lambda: {"settings": EngineSettings(draft_draw="gpu")}, "draft_draw="),
+                                            (lambda: {"numerics": "fast", "lanes": {}}, "numerics=")])
 def test_settings_are_checked_at_construction(make_service, settings, named):
     with pytest.raises(ValueError, match=named):
-        make_service(**settings)
+        make_service(**settings())
 
 
 def test_a_stop_string_ends_the_row_as_a_stop_not_a_cancel(service, prompts):
@@ -822,7 +826,8 @@ def test_repetition_limits_apply_to_every_row(model, lanes, make_service, prompt
     plain = greedy_ar(model, prompt, 40)
     assert plain[4:10] == plain[6:12]                 # the model does repeat
     limits = RepetitionLimits(min_tokens=10, min_repeated=6, min_repeats=3, max_block=4)
-    armed = make_service(repetition_limits=limits).submit(job(prompt, max_tokens=40)).result(TIMEOUT)
+    armed = make_service(settings=EngineSettings(repetition_limits=limits, repetition_stop_all=True)).submit(
+        job(prompt, max_tokens=40)).result(TIMEOUT)
     st = armed["stats"]
     assert armed["finish_reason"] == "stop" and st["repetition_stop_triggered"]
     assert armed["tokens"] == plain[:len(armed["tokens"])] and len(armed["tokens"]) < 20

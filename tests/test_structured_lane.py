@@ -15,6 +15,7 @@ import pytest
 
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.lane import RunningLane
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.sampling import SamplerConfig, row_distribution
 from mtplx.structured import (Constraint, ConstraintError, check_constraint, choice_grammar, grammar_tokenizer,
@@ -113,7 +114,7 @@ def test_greedy_constrained_mtp_equals_ar_and_the_oracle(model, deep_lane, llg_t
     reqs.append(_req(12, tok.encode("import sys"), 40, sampler=SamplerConfig(temperature=1.0, top_p=0.9), seed=4))
     mtp, running = _run(deep_lane, reqs, stagger=2)
     assert running.accepted > 20 and max(s.mtp_depth for s in mtp) == 3
-    overlapped, running = _run(deep_lane, reqs, stagger=2, overlap=True)
+    overlapped, running = _run(deep_lane, reqs, stagger=2, settings=EngineSettings(overlap=True))
     assert running.overlapped_cycles > 0
     assert [s.tokens for s in overlapped] == [s.tokens for s in mtp]
     ar, _ = _run(deep_lane, [_req(r.request_id, r.prompt_ids, r.max_tokens, r.constraint, stop_token_ids=eos,

@@ -44,21 +44,24 @@ def generate_ar(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig 
 def generate_mtpk(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig = SamplerConfig(),
                   draft_sampler: Optional[SamplerConfig] = None, depth: int = 1, seed: int = 0,
                   stop_token_ids: Iterable[int] = frozenset(), omit_speculative_bonus: bool = False,
-                  on_token=None, session_restore=None, session_commit=None) -> GenerationResult:
+                  on_token=None, session_restore=None, session_commit=None,
+                  draft_draw: Optional[str] = None) -> GenerationResult:
     """MTP speculative decoding with the model's own head (depth 1-3). Exact: greedy output equals
-    `generate_ar`; sampled output keeps the target distribution."""
+    `generate_ar`; sampled output keeps the target distribution. `draft_draw`: where sampled drafts
+    are drawn ("device" | "host"; None: `EngineSettings`' default)."""
     if model.mtp is None:
         raise ValueError(f"this model has no MTP head ({model.mtp_disabled_reason}); use generate_ar")
     if int(depth) not in DEPTHS:
         raise ValueError(f"depth={depth} is invalid: must be 1, 2 or 3")
     prompt = check_request(model, prompt_ids, max_tokens)
     return _generate_in_lane(model, prompt, max_tokens, sampler, draft_sampler or sampler, int(depth), seed,
-                             stop_token_ids, omit_speculative_bonus, on_token, session_restore, session_commit)
+                             stop_token_ids, omit_speculative_bonus, on_token, session_restore, session_commit,
+                             draft_draw=draft_draw)
 
 
 def _generate_in_lane(model, prompt, max_tokens, sampler, draft_sampler, depth, seed, stop_token_ids,
                       omit_speculative_bonus, on_token, session_restore, session_commit,
-                      speculative: bool = True) -> GenerationResult:
+                      speculative: bool = True, draft_draw: Optional[str] = None) -> GenerationResult:
     """A one-row cohort of the lane chaining `depth` drafts (or none: `speculative` False)."""
     errors = []
 
@@ -76,7 +79,7 @@ def _generate_in_lane(model, prompt, max_tokens, sampler, draft_sampler, depth, 
         on_token=forward_token if on_token is not None else (lambda _t: None),
         session_restore=session_restore, session_commit=session_commit)
     t_start = time.perf_counter()
-    res = generate_a3b_mtp_batch(solo_lane(model, depth), [req])
+    res = generate_a3b_mtp_batch(solo_lane(model, depth), [req], draft_draw=draft_draw)
     if errors:
         raise errors[0]
     s = res.streams[0]

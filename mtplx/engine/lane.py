@@ -27,12 +27,11 @@ from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import (DEPTH, DEPTHS, DRAFT_DRAWS, InstalledA3BMTPBatchLane, default_device_judging,
-                                    default_draft_draw, default_overlap, default_run_ahead, solo_lane, sorted_ladder)
+from mtplx.engine.installed import DEPTH, DEPTHS, InstalledA3BMTPBatchLane, solo_lane, sorted_ladder
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
-from mtplx.engine.repetition import RepetitionLimits
+from mtplx.engine.settings import DRAFT_DRAWS, EngineSettings
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
                               check_finite, host_logprob, row_work, validate_request)
 from mtplx.engine.shape import LaneShape, lanes_by_depth
@@ -74,11 +73,9 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
-                 draft_draw: Optional[str] = None, greedy_ladder=None, sampled_ladder=None,
-                 repetition_limits: Optional[RepetitionLimits] = None, overlap: Optional[bool] = None,
-                 depth_ladders: Optional[list] = None, run_ahead: Optional[bool] = None):
-        if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
-            raise ValueError(f"draft_draw={draft_draw!r}: expected one of {DRAFT_DRAWS}")
+                 greedy_ladder=None, sampled_ladder=None, depth_ladders: Optional[list] = None,
+                 settings: Optional[EngineSettings] = None):
+        settings = settings or EngineSettings()
         self.ladder = sorted_ladder(ladder)
         self._lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
             self.ladder, greedy_ladder, sampled_ladder, depth_ladders or ())
@@ -89,8 +86,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
         self.narrow_after = int(narrow_after)
-        # the limits of rows that arm the repetition stop (None: MTPLX_REPETITION_STOP_*, else MTPLX's)
-        self.repetition_limits = repetition_limits or RepetitionLimits.from_env()
+        self.repetition_limits = settings.repetition_limits    # what rows that arm the stop stop within
         self.lane: Optional[InstalledA3BMTPBatchLane] = None
         self.rows: list = []                           # slot -> LaneRow or None (free)
         self.waiting: deque = deque()                  # rows not yet prefilling
@@ -104,7 +100,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.forwards: Optional[CycleForwards] = None
         # where sampled rows draw their drafts: "device" (no wait between the head and the verify:
         # one synchronization a cycle) or "host" (from the whole draft distribution, after a wait)
-        self.proposer = Proposer(self.model.vocab_size, draft_draw or default_draft_draw())
+        self.proposer = Proposer(self.model.vocab_size, settings.draft_draw)
         self.cycles = self.accepted = self.rejected = 0
         self.draft_proposals = self.draft_tokens = 0    # rows' drafting cycles, the drafts they chained
         self.accepted_at = [0] * max(DEPTHS)           # accepted drafts by position in their chain
@@ -127,13 +123,13 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.last_step: Optional[str] = None
         # overlapped cycles: the next MTP cycle, launched at a step's end (step, verify), its
         # launch's host time, or the kind chosen for the next step when it was not launched
-        self.overlap = default_overlap() if overlap is None else bool(overlap)
+        self.overlap = settings.lane_overlap()
         self._launched: Optional[tuple] = None
         self.overlapped_cycles = 0                     # cycles launched at the step before theirs
         self._launch_s = 0.0
         self._next_kind: Optional[str] = None
-        self.run_ahead = default_run_ahead() if run_ahead is None else bool(run_ahead)
-        self.device_judging = default_device_judging()      # sampled chains judged on the device
+        self.run_ahead = settings.run_ahead
+        self.device_judging = settings.lane_device_judging()   # sampled chains judged on the device
         self.ahead_cycles = 0                          # cycles launched before the last one's verify was read
         self._step_costs = StepCostMeter()
         # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step

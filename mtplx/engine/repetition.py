@@ -3,14 +3,14 @@ block of tokens repeated back to back, and the repeats after the first copy are 
 
 It fires once the row has at least `min_tokens` tokens, for the shortest block (1..`max_block`
 tokens) whose consecutive copies at the end number at least `min_repeats` and cover at least
-`min_repeated` tokens. MTPLX's defaults: 768, 192, 4, 96 (`MTPLX_REPETITION_STOP_MIN_TOKENS`,
-`..._MIN_REPEATED`, `..._MIN_REPEATS`, `..._MAX_BLOCK` override them). A lane checks once per cycle,
+`min_repeated` tokens. MTPLX's defaults: 768, 192, 4, 96 (where a program starts,
+`MTPLX_REPETITION_STOP_MIN_TOKENS`, `..._MIN_REPEATED`, `..._MIN_REPEATS`, `..._MAX_BLOCK` override
+them: `mtplx.engine.settings`). A lane checks once per cycle,
 so the stop may come up to two tokens after the repetition qualifies; the trim is a suffix.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -23,24 +23,6 @@ class RepetitionLimits:
     min_repeated: int = 192
     min_repeats: int = 4
     max_block: int = 96
-
-    @classmethod
-    def from_env(cls) -> "RepetitionLimits":
-        def get(name, default):
-            raw = os.environ.get(f"MTPLX_REPETITION_STOP_{name}", "").strip()
-            if not raw:
-                return default
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ValueError(f"MTPLX_REPETITION_STOP_{name}={raw!r} is invalid: must be an integer") from None
-            if value < 1:
-                raise ValueError(f"MTPLX_REPETITION_STOP_{name}={value} is invalid: must be >= 1")
-            return value
-
-        d = cls()
-        return cls(get("MIN_TOKENS", d.min_tokens), get("MIN_REPEATED", d.min_repeated),
-                   get("MIN_REPEATS", d.min_repeats), get("MAX_BLOCK", d.max_block))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,13 @@
 """The scheduler's defaults, each in one place: the app's config (`deployments.app.AppArgs`), the
-replica and the service import them from here. Also the environment overrides that remain (each
-documented where it is read) and the checks that name the setting at fault.
+replica and the service import them from here, and the checks that name the setting at fault (the
+engine's own settings, and the environment variables that stand in for them where a program starts:
+`mtplx.engine.settings`).
 
 Plain Python with no MLX import: the app builder reads these in processes that never load a model.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Optional
 
 DEFAULT_WIDTHS = (3, 8, 16, 32)        # lane widths installed; a running lane moves between them
 # Drafts greedy rows chain a cycle, by lane width: the app's and the replica's default chooses each
@@ -24,49 +23,9 @@ MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the row cap when
 IDLE_HEAP_RELEASE_S = 0.5              # idle this long after work, the owner returns free heap to the OS
 NUMERICS = ("throughput", "b1-exact")
 
-# Environment overrides, read only when the setting itself is left unset (None).
-FORCE_WIDTH_ENV = "MTPLX_MTP_BATCH_FORCE_WIDTH"   # pins the narrowest lane width
-KV_BUDGET_ENV = "MTPLX_KV_BUDGET_GB"              # decode state all lanes may hold, GiB
-
 # Why a row ends before its budget at a caller's request. "stop_string": the caller found a stop
 # string in the text, so the row ends as a normal stop (finish_reason "stop"), not a cancellation.
 CANCEL_REASONS = ("cancelled", "stop_string")
-
-
-def resolve_force_width(value: Optional[int]) -> tuple:
-    """(width or None, the setting's name) from `force_width`, else MTPLX_MTP_BATCH_FORCE_WIDTH."""
-    if value is not None:
-        if isinstance(value, bool) or int(value) != value:
-            raise ValueError(f"force_width={value!r} is invalid: must be an integer width")
-        return int(value), "force_width"
-    raw = os.environ.get(FORCE_WIDTH_ENV, "").strip()
-    if not raw:
-        return None, "force_width"
-    try:
-        return int(raw), FORCE_WIDTH_ENV
-    except ValueError:
-        raise ValueError(f"{FORCE_WIDTH_ENV}={raw!r} is invalid: must be an integer width") from None
-
-
-def resolve_kv_budget(gib: Optional[float] = None) -> Optional[int]:
-    """The decode-state budget in bytes: `gib`, else MTPLX_KV_BUDGET_GB, else half the machine's
-    memory (None where it cannot be read: no budget)."""
-    name = "kv_budget_gb"
-    if gib is None:
-        raw = os.environ.get(KV_BUDGET_ENV, "").strip()
-        if not raw:
-            try:
-                return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-            except (ValueError, OSError, AttributeError):
-                return None
-        name, gib = KV_BUDGET_ENV, raw
-    try:
-        value = float(gib)
-    except ValueError:
-        raise ValueError(f"{name}={gib!r} is invalid: a number of GiB") from None
-    if not value > 0:
-        raise ValueError(f"{name}={gib!r} is invalid: must be above 0 GiB")
-    return int(value * 2**30)
 
 
 def checked_greedy_depths(depths, widths_max: int, depths_allowed: tuple) -> dict:

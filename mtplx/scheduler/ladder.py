@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional
 
-from mtplx.scheduler.config import MAX_COHORT_ROWS, NUMERICS, checked_greedy_depths, resolve_force_width
+from mtplx.scheduler.config import MAX_COHORT_ROWS, NUMERICS, checked_greedy_depths
 from mtplx.scheduler.results import MTP_DEPTH, installed_snapshot
 
 logger = logging.getLogger(__name__)
@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 class LaneLadder:
     """Installed lanes by width. `numerics=None` takes the installed lanes' profile (else
-    "throughput"); `force_width=None` reads MTPLX_MTP_BATCH_FORCE_WIDTH; `compiled=None`: the
+    "throughput"); `force_width`: the narrowest width, pinned (None: none); `compiled=None`: the
     engine's default. Lane installation runs on the model-owner thread (the service's call)."""
 
     def __init__(self, model, lanes=None, *, numerics: Optional[str] = None, greedy_depths=None,
@@ -39,7 +39,7 @@ class LaneLadder:
         self.deep_lanes: dict[tuple, Any] = {}    # (width, depth) -> lane chaining depth != MTP_DEPTH drafts
         self.compiled = compiled
         self.max_rows = int(max_rows) if max_rows is not None else None
-        self.forced_width, self._forced_by = resolve_force_width(force_width)
+        self.forced_width = force_width        # checked by EngineSettings
         self.lanes: dict[int, Any] = {}
         self.refused_widths: dict[int, str] = {}   # width -> why its lane refused to install
         self.numerics = numerics
@@ -109,7 +109,7 @@ class LaneLadder:
                                  f"installed under {w}")
         self._take_profile(lanes)
         if lanes and self.forced_width is not None and self.forced_width not in lanes:
-            raise ValueError(f"{self._forced_by}={self.forced_width} is not an installed width {sorted(lanes)}")
+            raise ValueError(f"force_width={self.forced_width} is not an installed width {sorted(lanes)}")
         self.lanes = lanes
 
     def _take_profile(self, lanes: dict) -> None:

@@ -61,8 +61,8 @@ from typing import Any, Callable, Iterable, Optional
 
 from mtplx.api.rows import mtp_batch_compatibility_key  # noqa: F401  (the seed imports it from here)
 from mtplx.scheduler.budget import KVBudget, row_need, row_state_bytes  # noqa: F401
-from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, FORCE_WIDTH_ENV, IDLE_HEAP_RELEASE_S,
-                                    NUMERICS, resolve_kv_budget)
+from mtplx.engine.settings import EngineSettings
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, IDLE_HEAP_RELEASE_S, NUMERICS
 from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFinalizeError,  # noqa: F401
                                  MTPBatchServiceClosed, failsafe)
 from mtplx.scheduler.job_queue import JobQueue
@@ -113,10 +113,10 @@ class MTPBatchGenerationService(ModelOwnerThread):
     with its own lanes.
 
     Settings (``deployments.app.AppArgs`` documents each): ``greedy_depths`` (none deeper unless
-    given; "cost": chosen per width by measured cost), ``sampled_depth`` (1 unless given), ``force_width`` (None: ``MTPLX_MTP_BATCH_FORCE_WIDTH``, else none), ``kv_budget_bytes``
-    (None: ``MTPLX_KV_BUDGET_GB``, else half the memory), ``draft_draw``, ``compiled`` and ``overlap`` (None: the
-    engine's default), ``repetition_limits`` (None: rows arm the repetition stop only through
-    their ``generation_limits``; given: every row stops on a literal repetition within them).
+    given; "cost": chosen per width by measured cost), ``sampled_depth`` (1 unless given),
+    ``settings`` (``mtplx.engine.settings.EngineSettings``: how lanes run, the pinned width, the KV
+    budget, the repetition stop; the defaults unless given: the service reads no environment),
+    ``kv_budget_bytes`` (None: the settings' budget).
     """
 
     def __init__(self, model=None, lanes=None, *, batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
@@ -124,22 +124,18 @@ class MTPBatchGenerationService(ModelOwnerThread):
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
                  on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None, sampled_depth: int = MTP_DEPTH,
-                 force_width: Optional[int] = None, draft_draw: Optional[str] = None,
-                 compiled: Optional[bool] = None, repetition_limits=None, overlap: Optional[bool] = None):
-        from mtplx.engine.installed import DEPTHS, DRAFT_DRAWS
+                 settings: Optional[EngineSettings] = None):
+        from mtplx.engine.installed import DEPTHS
 
         self.model = model
+        self.settings = settings = settings or EngineSettings()
         self.ladder = LaneLadder(model, lanes, numerics=numerics, greedy_depths=greedy_depths,
-                                 sampled_depth=sampled_depth, force_width=force_width, compiled=compiled, max_rows=max_cohort_rows)
-        if draft_draw is not None and draft_draw not in DRAFT_DRAWS:
-            raise ValueError(f"draft_draw={draft_draw!r} is invalid: expected one of {DRAFT_DRAWS}")
-        self.draft_draw = draft_draw
-        self.overlap = overlap
-        self.repetition_limits = repetition_limits
+                                 sampled_depth=sampled_depth, force_width=settings.force_width,
+                                 compiled=settings.compiled, max_rows=max_cohort_rows)
         self._on_lane_step = failsafe(on_lane_step)
         self.in_lane_step = False
         # Rows join lanes only while every lane's decode state fits this budget
-        self.kv_budget = KVBudget(model, kv_budget_bytes if kv_budget_bytes is not None else resolve_kv_budget())
+        self.kv_budget = KVBudget(model, kv_budget_bytes if kv_budget_bytes is not None else settings.kv_budget_bytes())
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
         # is unchanged by reuse; see mtplx.engine.prefix_cache). Under a budget the bank holds only what
         # the lanes' decode state leaves, and yields it when rows need it.
@@ -399,7 +395,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         row_id = lane.row_id(job)
         try:
             lane.running.add(lane_request(job, row_id, numerics=self.numerics,
-                                          repetition_stop=self.repetition_limits is not None))
+                                          repetition_stop=self.settings.repetition_stop_all))
         except Exception as exc:      # a request the lane refuses fails alone
             job._fail(exc)
             return
@@ -417,8 +413,8 @@ class MTPBatchGenerationService(ModelOwnerThread):
         by_cost = [self.ladder.ladder(d) for d in DEPTHS] if self.ladder.choose_greedy_depths else None
         running = (self._running_lane_cls or RunningLane)(
             self.ladder.ladder(), greedy_ladder=self.ladder.greedy_ladder(),
-            sampled_ladder=self.ladder.ladder(self.ladder.sampled_depth), draft_draw=self.draft_draw,
-            repetition_limits=self.repetition_limits, overlap=self.overlap, depth_ladders=by_cost)
+            sampled_ladder=self.ladder.ladder(self.ladder.sampled_depth), depth_ladders=by_cost,
+            settings=self.settings)
         with self._cond:
             self._stats["lanes_started"] += 1
             lane = self._running[key] = _KeyLane(key, running, serial=self._stats["lanes_started"], alone=alone)
@@ -687,8 +683,6 @@ class MTPBatchGenerationService(ModelOwnerThread):
     # -- introspection -----------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        from mtplx.engine.installed import default_draft_draw
-
         with self._cond:
             s = dict(self._stats, fixed_width_histogram=dict(self._stats["fixed_width_histogram"]),
                      accepted_by_position=list(self._stats["accepted_by_position"]))
@@ -714,7 +708,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
                 "batch_wait_s": self.batch_wait_s,
                 **counters_snapshot(s),
                 # sampled rows' drafts: drawn on the device (one wait a cycle) or on the host
-                "draft_draw": self.draft_draw or default_draft_draw(),
+                "draft_draw": self.settings.draft_draw,
                 "shut_down": self._closed_error is not None,
                 "owner_alive": self.owner_alive,
                 "owner_step_age_s": self.owner_step_age_s(),
@@ -724,5 +718,5 @@ class MTPBatchGenerationService(ModelOwnerThread):
 __all__ = [
     "MTPBatchJob", "MTPBatchGenerationService", "MTPBatchCancelled", "MTPBatchServiceClosed",
     "MTPBatchOwnerFinalizeError", "mtp_batch_compatibility_key", "row_state_bytes",
-    "FORCE_WIDTH_ENV", "IDLE_HEAP_RELEASE_S",
+    "IDLE_HEAP_RELEASE_S",
 ]
