@@ -246,6 +246,23 @@ def test_step_costs_move_in_pairs_measured_under_one_load(model):
     assert lane.step_costs["ar"] > 1.0 and lane.step_costs["mtp"] / lane.step_costs["ar"] == pytest.approx(1.3)
 
 
+def test_an_unmeasured_cost_is_seeded_from_a_steady_step_not_the_first(model):
+    """A lane's first step of a kind may trace its graphs (seconds on a large model): an
+    unmeasured cost starts from the second."""
+    from mtplx.engine.policy import StepCostMeter
+
+    lane = install_a3b_mtp_batch_lane(model, 3, selfcheck=False)
+    lane.step_costs.clear()
+    meter = StepCostMeter()
+    meter.observe(lane, "ar", None, 3.0, 1)
+    assert lane.step_costs == {}
+    meter.observe(lane, "ar", "ar", 1.0, 2)
+    meter.observe(lane, "mtp", "ar", 9.0, 3)
+    assert lane.step_costs == {"ar": 1.0}
+    meter.observe(lane, "mtp", "mtp", 1.2, 4)
+    assert lane.step_costs == {"ar": 1.0, "mtp": 1.2}
+
+
 def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
     reqs = _greedy_reqs(model, (80, 80, 80), adaptive=True)
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)

@@ -54,7 +54,8 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
         object.__setattr__(lane, "selfcheck", receipt)
         # what "auto" rows and lanes start from, measured now rather than in a request's time
         measure_step_costs(lane)
-        if not solo_lane(model, compiled=compiled).step_costs:
+        # measured unless both kinds were (the self-check's references seed its AR cost only)
+        if not {"mtp", "ar"} <= solo_lane(model, compiled=compiled).step_costs.keys():
             measure_step_costs(solo_lane(model, compiled=compiled))
         draft_acceptance_prior(model)
     return lane
