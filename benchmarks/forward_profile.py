@@ -161,7 +161,7 @@ def bench_profile(model, rounds: int = ROUNDS) -> dict:
 
 
 def render_profile(record: dict, image: str) -> str:
-    lines = [f"## bench profile: where a forward's time goes ({record['model']})", "",
+    lines = [f"## bench profile: where a forward's time goes ({Path(record['model']).name})", "",
              f"`{record['command']}`, {record['date']}, {record['elapsed_s'] / 60:.1f} min.",
              machine_line(record["machine"]), "",
              f"One step of [rows, positions] on a context of {record['context']} positions, rolled back after each "
