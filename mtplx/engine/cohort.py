@@ -17,7 +17,8 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_dr
     sampled rows draw their drafts ("device" | "host"; None: `EngineSettings`' default)."""
     requests = list(requests)
     validate_cohort(lane, requests)
-    running = RunningLane(lane, keep_log=_keep_log, settings=EngineSettings().with_(draft_draw=draft_draw))
+    settings = EngineSettings() if draft_draw is None else EngineSettings(draft_draw=draft_draw)
+    running = RunningLane(lane, keep_log=_keep_log, settings=settings)
     running.inject_drafts = _inject_drafts
     streams = [running.add(r) for r in requests]
     t_prefill = time.perf_counter()

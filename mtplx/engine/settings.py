@@ -1,20 +1,20 @@
 """How the engine runs (`EngineSettings`), decided once where a program starts and passed down.
 
-The replica builds one from its app config and its environment (`deployments/replica.py`), the
-command line from the environment (`mtplx/cli.py`); a library user builds one or takes the
-defaults. Below those entry points nothing reads the environment: the lanes, the service and the
+The replica builds one from its app config and its environment (`deployments/replica.py`); a
+library user (and `mtplx generate`) builds one or takes the defaults. Below those entry points nothing reads the environment: the lanes, the service and the
 ladder take what they are given. Each environment variable (`ENVIRONMENT`) stands in for a field
 the entry point was not given; AppArgs (deployments/app.py) documents each."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from mtplx.engine.repetition import RepetitionLimits
 
 DRAFT_DRAWS = ("device", "host")
 OFF = ("0", "off", "false", "no")        # an on/off variable's off values; anything else set is on
+SWITCHES = ("compiled", "overlap", "device_judging", "run_ahead")    # the on/off fields
 
 # field -> the environment variable an entry point reads for it when the field is not given
 ENVIRONMENT = {
@@ -84,10 +84,6 @@ class EngineSettings:
             raise TypeError(f"unknown engine settings: {sorted(unknown)}")
         return cls(**values)
 
-    def with_(self, **changes) -> "EngineSettings":
-        """These settings with some fields changed (None: left as they are)."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
-
     def lane_overlap(self) -> bool:
         return self.overlap if self.overlap is not None else _on_gpu()
 
@@ -114,8 +110,7 @@ def _on_gpu() -> bool:
 
 
 def _parse(name: str, var: str, raw: str):
-    kind = {f.name: f.type for f in fields(EngineSettings)}[name]
-    if "bool" in str(kind):
+    if name in SWITCHES:
         return raw.lower() not in OFF
     if name == "draft_draw":
         if raw.lower() not in DRAFT_DRAWS:
@@ -129,7 +124,6 @@ def _parse(name: str, var: str, raw: str):
 
 
 def _repetition_limits(environ: Mapping[str, str]) -> RepetitionLimits:
-    d = RepetitionLimits()
     values = {}
     for name in ("min_tokens", "min_repeated", "min_repeats", "max_block"):
         var = REPETITION_ENV_PREFIX + name.upper()
@@ -143,4 +137,4 @@ def _repetition_limits(environ: Mapping[str, str]) -> RepetitionLimits:
         if value < 1:
             raise ValueError(f"{var}={value} is invalid: must be >= 1")
         values[name] = value
-    return replace(d, **values)
+    return RepetitionLimits(**values)
