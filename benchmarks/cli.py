@@ -21,7 +21,7 @@ def run(a) -> None:
         run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json, modes=a.modes,
                 logprobs=a.logprobs, temperatures=a.temperatures, per_client=a.requests_per_client,
                 open_requests=a.open_requests, direct_http=a.direct_http, long_prompt_tokens=a.long_prompt_tokens,
-                min_requests=a.min_requests, config=a.config)
+                min_requests=a.min_requests, config=a.config, generation_mode=a.generation_mode)
         return
     if a.what == "structured":
         from benchmarks.structured import run_cli as run_structured

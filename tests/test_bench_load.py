@@ -196,16 +196,21 @@ def test_cli_options_reach_the_plan(monkeypatch):
     cli.main(["--runs", "1", "--min-requests", "4", "--open-requests", "0", "--long-prompt-tokens", "1000"])
     assert seen["min_requests"] == 4 and seen["open_requests"] == 0 and seen["long_prompt_tokens"] == 1000
     assert seen["command"] == "mtplx bench load --runs 1 --min-requests 4 --open-requests 0 --long-prompt-tokens 1000"
+    cli.main(["--runs", "1", "--generation-mode", "ar"])
+    assert seen["generation_mode"] == "ar" and seen["command"] == "mtplx bench load --runs 1 --generation-mode ar"
 
 
 def test_runs_with_other_arms_or_models_get_sections_of_their_own():
-    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6, "mixed"), clients=(1, 8, 16, 32)):
+    def record(model="shipped", modes=(), logprobs=None, temperatures=(0.0, 0.6, "mixed"), clients=(1, 8, 16, 32),
+               generation_mode=None):
         return {"model": model, "plan": {"modes": list(modes), "logprobs": logprobs, "temperatures": list(temperatures),
-                                         "clients": list(clients)}}
+                                         "clients": list(clients), "generation_mode": generation_mode}}
 
     assert outputs.section_name(record()) == "load"
     assert outputs.section_name(record(modes=["auto", "ar"])) == "load-modes"
     assert outputs.section_name(record(logprobs=0)) == "load-logprobs"
+    assert outputs.section_name(record(model="/m/gemma-3-270m", generation_mode="ar", clients=[1, 8, 16])) == \
+        "load-gemma-3-270m-ar-c1-8-16"
     assert outputs.section_name(record(model="/tmp/x/Never_Ckpt", modes=["auto"])) == "load-never-ckpt-modes"
     assert outputs.section_name(record(modes=["auto"], temperatures=[0.0])) == "load-modes"
     assert outputs.section_name(record(modes=["auto"], temperatures=[1.0])) == "load-modes-t1"

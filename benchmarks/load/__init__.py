@@ -54,6 +54,9 @@ of the default ones (`--temperatures 0,0.6` lacks `mixed`), or other client coun
 section and chart of its own instead (`bench:load-modes`, `bench:load-greedy-t06`,
 `docs/bench_load_modes.png`, ...; see `outputs.section_name`), leaving the default comparison.
 
+`--generation-mode ar` (or `mtp`, `auto`) serves ours with that `default_generation_mode`, every
+arm in it: our AR lanes against the peer's continuous batching (section `bench:load-ar`, ...).
+
 `--modes auto,mtp,ar` adds, for ours only, every closed-loop arm (the mixed one included when it
 is planned) twice per `generation_mode`
 (in a rotation turned per arm and run, then its reverse, so that drift weighs on every mode alike;

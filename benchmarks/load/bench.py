@@ -26,6 +26,7 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
                open_requests: int = 48, seed: int = 0, ready_timeout_s: float = 600.0,
                modes: Iterable[str] = (), logprobs: Optional[int] = None, direct_http: bool = False,
                long_prompt_tokens: Optional[int] = None, config: Optional[str] = None,
+               generation_mode: Optional[str] = None,
                log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
     """Run the comparison (see the module docstring); returns the JSON-able record."""
     started = time.time()
@@ -40,7 +41,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
     plan = {"clients": clients, "temperatures": temperatures, "per_client": per_client,
             "min_requests": min_requests, "open_requests": open_requests, "seed": seed,
             "capacity_clients": capacity_clients, "modes": list(modes), "logprobs": logprobs,
-            "direct_http": direct_http, "long_prompt_tokens": long_prompt_tokens, "config": config}
+            "direct_http": direct_http, "long_prompt_tokens": long_prompt_tokens, "config": config,
+            "generation_mode": generation_mode}
     record = {"bench": "load", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "model": str(model_path) if model_path else "shipped", "runs": runs, "plan": plan,
               "requests_per_arm": {**{f"closed-{n}": closed_loop_requests(n, per_client, min_requests)
@@ -65,7 +67,8 @@ def bench_load(model_dir: Optional[str] = None, runs: int = 3, clients: Iterable
             record["peer"] = peer.info
             log(f"run {run + 1}/{runs}: ours (serve run)")
             ours = start_ours(model_path, out_dir / "logs" / f"load-{stamp}-ours-{run}.log", work, ready_timeout_s,
-                              direct_http=direct_http, config=Path(config).resolve() if config else None)
+                              direct_http=direct_http, config=Path(config).resolve() if config else None,
+                              args_overrides={"default_generation_mode": generation_mode} if generation_mode else None)
             try:
                 o = run_turn(ours, plan, run, p["rates"], send_seed=True, log=log)
                 if plan["modes"]:

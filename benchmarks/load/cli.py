@@ -7,6 +7,7 @@ from typing import Optional
 
 from benchmarks.load.bench import bench_load
 from benchmarks.load.outputs import write_outputs
+from mtplx.api.rows import GENERATION_MODES
 from benchmarks.load.workload import DEFAULT_CLIENTS, DEFAULT_TEMPERATURES, parse_temperatures
 
 
@@ -15,7 +16,7 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
             modes: Optional[str] = None, logprobs: Optional[int] = None,
             temperatures: Optional[str] = None, direct_http: bool = False,
             long_prompt_tokens: Optional[int] = None, min_requests: Optional[int] = None,
-            config: Optional[str] = None) -> dict:
+            config: Optional[str] = None, generation_mode: Optional[str] = None) -> dict:
     """The `mtplx bench load` entry: `--quick` is 1 run, clients {1, 8}, greedy, few requests."""
     if quick:
         opts = dict(runs=1, clients=(1, 8), temperatures=(0.0,), per_client=2, min_requests=4, open_requests=16)
@@ -37,11 +38,12 @@ def run_cli(quick: bool = False, runs: int = 3, clients: Optional[str] = None, m
     if logprobs is not None:
         opts["logprobs"] = logprobs
     record = bench_load(model_dir=model, direct_http=direct_http, long_prompt_tokens=long_prompt_tokens,
-                        config=config, **opts)
+                        config=config, generation_mode=generation_mode, **opts)
     record["quick"] = quick
     command = "mtplx bench load" + (" --quick" if quick else f" --runs {opts['runs']}") + \
         (f" --clients {clients}" if clients else "") + (f" --temperatures {temperatures}" if temperatures else "") + \
         (f" --model {model}" if model else "") + (f" --config {config}" if config else "") + \
+        (f" --generation-mode {generation_mode}" if generation_mode else "") + \
         (f" --requests-per-client {per_client}" if per_client else "") + \
         (f" --min-requests {min_requests}" if min_requests else "") + \
         (f" --open-requests {open_requests}" if open_requests is not None else "") + \
@@ -75,6 +77,9 @@ def add_load_options(p) -> None:
     p.add_argument("--config", default=None,
                    help="ours: the serve config to run (default serve_configs/config.yaml; --model still sets "
                         "its model_path)")
+    p.add_argument("--generation-mode", default=None, choices=GENERATION_MODES,
+                   help="ours: the app's default_generation_mode for every arm (the config's otherwise); "
+                        "`ar`: our AR lanes against the peer")
     p.add_argument("--long-prompt-tokens", type=int, default=None, metavar="N",
                    help="also an arm of greedy requests one at a time with prompts of about N tokens "
                         "(time to first token on long prompts)")
@@ -102,5 +107,6 @@ def main(argv=None) -> int:
     run_cli(quick=a.quick, runs=a.runs, clients=a.clients, model=a.model, json_out=a.json,
             per_client=a.requests_per_client, open_requests=a.open_requests, modes=a.modes,
             logprobs=a.logprobs, temperatures=a.temperatures, direct_http=a.direct_http,
-            long_prompt_tokens=a.long_prompt_tokens, min_requests=a.min_requests, config=a.config)
+            long_prompt_tokens=a.long_prompt_tokens, min_requests=a.min_requests, config=a.config,
+            generation_mode=a.generation_mode)
     return 0

@@ -190,7 +190,7 @@ def _mixed_lines() -> List[str]:
 
 def section_name(record: dict) -> str:
     """`load` for the comparison as planned by default; a run with other arms or another model
-    (`load-modes`, `load-logprobs`, `load-<model dir>`, ...) gets a section and chart of its own, so
+    (`load-modes`, `load-logprobs`, `load-<model dir>`, `load-ar` for `--generation-mode ar`, ...) gets a section and chart of its own, so
     that it does not replace the default comparison. Temperatures other than the default arms'
     (0, 0.6 and `mixed`) add their labels (`load-modes-t1`), and so does a comparison with only
     some of the default arms (`load-greedy`, `load-greedy-t06`, `load-t06-mixed`); other client
@@ -198,6 +198,8 @@ def section_name(record: dict) -> str:
     plan, parts = record["plan"], []
     if record["model"] != "shipped":
         parts.append(re.sub(r"[^a-z0-9]+", "-", Path(record["model"]).name.lower()).strip("-") or "model")
+    if plan.get("generation_mode"):
+        parts.append(plan["generation_mode"])
     if plan.get("direct_http"):
         parts.append("direct")
     if plan.get("modes"):
