@@ -16,9 +16,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 from benchmarks.report import ROOT
+from mtplx.models.registry import check_installed
 from deployments._proc import DIRECT_HTTP_ENV, LOOPBACK_RAY_ENV, direct_http_env, free_port
 
 SHIPPED_MODEL = ROOT / "mtplx" / "assets" / "mtplx-tiny-py"
@@ -183,11 +184,11 @@ class ServerProcess:
         return {"returncode": self.proc.returncode, "leftovers_killed": len(leftovers)}
 
 
-def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_timeout_s: float,
+def start_ours(model_dir: Optional[Union[Path, str]], log_path: Path, work_dir: Path, ready_timeout_s: float,
                args_overrides: Optional[dict] = None, direct_http: bool = False,
                config: Optional[Path] = None) -> ServerProcess:
     """`serve run` of the shipped config (or `config`) with a free port (and `model_path` when
-    given, and any app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
+    given: a directory or an installed model's name, and any app `args` overridden), on a fresh local Ray whose temp dir is private to this start, on
     loopback as scripts/serve.sh starts it (`LOOPBACK_RAY_ENV`). With
     `direct_http` the ingress replica also answers HTTP on a port of its own (`direct_http_env`),
     and the returned server's url is that port's."""
@@ -198,7 +199,7 @@ def start_ours(model_dir: Optional[Path], log_path: Path, work_dir: Path, ready_
     cfg["http_options"]["port"] = port
     for app in cfg["applications"]:
         if model_dir is not None:
-            app["args"]["model_path"] = str(model_dir)
+            app["args"]["model_path"] = str(Path(check_installed(str(model_dir))).resolve())
         app["args"].update(args_overrides or {})
     cfg_path = work_dir / f"serve_config_{port}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))

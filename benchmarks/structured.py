@@ -450,7 +450,7 @@ def bench_structured_served(model_dir: Optional[str] = None, rounds: int = 3, du
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mtplx-bench-structured-") as tmp:
         log("structured --served: starting serve run")
-        server = start_ours(Path(model_dir).resolve() if model_dir else None,
+        server = start_ours(model_dir,
                             logs / f"structured-{time.strftime('%Y%m%d-%H%M%S')}.log", Path(tmp), ready_timeout_s,
                             config=Path(config) if config else None)
         try:

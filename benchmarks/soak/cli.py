@@ -22,6 +22,7 @@ from benchmarks.soak.clients import (CLIENTS, DROP_FRACTION, MAX_BUDGET, MIN_BUD
 from benchmarks.soak.summary import (MEMORY_BOUND, REFUSAL_BOUND_S, STEADY_AFTER_S, MemorySampler, replica_memory,
                                      rss_trend, server_refusals, summarize_overload, summarize_probe, summarize_soak,
                                      wait_idle)
+from mtplx.models.registry import check_installed
 from mtplx.scheduler.service import IDLE_HEAP_RELEASE_S
 
 
@@ -32,7 +33,7 @@ def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, client
     import mtplx
 
     started = time.time()
-    model_path = Path(model_dir).resolve() if model_dir else None
+    model_path = Path(check_installed(model_dir)).resolve() if model_dir else None   # a directory or an installed name
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir = ROOT / "build" / "bench"
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
