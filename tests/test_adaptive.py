@@ -13,6 +13,7 @@ from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.installed import solo_lane
 from mtplx.engine.lane import RunningLane, draft_acceptance_prior
 from mtplx.engine.policy import StepPolicy
+from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import ROW_PROBE_FIRST, A3BMTPBatchRequest
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
@@ -42,9 +43,8 @@ def _run(ladder, reqs, plan=None, join_at=None, inject=None, costs=None):
     """Run requests through a running lane; `join_at` {request index: step} adds rows later;
     `costs` pins the lanes' step costs (a fixed machine for the cost model)."""
     ladder = ladder if isinstance(ladder, list) else [ladder]
-    running = RunningLane(ladder, keep_log=True)
-    running.step_plan = plan
-    running.inject_drafts = inject
+    proposer = ScriptedProposer(ladder[0].model.vocab_size, inject) if inject else None
+    running = RunningLane(ladder, keep_log=True, proposer=proposer, step_chooser=plan)
     join_at = join_at or {}
     streams = {i: running.add(r) for i, r in enumerate(reqs) if i not in join_at}
     steps = 0
@@ -108,7 +108,7 @@ def test_hybrid_compiled_lane_mixed_steps_equal_plain_ar(tmp_path):
 
 
 def _wrong_until(position_limit, rows=None, then=None):
-    """inject_drafts: a draft the target rejects (greedy) at output positions below the limit;
+    """A script of drafts (`ScriptedProposer`): a draft the target rejects (greedy) at output positions below the limit;
     from there the token `then` holds at that position, if given (accepted), else the head's."""
     def inject(b, position):
         if rows is not None and b not in rows:

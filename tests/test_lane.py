@@ -11,6 +11,7 @@ import mtplx.engine.lane as lane_mod
 import mtplx.engine.row as row_mod
 from mtplx.engine.cohort import generate_a3b_mtp_batch
 from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
+from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import A3BMTPBatchCapacityError, A3BMTPBatchRequest
 from mtplx.engine.settings import DRAFT_DRAWS, EngineSettings
 from mtplx.engine.decode import generate_ar
@@ -192,9 +193,14 @@ def test_selfcheck_forces_commits_whatever_the_head(model, monkeypatch):
     assert receipt["ok"] and receipt["commit_keeps_seen"] == [0, 1, 2]
     assert receipt["dtype"] == "float32" and receipt["parity_tolerance"] == 0.0
     monkeypatch.undo()
-    real = lane_mod.RunningLane._injected
-    monkeypatch.setattr(lane_mod.RunningLane, "_injected",
-                        lambda self, d, step: (real(self, d, step) + 1) % model.vocab_size)  # none can match
+    real = ScriptedProposer.propose
+
+    def unmatched(self, *args, **kwargs):                 # every draft off by one: none can match
+        proposal = real(self, *args, **kwargs)
+        proposal.drafts = (proposal.drafts + 1) % model.vocab_size
+        return proposal
+
+    monkeypatch.setattr(ScriptedProposer, "propose", unmatched)
     with pytest.raises(LaneSelfCheckError, match="commit_keeps") as err:
         install_a3b_mtp_batch_lane(model, 4)
     assert err.value.receipt["failed_checks"] == ["commit_keeps"]
@@ -529,7 +535,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
                           settings=EngineSettings(draft_draw="host"))
     streams, counts = seeded_outcomes(running, ids, 400, 3, cfg, draft)
     assert running.device_drafts == 0
-    running.draft_draw = "device"
+    running.proposer.draft_draw = "device"           # the same lane, its drafts now drawn on the device
     more, more_counts = seeded_outcomes(running, ids, 400, 3, cfg, draft, first_seed=400)
     streams += more
     counts = {k: counts.get(k, 0) + more_counts.get(k, 0) for k in set(counts) | set(more_counts)}

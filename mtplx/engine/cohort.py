@@ -7,19 +7,20 @@ from typing import Optional
 
 from mtplx.engine.installed import InstalledA3BMTPBatchLane, validate_cohort
 from mtplx.engine.lane import RunningLane
+from mtplx.engine.proposer import Proposer
 from mtplx.engine.row import A3BMTPBatchResult
 from mtplx.engine.settings import EngineSettings
 
 def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_draw: Optional[str] = None,
-                           _keep_log: bool = False, _inject_drafts=None) -> A3BMTPBatchResult:
+                           _keep_log: bool = False, proposer: Optional[Proposer] = None) -> A3BMTPBatchResult:
     """Decode 2..width requests as one sealed cohort of this lane (every row prefilled before the
     first cycle; no row joins later). Rows are returned in request order. `draft_draw`: where
-    sampled rows draw their drafts ("device" | "host"; None: `EngineSettings`' default)."""
+    sampled rows draw their drafts ("device" | "host"; None: `EngineSettings`' default);
+    `proposer`: the drafts' source (None: the model's head; the self-check's `ScriptedProposer`)."""
     requests = list(requests)
     validate_cohort(lane, requests)
     settings = EngineSettings() if draft_draw is None else EngineSettings(draft_draw=draft_draw)
-    running = RunningLane(lane, keep_log=_keep_log, settings=settings)
-    running.inject_drafts = _inject_drafts
+    running = RunningLane(lane, keep_log=_keep_log, settings=settings, proposer=proposer)
     streams = [running.add(r) for r in requests]
     t_prefill = time.perf_counter()
     running.admit_all()

@@ -14,6 +14,7 @@ from mtplx.engine.decode import generate_ar
 from mtplx.engine.installed import (DEPTH, DEPTHS, MAX_WIDTH, MIN_WIDTH, NUMERICS_PROFILES, VERIFY_T,
                                     InstalledA3BMTPBatchLane, new_lane, solo_lane)
 from mtplx.engine.lane import RunningLane, draft_acceptance_prior
+from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.models.cache import RaggedKVCache, commit_rows
 from mtplx.sampling import GREEDY
@@ -145,7 +146,7 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
 
         reqs = [A3BMTPBatchRequest(request_id=str(b), prompt_ids=p, sampler=GREEDY, max_tokens=m)
                 for b, (p, m) in enumerate(zip(ps, budgets))]
-        return generate_a3b_mtp_batch(lane, reqs, _keep_log=True, _inject_drafts=inject)
+        return generate_a3b_mtp_batch(lane, reqs, _keep_log=True, proposer=ScriptedProposer(vocab, inject))
 
     def parity(b, prompt, got, ref):
         if got == ref:

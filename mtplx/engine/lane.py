@@ -31,7 +31,7 @@ from mtplx.engine.installed import DEPTH, DEPTHS, InstalledA3BMTPBatchLane, solo
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
-from mtplx.engine.settings import DRAFT_DRAWS, EngineSettings
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
                               check_finite, host_logprob, row_work, validate_request)
 from mtplx.engine.shape import LaneShape, lanes_by_depth
@@ -74,7 +74,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
                  greedy_ladder=None, sampled_ladder=None, depth_ladders: Optional[list] = None,
-                 settings: Optional[EngineSettings] = None):
+                 settings: Optional[EngineSettings] = None, proposer: Optional[Proposer] = None,
+                 step_chooser: Optional[Callable[[int], str]] = None):
         settings = settings or EngineSettings()
         self.ladder = sorted_ladder(ladder)
         self._lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
@@ -98,9 +99,13 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.logits_host: Optional[np.ndarray] = None   # logits_last on the host, kept by sampled cycles
         self.history: Optional[HeadHistory] = None
         self.forwards: Optional[CycleForwards] = None
-        # where sampled rows draw their drafts: "device" (no wait between the head and the verify:
-        # one synchronization a cycle) or "host" (from the whole draft distribution, after a wait)
-        self.proposer = Proposer(self.model.vocab_size, settings.draft_draw)
+        # the drafts' source: the model's head, sampled rows' drafts drawn where `draft_draw` says
+        # ("device": no wait between the head and the verify; "host": from the whole q, after a
+        # wait); the self-check passes a `ScriptedProposer`
+        self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw)
+        # step_chooser(cycle index) -> "mtp" | "ar": each step's kind, in place of the cost policy
+        # (tests and measurements that need a known sequence of steps)
+        self.step_chooser = step_chooser
         self.cycles = self.accepted = self.rejected = 0
         self.draft_proposals = self.draft_tokens = 0    # rows' drafting cycles, the drafts they chained
         self.accepted_at = [0] * max(DEPTHS)           # accepted drafts by position in their chain
@@ -132,10 +137,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.device_judging = settings.lane_device_judging()   # sampled chains judged on the device
         self.ahead_cycles = 0                          # cycles launched before the last one's verify was read
         self._step_costs = StepCostMeter()
-        # tests: step_plan(cycle index) -> "mtp" | "ar" forces the kind of each step
-        self.step_plan: Optional[Callable[[int], str]] = None
-        # the self-check's hook: inject_drafts(row index, output position) -> draft token or None
-        self.inject_drafts: Optional[Callable[[int, int], Optional[int]]] = None
 
     # -- what the lane looks like ----------------------------------------------------------------
 
@@ -150,12 +151,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     @property
     def draft_draw(self) -> str:
         return self.proposer.draft_draw
-
-    @draft_draw.setter
-    def draft_draw(self, where: str) -> None:
-        if where not in DRAFT_DRAWS:
-            raise ValueError(f"draft_draw={where!r}: expected one of {DRAFT_DRAWS}")
-        self.proposer.draft_draw = where
 
     @property
     def device_drafts(self) -> int:
@@ -321,12 +316,12 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     def _boundary_idle(self) -> bool:
         """Whether the next boundary would change nothing: rows live, none waiting, prefilling,
         removed or cancelled, and the lane already at the width and depth its rows want."""
-        if not self.live_rows or self.waiting or self.admitting or self._removed or self.step_plan is not None:
+        if not self.live_rows or self.waiting or self.admitting or self._removed or self.step_chooser is not None:
             return False
         if any(r is not None and self._gone(r) for r in self.rows):
             return False
         fit = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
-        return fit == self.width and self._lane_at(self.width) is self.lane and self.inject_drafts is None
+        return fit == self.width and self._lane_at(self.width) is self.lane and self.proposer.follows_head
 
     def _mark_rows(self) -> None:
         """Each live row's state now that its step completed: where it resumes if a later step fails."""
@@ -361,8 +356,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """An MTP cycle or a plain AR step for the next cycle. A row that wants to draft and whose
         draws the choice would change (sampled, or forced "mtp") gets an MTP cycle; greedy
         adaptive rows leave it to the cost model."""
-        if self.step_plan is not None:
-            return self.step_plan(self.cycles)
+        if self.step_chooser is not None:
+            return self.step_chooser(self.cycles)
         live = [r for r in self.rows if r is not None]
         wanting = [r for r in live if r.wants_draft()]
         if not wanting:
@@ -482,7 +477,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """The verify forward's graph, set computing (`mx.async_eval`): (tokens, hidden, logits, what
         the host reads)."""
         H, L = self._forwards().verify(tokens, graph=graph)
-        if self.device_judging and not step.greedy and step.proposal is not None and self.inject_drafts is None:
+        if self.device_judging and not step.greedy and step.proposal is not None and self.proposer.follows_head:
             step.verdicts = DeviceVerdicts.launch(L, self.rows, step.row_depth, step.proposal)
         # a row whose hidden state went non-finite (NaN, inf) fails alone: its logits are garbage
         finite = mx.isfinite(H).all(axis=(1, 2))
@@ -592,16 +587,13 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         else:
             step, owed = ahead
         step.drafting = drafting
-        step.depth = self.lane.depth if self.inject_drafts is None else 1   # the self-check injects single drafts
+        step.depth = self.proposer.depth_for(self.lane.depth)
         step.row_depth = np.array([min(r.chain_depth or step.depth, step.depth) if drafting[b] else 0
                                    for b, r in enumerate(self.rows)], dtype=np.int64)
         step.proposal = self.proposer.propose(self.forwards, self.history, self.h_last, step.x0, self.rows,
                                               step.row_depth, owed, step.active, step.greedy, step.depth,
                                               step.allowed)
-        drafts = step.proposal.drafts
-        if self.inject_drafts is not None:
-            drafts = mx.array(self._injected(np.array(drafts[:, 0]), step), dtype=mx.uint32)[:, None]
-        return step, self._launch_verify(step, mx.concatenate([step.x0[:, None], drafts], axis=1))
+        return step, self._launch_verify(step, mx.concatenate([step.x0[:, None], step.proposal.drafts], axis=1))
 
     def _finish_cycle(self, launched: tuple) -> None:
         """The rest of a launched cycle: the wait, each row's decisions, the commit."""
@@ -610,7 +602,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         H, L = self._read_verify(step, *verify)
         if step.ahead:
             self._ahead_primaries(step)
-        self.proposer.settle(step.proposal, step.d_host, check=self.inject_drafts is None)
+        self.proposer.settle(step.proposal, step.d_host)
         t_host = time.perf_counter()
         for b, masks in (step.allowed or {}).items():    # a sampled constrained row's bonus position
             depth = int(step.row_depth[b])
@@ -634,17 +626,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.h_last, self.logits_last = commit_positions(self.caches, H, L, step.keep, T)
         L_host = step.targets.logits
         self.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
-
-    def _injected(self, drafts: np.ndarray, step: Step) -> np.ndarray:
-        """Drafts replaced by `inject_drafts` (row index = request id in a sealed cohort); the
-        draft guesses the output position after this cycle's primary."""
-        for b, row in enumerate(self.rows):
-            if step.drafting[b]:
-                primary_at = len(row.result.tokens) - int(step.has_pending[b])
-                tok = self.inject_drafts(int(row.req.request_id), primary_at + 1)
-                if tok is not None:
-                    drafts[b] = tok
-        return drafts
 
     def _decide(self, step: Step, b: int, row: LaneRow) -> None:
         """Row b's part of the cycle, with its own RNG in the solo path's order: its primary (if

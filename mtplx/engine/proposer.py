@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 import mlx.core as mx
@@ -41,11 +41,17 @@ class Proposal:
 class Proposer:
     """Drafts for a lane's rows. `draft_draw`: "device" or "host" (where drawn drafts are drawn)."""
 
+    follows_head = True     # the drafts are the head's own: a cycle may launch before the last is read
+
     def __init__(self, vocab: int, draft_draw: str):
         self.vocab, self.draft_draw = vocab, draft_draw
         self.device_drafts = 0            # drafts drawn on the device
         self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
         self.wait_s = 0.0                 # time in MLX's evaluation of the head (its drafts)
+
+    def depth_for(self, lane_depth: int) -> int:
+        """The drafts a cycle chains at a lane of `lane_depth`."""
+        return lane_depth
 
     def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed,
                 keep_history: np.ndarray, greedy: bool, depth: int, allowed: Optional[dict] = None) -> Proposal:
@@ -150,9 +156,10 @@ class Proposer:
         self.host_s += time.perf_counter() - t_host
         return mx.where(mx.array(mask), q_logits, mx.array(-np.inf, dtype=q_logits.dtype))
 
-    def settle(self, proposal: Proposal, d_host: np.ndarray, check: bool = True) -> None:
+    def settle(self, proposal: Proposal, d_host: np.ndarray) -> None:
         """After the cycle's one wait: each device-drawn draft's exact q, from its candidates and
-        thresholds, and (`check`) that the device took the candidate its uniform names."""
+        thresholds, and (drafts the head's own: `follows_head`) a check that the device took the
+        candidate its uniform names."""
         t_host = time.perf_counter()
         for j, (on_device, device_draw) in enumerate(proposal.device_draws):
             if device_draw is None:
@@ -161,7 +168,38 @@ class Proposer:
             ids, t = np.asarray(ids), np.asarray(t)
             for b in np.flatnonzero(on_device):
                 proposal.q[j][b], drawn = device_draft_distribution(ids[b], t[b], self.vocab, int(m[b]))
-                if check and drawn != int(d_host[b, j]):
+                if self.follows_head and drawn != int(d_host[b, j]):
                     raise RuntimeError(f"row {b}'s device draft {int(d_host[b, j])} is not the candidate its "
                                        f"uniform names ({drawn}): the device draw and its q disagree")
         self.host_s += time.perf_counter() - t_host
+
+
+class ScriptedProposer(Proposer):
+    """One draft a cycle, from `script(row, output position)` where it names a token (None: the
+    head's). The install self-check forces drafts the target keeps and drafts it rejects, so that
+    commits of 0, 1 and 2 all happen; `row` is the row's request id, its index in a sealed
+    cohort. A drawn draft it replaces is judged against the q that drew the head's (tests of row
+    isolation; the self-check's rows are greedy)."""
+
+    follows_head = False    # no cycle launched before the last is read: the script reads the rows
+
+    def __init__(self, vocab: int, script: Callable[[int, int], Optional[int]], draft_draw: str = "device"):
+        super().__init__(vocab, draft_draw)
+        self.script = script
+
+    def depth_for(self, lane_depth: int) -> int:
+        return 1
+
+    def propose(self, forwards, history, h_last, x0, rows, row_depth: np.ndarray, owed,
+                keep_history: np.ndarray, greedy: bool, depth: int, allowed: Optional[dict] = None) -> Proposal:
+        proposal = super().propose(forwards, history, h_last, x0, rows, row_depth, owed, keep_history, greedy,
+                                   depth, allowed)
+        drafts = np.array(proposal.drafts[:, 0])
+        for b in np.flatnonzero(row_depth > 0):
+            row = rows[b]
+            primary_at = len(row.result.tokens) - (row.pending is not None)   # the draft guesses the next
+            token = self.script(int(row.req.request_id), primary_at + 1)
+            if token is not None:
+                drafts[b] = token
+        proposal.drafts = mx.array(drafts, dtype=mx.uint32)[:, None]
+        return proposal
