@@ -12,7 +12,7 @@ from mtplx.engine.commit import HISTORY_FLUSH_AT
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.installed import solo_lane
 from mtplx.engine.lane import RunningLane, draft_acceptance_prior
-from mtplx.engine.policy import StepPolicy
+from mtplx.engine.policy import ScriptedSteps, StepPolicy
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import ROW_PROBE_FIRST, A3BMTPBatchRequest
 from mtplx.sampling import SamplerConfig
@@ -44,7 +44,8 @@ def _run(ladder, reqs, plan=None, join_at=None, inject=None, costs=None):
     `costs` pins the lanes' step costs (a fixed machine for the cost model)."""
     ladder = ladder if isinstance(ladder, list) else [ladder]
     proposer = ScriptedProposer(ladder[0].model.vocab_size, inject) if inject else None
-    running = RunningLane(ladder, keep_log=True, proposer=proposer, step_chooser=plan)
+    running = RunningLane(ladder, keep_log=True, proposer=proposer,
+                          step_chooser=ScriptedSteps(plan) if plan is not None else None)
     join_at = join_at or {}
     streams = {i: running.add(r) for i, r in enumerate(reqs) if i not in join_at}
     steps = 0

@@ -429,14 +429,15 @@ def test_lane_logprobs_are_the_targets_own(model, width, steps):
     from mtplx.engine.install import install_a3b_mtp_batch_lane
     from mtplx.engine.installed import solo_lane
     from mtplx.engine.lane import RunningLane
+    from mtplx.engine.policy import ScriptedSteps
     from mtplx.engine.row import A3BMTPBatchRequest
     from mtplx.sampling import SamplerConfig
 
     lane = solo_lane(model) if width == 1 else install_a3b_mtp_batch_lane(model, width=width)
 
     def decode(reqs):      # a running lane: MTP cycles only, or alternating with plain AR steps
-        running = RunningLane([lane], step_chooser=(lambda i: "ar" if i % 2 else "mtp") if steps == "alternate"
-                              else (lambda i: "mtp"))
+        running = RunningLane([lane], step_chooser=ScriptedSteps((lambda i: "ar" if i % 2 else "mtp")
+                                                                 if steps == "alternate" else (lambda i: "mtp")))
         streams = [running.add(r) for r in reqs]
         while running.has_work:
             running.step()

@@ -17,7 +17,8 @@ import time
 import weakref
 from collections import deque
 from dataclasses import replace
-from typing import Callable, Iterable, Optional
+from functools import partial
+from typing import Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +29,7 @@ from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import DEPTH, DEPTHS, InstalledA3BMTPBatchLane, solo_lane, sorted_ladder
-from mtplx.engine.policy import NARROW_AFTER_CYCLES, StepCostMeter, StepPolicy
+from mtplx.engine.policy import NARROW_AFTER_CYCLES, CostSteps, StepCostMeter, StepChooser, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.settings import EngineSettings
@@ -75,7 +76,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                  narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
                  greedy_ladder=None, sampled_ladder=None, depth_ladders: Optional[list] = None,
                  settings: Optional[EngineSettings] = None, proposer: Optional[Proposer] = None,
-                 step_chooser: Optional[Callable[[int], str]] = None):
+                 step_chooser: Optional[StepChooser] = None):
         settings = settings or EngineSettings()
         self.ladder = sorted_ladder(ladder)
         self._lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
@@ -103,9 +104,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         # ("device": no wait between the head and the verify; "host": from the whole q, after a
         # wait); the self-check passes a `ScriptedProposer`
         self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw)
-        # step_chooser(cycle index) -> "mtp" | "ar": each step's kind, in place of the cost policy
-        # (tests and measurements that need a known sequence of steps)
-        self.step_chooser = step_chooser
+        # each step's kind: by measured cost, or a test's known sequence (`ScriptedSteps`)
+        self.step_chooser = step_chooser or CostSteps(partial(draft_acceptance_prior, self.model))
         self.cycles = self.accepted = self.rejected = 0
         self.draft_proposals = self.draft_tokens = 0    # rows' drafting cycles, the drafts they chained
         self.accepted_at = [0] * max(DEPTHS)           # accepted drafts by position in their chain
@@ -316,7 +316,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     def _boundary_idle(self) -> bool:
         """Whether the next boundary would change nothing: rows live, none waiting, prefilling,
         removed or cancelled, and the lane already at the width and depth its rows want."""
-        if not self.live_rows or self.waiting or self.admitting or self._removed or self.step_chooser is not None:
+        if not self.live_rows or self.waiting or self.admitting or self._removed or not self.step_chooser.ahead:
             return False
         if any(r is not None and self._gone(r) for r in self.rows):
             return False
@@ -353,23 +353,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         return [e for e in (row.drain_event() for row in rows.values()) if e is not None]
 
     def _choose_step(self) -> str:
-        """An MTP cycle or a plain AR step for the next cycle. A row that wants to draft and whose
-        draws the choice would change (sampled, or forced "mtp") gets an MTP cycle; greedy
-        adaptive rows leave it to the cost model."""
-        if self.step_chooser is not None:
-            return self.step_chooser(self.cycles)
-        live = [r for r in self.rows if r is not None]
-        wanting = [r for r in live if r.wants_draft()]
-        if not wanting:
-            return "ar"
-        if any(not (r.greedy and r.req.adaptive) for r in wanting):
-            return "mtp"
-        if self.policy.acceptance is None:
-            # from the model's prior, as its rows start: estimated from its first outcome alone,
-            # one rejected first draft sent a lane to 16 + 32 AR steps
-            p = draft_acceptance_prior(self.model)       # per draft; a chain's j-th needs all before it
-            self.policy.acceptance = sum(p ** j for j in range(1, self.lane.depth + 1))
-        return self.policy.choose(self.lane.step_costs, len(live), len(wanting), self.lane.depth)
+        """An MTP cycle or a plain AR step for the next cycle (`step_chooser`)."""
+        return self.step_chooser(self)
 
     def _run_step(self, kind: str) -> None:
         # an MTP cycle in which no row drafts is an AR step (and the head's history is owed)

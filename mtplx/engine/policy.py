@@ -1,10 +1,11 @@
-"""When a lane runs an MTP cycle and when a plain AR step (`StepPolicy`), from the costs of each
+"""When a lane runs an MTP cycle and when a plain AR step: the lane's step chooser (`CostSteps`,
+or a test's `ScriptedSteps`), the cost model it consults (`StepPolicy`), from the costs of each
 kind measured at its width, kept current by `StepCostMeter`; how deep a lane of drafting
 greedy rows chains (`lane_depth`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from mtplx.engine.installed import DEPTH
 
@@ -12,6 +13,54 @@ NARROW_AFTER_CYCLES = 16     # cycles of low demand before a lane narrows (hyste
 STEP_COST_EMA = 0.25         # weight of a pair of steps' measured times in their kinds' costs
 COST_PAIR_WITHIN = 3         # steps apart a counted step of each kind may be to make a pair
 DEPTH_HYSTERESIS = 0.05      # a shared lane keeps its depth while within this of the best rate
+
+
+class StepChooser(Protocol):
+    """What a running lane asks before each step: `chooser(lane)` -> "mtp" | "ar". `ahead`: whether
+    the next step's kind may be chosen at the end of the one before (an overlapped or run-ahead
+    launch), before that step is counted."""
+    ahead: bool
+
+    def __call__(self, running) -> str: ...
+
+
+class CostSteps:
+    """The lane's step chooser: an MTP cycle when a row that wants to draft has draws the choice
+    would change (sampled, or forced "mtp"); where only greedy adaptive rows want to, the lane's
+    `StepPolicy` decides by measured cost, its acceptance starting from the model's prior per
+    draft (`prior()`: measured once per model; a chain's j-th draft needs every one before it)."""
+    ahead = True
+
+    def __init__(self, prior: Callable[[], float]):
+        self.prior = prior
+
+    def __call__(self, running) -> str:
+        live = [r for r in running.rows if r is not None]
+        wanting = [r for r in live if r.wants_draft()]
+        if not wanting:
+            return "ar"
+        if any(not (r.greedy and r.req.adaptive) for r in wanting):
+            return "mtp"
+        policy, depth = running.policy, running.lane.depth
+        if policy.acceptance is None:
+            # from the model's prior, as its rows start: estimated from its first outcome alone,
+            # one rejected first draft sent a lane to 16 + 32 AR steps
+            p = self.prior()
+            policy.acceptance = sum(p ** j for j in range(1, depth + 1))
+        return policy.choose(running.lane.step_costs, len(live), len(wanting), depth)
+
+
+class ScriptedSteps:
+    """A known sequence of step kinds in place of the cost policy, `plan(cycle index)` -> "mtp" |
+    "ar" (tests and measurements that need one). The index is that of the step being run, so the
+    lane never chooses ahead with it: no overlapped launch, no run-ahead."""
+    ahead = False
+
+    def __init__(self, plan: Callable[[int], str]):
+        self.plan = plan
+
+    def __call__(self, running) -> str:
+        return self.plan(running.cycles)
 
 
 class StepPolicy:
