@@ -299,6 +299,8 @@ def test_mixed_arm_payloads_are_per_index_and_identical_for_both_servers_but_the
     ours = [workload.request_body(i, workload.MIXED, "m", send_seed=True) for i in range(75)]
     long = {(b["temperature"], b["top_p"]) for i, b in enumerate(ours) if i % workload.LONG_EVERY == workload.LONG_EVERY - 1}
     assert len(long) == 15                                          # long prompts meet every pair
+    # a few requests already mix temperatures: the first five take each once
+    assert sorted(b["temperature"] for b in peer[:5]) == sorted(workload.MIXED_TEMPERATURES)
     # the other arms are unchanged: t0.6 sends top_p 0.95 / top_k 20
     assert {k: workload.request_body(2, 0.6, "m", False)[k] for k in ("temperature", "top_p", "top_k")} == \
         {"temperature": 0.6, "top_p": 0.95, "top_k": 20}

@@ -77,12 +77,13 @@ def budget_for(index: int) -> int:
 
 def mixed_settings(index: int) -> tuple:
     """(temperature, top_p) of request `index` of the mixed arm: pair j = (i + i // 15) % 15 of
-    the 15 (temperature j // 3, top_p j % 3), so each pair occurs once in every block of 15
-    requests, and the order turns by one from block to block, so that the long prompts (every
+    the 15 (temperature j % 5, top_p j // 5), so each pair occurs once in every block of 15
+    requests, consecutive requests take different temperatures (a run of a few requests is not
+    all greedy), and the order turns by one from block to block, so that the long prompts (every
     LONG_EVERY-th request) meet every pair."""
     n = len(MIXED_TEMPERATURES) * len(MIXED_TOP_PS)
     j = (index + index // n) % n
-    return MIXED_TEMPERATURES[j // len(MIXED_TOP_PS)], MIXED_TOP_PS[j % len(MIXED_TOP_PS)]
+    return MIXED_TEMPERATURES[j % len(MIXED_TEMPERATURES)], MIXED_TOP_PS[j // len(MIXED_TEMPERATURES)]
 
 
 def request_body(index: int, temperature: Arm, model: str, send_seed: bool, seed_base: int = 1000) -> dict:
