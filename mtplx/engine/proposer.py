@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx.engine.row import row_work
+from mtplx.engine.settings import EngineSettings
 from mtplx.models.cache import commit_rows
 from mtplx.sampling import (SamplerConfig, device_draft_distribution, device_draft_draw, draft_uniform,
                             draws_on_device, sample, to_host)
@@ -183,7 +184,8 @@ class ScriptedProposer(Proposer):
 
     follows_head = False    # no cycle launched before the last is read: the script reads the rows
 
-    def __init__(self, vocab: int, script: Callable[[int, int], Optional[int]], draft_draw: str = "device"):
+    def __init__(self, vocab: int, script: Callable[[int, int], Optional[int]],
+                 draft_draw: str = EngineSettings.draft_draw):
         super().__init__(vocab, draft_draw)
         self.script = script
 
