@@ -245,16 +245,16 @@ def lane_run(ladder, model, items: list, sampler, constrained: bool, duration_s:
         lengths.setdefault(item["name"], []).append(len(toks))
         judge(tally, item, model.tokenizer.decode(toks), finish, len(toks), checker)
     running.cancel_all()
-    drafts = running.accepted + running.rejected
+    drafts = running.counters.accepted + running.counters.rejected
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "errors": errors, **tally,
-            "acceptance": running.accepted / drafts if drafts else None,
-            "accepted": running.accepted, "rejected": running.rejected, "cycles": running.cycles,
-            "mtp_cycles": running.mtp_cycles, "ar_steps": running.ar_steps,
-            "rows_per_cycle": running.row_cycles / running.cycles if running.cycles else None,
-            "tokens_per_cycle": tokens / running.cycles if running.cycles else None,
-            "ms_per_step": running.cycle_s / running.cycles * 1e3 if running.cycles else None,
-            "host_ms_per_step": running.host_s / running.cycles * 1e3 if running.cycles else None,
-            "prefill_s": running.prefill_s, "prefill_share": running.prefill_s / wall, "lengths": lengths}
+            "acceptance": running.counters.accepted / drafts if drafts else None,
+            "accepted": running.counters.accepted, "rejected": running.counters.rejected, "cycles": running.counters.cycles,
+            "mtp_cycles": running.counters.mtp_cycles, "ar_steps": running.counters.ar_steps,
+            "rows_per_cycle": running.counters.row_cycles / running.counters.cycles if running.counters.cycles else None,
+            "tokens_per_cycle": tokens / running.counters.cycles if running.counters.cycles else None,
+            "ms_per_step": running.counters.cycle_s / running.counters.cycles * 1e3 if running.counters.cycles else None,
+            "host_ms_per_step": running.stats().host_s / running.counters.cycles * 1e3 if running.counters.cycles else None,
+            "prefill_s": running.counters.prefill_s, "prefill_share": running.counters.prefill_s / wall, "lengths": lengths}
 
 
 def matched_budgets(lengths: dict) -> dict:

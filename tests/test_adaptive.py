@@ -76,8 +76,8 @@ def test_greedy_equals_plain_ar_whichever_steps_run(model, lane3, plan):
     for i, (s, ref) in enumerate(zip(streams, refs)):
         assert s.tokens == ref, f"row {i}"
     all_ar = plan == "ar"
-    assert running.ar_steps > 0 and all_ar == (running.mtp_cycles == 0)
-    assert all_ar == (running.accepted == running.rejected == 0)
+    assert running.counters.ar_steps > 0 and all_ar == (running.counters.mtp_cycles == 0)
+    assert all_ar == (running.counters.accepted == running.counters.rejected == 0)
     assert all_ar == all(s.spec_cycles == 0 and s.drafts_skipped == s.cycles for s in streams)
 
 
@@ -105,7 +105,7 @@ def test_hybrid_compiled_lane_mixed_steps_equal_plain_ar(tmp_path):
     running, streams = _run([lane], reqs, PLANS["random"])
     for i, (r, s) in enumerate(zip(reqs, streams)):
         assert s.tokens == greedy_ar(m, r.prompt_ids, r.max_tokens), f"row {i}"
-    assert running.accepted > 0 and running.ar_steps > 0 and running.graph_retraces == 0
+    assert running.counters.accepted > 0 and running.counters.ar_steps > 0 and running.counters.graph_retraces == 0
 
 
 def _wrong_until(position_limit, rows=None, then=None):
@@ -145,7 +145,7 @@ def test_rows_of_a_head_that_never_agrees_start_stopped(model, lane3, monkeypatc
     for r, s in zip(reqs, streams):
         assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
     first = min(pos for _, pos, _, _ in running.draft_log)
-    assert first > ROW_PROBE_FIRST and running.mtp_cycles <= 2    # no drafts until their first probe
+    assert first > ROW_PROBE_FIRST and running.counters.mtp_cycles <= 2    # no drafts until their first probe
 
 
 def _sampled(i, prompt, seed, n=60, **kw):
@@ -170,8 +170,8 @@ def test_sampled_auto_row_depends_only_on_its_own_history(model, lane3):
     row = alone[0]
     assert row.tokens == again[0].tokens == beside_drafting[0].tokens == beside_ar[0].tokens
     assert (row.spec_cycles, row.drafts_skipped) == (beside_drafting[0].spec_cycles, beside_drafting[0].drafts_skipped)
-    assert 0 < row.spec_cycles < row.cycles and alone_run.ar_steps > 0
-    assert drafting_run.mtp_cycles > alone_run.mtp_cycles        # the neighbours kept the lane drafting
+    assert 0 < row.spec_cycles < row.cycles and alone_run.counters.ar_steps > 0
+    assert drafting_run.counters.mtp_cycles > alone_run.counters.mtp_cycles        # the neighbours kept the lane drafting
 
 
 def test_step_policy_steps_aside_with_hysteresis_and_backing_off_probes():
@@ -221,8 +221,8 @@ def test_early_rejections_keep_a_greedy_auto_row_and_its_lane_drafting(model):
     reqs = _greedy_reqs(model, (60,), adaptive=True)
     running, streams = _run([solo_lane(model)], reqs, inject=_wrong_until(5), costs=COSTS)
     assert streams[0].tokens == greedy_ar(model, reqs[0].prompt_ids, 60)
-    assert running.rejected >= 4 and running.accepted > 0
-    assert running.ar_steps == 0 and streams[0].drafts_skipped == 0
+    assert running.counters.rejected >= 4 and running.counters.accepted > 0
+    assert running.counters.ar_steps == 0 and streams[0].drafts_skipped == 0
 
 
 def test_step_costs_move_in_pairs_measured_under_one_load(model):
@@ -270,7 +270,7 @@ def test_greedy_auto_lane_runs_ar_steps_when_drafts_never_land(model, lane3):
     for r, s in zip(reqs, streams):
         assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
     # from the prior 1.0, fourteen straight rejections bring the rows' and the lane's estimates low
-    assert running.mtp_cycles <= 16 and running.ar_steps >= 60 and running.policy.kind == "ar"
+    assert running.counters.mtp_cycles <= 16 and running.counters.ar_steps >= 60 and running.policy.kind == "ar"
 
 
 def test_install_measures_step_costs(model):
@@ -348,7 +348,7 @@ def test_chained_drafts_equal_plain_ar_whichever_steps_run(model, chained, chain
         assert s.tokens == ref, f"row {i}"
     assert max(running.keep_log) == 1 + depth                     # a whole chain accepted, and its bonus
     assert {j for *_, j in running.draft_log} == set(range(depth))
-    assert running.accepted > running.rejected > 0 and running.graph_retraces == 0
+    assert running.counters.accepted > running.counters.rejected > 0 and running.counters.graph_retraces == 0
 
 
 def test_history_owed_after_chained_drafts_is_what_mtp_cycles_would_have_written(model, chained):

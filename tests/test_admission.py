@@ -45,7 +45,7 @@ def test_rows_admitted_together_prefill_in_one_forward_each_as_its_own(model, la
     running = RunningLane(lane8, prefill_budget=None)
     streams = [running.add(_req(i, p, 24)) for i, p in enumerate(prompts)]
     running.admit()
-    assert running.batched_prefills == 1 and running.live_rows == 6
+    assert running.counters.batched_prefills == 1 and running.live_rows == 6
     for b, p in enumerate(prompts):
         own = _alone(model, p)
         logits, hidden = own.out
@@ -86,7 +86,7 @@ def test_a_long_prompt_and_a_banked_prefix_in_the_line(model, lane8):
     streams = [running.add(r) for r in reqs]
     while running.has_work:
         running.step()
-    assert running.batched_prefills == 2 and streams[3].cached_tokens == 256
+    assert running.counters.batched_prefills == 2 and streams[3].cached_tokens == 256
     for i in (0, 2, 3):
         assert streams[i].tokens == greedy_ar(model, list(reqs[i].prompt_ids), 20), f"row {i}"
     for i in (1, 4):
@@ -106,7 +106,7 @@ def test_one_token_prompts_admitted_together(model, lane8):
     streams = [running.add(_req(i, p, 24)) for i, p in enumerate(prompts)]
     while running.has_work:
         running.step()
-    assert running.batched_prefills == 1
+    assert running.counters.batched_prefills == 1
     for p, s in zip(prompts, streams):
         assert s.tokens == greedy_ar(model, p, 24)
 
@@ -145,11 +145,11 @@ def test_a_lane_running_ahead_decodes_greedy_rows_as_without(model):
                 streams.append(running.add(_req(6, prompts[0], 45)))
             if n == 12:
                 streams.append(running.add(_req(7, prompts[1], 6, sampler=hot, seed=7)))
-            before = running.ahead_cycles
+            before = running.counters.ahead_cycles
             running.step()
             assert _lengths_settled(running), f"step {n}"
             if not streams[-1].finish_reason and len(streams) == 8 and n > 12:
-                sampled_steps.append(running.ahead_cycles - before)
+                sampled_steps.append(running.counters.ahead_cycles - before)
             if not running.has_work:
                 break
         assert not running.has_work
@@ -158,7 +158,7 @@ def test_a_lane_running_ahead_decodes_greedy_rows_as_without(model):
     for depth in (3, 1):
         serial, expected, _ = run(depth, False)
         ahead, got, sampled_steps = run(depth, True)
-        assert serial.ahead_cycles == 0 and ahead.ahead_cycles > 15, depth
+        assert serial.counters.ahead_cycles == 0 and ahead.counters.ahead_cycles > 15, depth
         assert sampled_steps and not any(sampled_steps[1:]), "a lane holding a sampled row ran ahead"
         # the cancelled row leaves at the boundary after the cycle launched ahead: its tokens go on to there
         assert got[5].finish_reason == expected[5].finish_reason == "cancelled"
@@ -197,7 +197,7 @@ def test_overlapped_cycles_decode_every_row_as_without(model, lane8):
 
     serial, expected = run(False)
     overlapped, got = run(True)
-    assert serial.overlapped_cycles == 0 and overlapped.overlapped_cycles > 20
+    assert serial.counters.overlapped_cycles == 0 and overlapped.counters.overlapped_cycles > 20
     assert got[1].finish_reason == expected[1].finish_reason == "cancelled"
     for i, (g, e) in enumerate(zip(got, expected)):
         if i != 1:

@@ -441,7 +441,7 @@ def test_lane_logprobs_are_the_targets_own(model, width, steps):
         streams = [running.add(r) for r in reqs]
         while running.has_work:
             running.step()
-        assert running.accepted > 0 and (running.ar_steps > 0) == (steps == "alternate")
+        assert running.counters.accepted > 0 and (running.counters.ar_steps > 0) == (steps == "alternate")
         return streams
 
     prompts = [PROMPT, "import os\n", "class Stack:\n    def __init__(self):\n"][:width]

@@ -147,10 +147,10 @@ def test_width8_lane_with_a_reduced_head_matches_mlx_lm(reduced):
     budgets = [TOKENS - 3 * (i % 4) for i in range(10)]
     running = RunningLane(lanes)
     streams = _staggered(running, [_req(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))])
-    assert running.peak_rows == 8
+    assert running.counters.peak_rows == 8
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == oracle.greedy(p, n), f"row {i} (prompt {len(p)})"
-    assert running.accepted > 0 and running.rejected > 0
+    assert running.counters.accepted > 0 and running.counters.rejected > 0
     assert not any("eager_since" in ln._graphs for ln in lanes)
 
 
@@ -237,9 +237,9 @@ def test_sampled_rows_keep_the_target_joint_distribution_with_a_reduced_head(spl
     running = RunningLane(install_a3b_mtp_batch_lane(m, 8, selfcheck=False), settings=EngineSettings(draft_draw=draw))
     n = 1200
     streams, counts = seeded_outcomes(running, ids, n, 2, cfg, cfg)
-    assert running.peak_rows == 8
+    assert running.counters.peak_rows == 8
     assert sum(s.accepted_drafts for s in streams) > 100 and sum(s.rejected_drafts for s in streams) > 100
-    assert (running.device_drafts > 100) == (draw == "device")
+    assert (running.stats().device_drafts > 100) == (draw == "device")
     p_value, df = chi2_test(counts, joint)
     assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
     # power: under "accept every draft", t2 ~ q given t1

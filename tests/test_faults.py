@@ -181,8 +181,8 @@ class ForwardFailsOnce(_Faulty):
             verify = forwards.verify
 
             def flaky(tokens, graph=None):
-                if not ForwardFailsOnce.failed and self.cycles >= 4 and self.faulty_slot() is not None:
-                    ForwardFailsOnce.failed.append(self.cycles)
+                if not ForwardFailsOnce.failed and self.counters.cycles >= 4 and self.faulty_slot() is not None:
+                    ForwardFailsOnce.failed.append(self.counters.cycles)
                     raise RuntimeError("device lost")
                 return verify(tokens, graph=graph)
 

@@ -310,10 +310,10 @@ def test_width8_lane_rows_joining_mid_flight_match_mlx_lm_mtp(gemma):
     budgets = [TOKENS - 3 * (i % 4) for i in range(10)]
     running = RunningLane(lanes)
     streams = _staggered(running, [_req(i, p, n) for i, (p, n) in enumerate(zip(prompts, budgets))])
-    assert running.peak_rows == 8 and running.batched_prefills > 0
+    assert running.counters.peak_rows == 8 and running.counters.batched_prefills > 0
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == oracle.greedy(p, n), f"row {i} (prompt {len(p)})"
-    assert running.accepted > 0 and running.rejected > 0
+    assert running.counters.accepted > 0 and running.counters.rejected > 0
     assert streams[-1].admitted_at_cycle > 0
     # the cycles ran as compiled graphs (the window band inside them), none fell back to eager
     assert any(isinstance(key, tuple) and key[0] == "verify" for ln in lanes for key in ln._graphs)
@@ -333,7 +333,7 @@ def test_width8_lane_of_ar_rows_matches_mlx_lm_without_a_head(gemma):
     reqs = [_req(i, p, n, speculative=False, logprobs=2 if i % 3 == 0 else None)
             for i, (p, n) in enumerate(zip(prompts, budgets))]
     streams = _staggered(running, reqs)
-    assert running.peak_rows == 8 and running.batched_prefills > 0
+    assert running.counters.peak_rows == 8 and running.counters.batched_prefills > 0
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == oracle.greedy(p, n), f"row {i} (prompt {len(p)})"
         if reqs[i].logprobs is not None:
@@ -462,7 +462,7 @@ def test_structured_rows_in_a_gemma_lane_match_mlx_lm_under_the_grammar(gemma):
             jsonschema.validate(json.loads(m.tokenizer.decode(mtp[i].tokens)), SCHEMAS[0])
     for i in (2, 3):
         assert mtp[i].tokens == oracle.greedy(prompts[i], 30), i
-    assert running.accepted > 0
+    assert running.counters.accepted > 0
 
 
 # ------------------------------------------------------------------ the real converted weights

@@ -418,7 +418,7 @@ def test_running_lane_admits_widens_and_narrows_with_recurrent_state(models, lan
     streams += [running.add(_req(i, prompts[i], budgets[i])) for i in range(2, 6)]
     while running.has_work:
         running.step()
-    assert running.widenings == 1 and running.narrowings >= 1 and set(running.width_cycles) >= {3, 8}
+    assert running.counters.widenings == 1 and running.counters.narrowings >= 1 and set(running.counters.width_cycles) >= {3, 8}
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == greedy_ar(m, p, n), f"{kind} row {i}"
         assert (streams[i].admitted_at_cycle == 0) if i < 2 else (streams[i].admitted_at_cycle >= 4)
@@ -454,7 +454,7 @@ def test_a_lane_changes_depth_with_its_rows_sampling_with_recurrent_state(models
     while sampled.finish_reason is None:
         running.step()
     running.step()
-    assert running.lane.depth == 2 and running.depth_switches == 2
+    assert running.lane.depth == 2 and running.counters.depth_switches == 2
     while running.has_work:
         running.step()
     assert sampled.tokens == ref.tokens and sampled.mtp_depth == 3
@@ -533,13 +533,13 @@ def test_compiled_lane_never_retraces_while_decoding(models, lanes):
     streams = [running.add(_req(i, p, 40)) for i, p in enumerate(prompts)]
     running.admit_all()
     running.step()                          # may trace at this buffer size (the self-check ran smaller)
-    joined = running.graph_retraces
+    joined = running.counters.graph_retraces
     while running.has_work:
         running.step()
-    assert running.graph_retraces == joined and running.cycles > 20
+    assert running.counters.graph_retraces == joined and running.counters.cycles > 20
     late = running.add(_req(3, prompts[0] * 2, 40))       # joins later, needs a bigger buffer:
     while running.has_work:                                # draft and verify trace once more
         running.step()
-    assert running.graph_retraces == joined + 2
+    assert running.counters.graph_retraces == joined + 2
     for s, p in zip(streams + [late], prompts + [prompts[0] * 2]):
         assert s.tokens == greedy_ar(m, p, 40)

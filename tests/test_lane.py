@@ -300,12 +300,12 @@ def test_rows_admitted_mid_flight_equal_solo_ar_including_a_long_prompt(model, l
     running = lane_mod.RunningLane(lanes[3])
     streams = [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[:2], budgets[:2]))]
     _steps(running, 6)
-    assert running.width == 3 and running.live_rows == 2 and running.cycles == 6
+    assert running.width == 3 and running.live_rows == 2 and running.counters.cycles == 6
     capacity = running.caches[0].keys.shape[2]
     streams.append(running.add(_req(2, prompts[2], budgets[2])))
     running.step()
     assert running.live_rows == 2 and len(running.admitting) == 1   # still prefilling, others decoded
-    assert running.cycles == 7
+    assert running.counters.cycles == 7
     _drain(running)
     assert streams[2].admitted_at_cycle > 7 and running.caches[0].keys.shape[2] > capacity
     for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -327,8 +327,8 @@ def test_admission_into_a_slot_freed_by_a_cancel(model, lanes, run_ahead, admitt
     streams.append(running.add(_req(3, prompts[3], 50)))
     _drain(running)
     assert streams[1].finish_reason == "cancelled" and len(streams[1].tokens) < 60
-    assert running.width == 3 and streams[3].admitted_at_cycle == admitted_at and running.widenings == 0
-    assert (running.ahead_cycles > 0) == run_ahead
+    assert running.width == 3 and streams[3].admitted_at_cycle == admitted_at and running.counters.widenings == 0
+    assert (running.counters.ahead_cycles > 0) == run_ahead
     for i in (0, 2, 3):
         n = 50 if i == 3 else 60
         assert streams[i].tokens == greedy_ar(model, prompts[i], n), f"row {i}"
@@ -343,9 +343,9 @@ def test_widen_b3_to_b8_mid_flight_then_narrow(model, lanes):
     assert running.width == 3
     streams += [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[3:], budgets[3:]), 3)]
     running.step()
-    assert running.width == 8 and running.widenings == 1 and running.live_rows == 6
+    assert running.width == 8 and running.counters.widenings == 1 and running.live_rows == 6
     _drain(running)
-    assert running.narrowings >= 1 and set(running.width_cycles) == {3, 8}
+    assert running.counters.narrowings >= 1 and set(running.counters.width_cycles) == {3, 8}
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
     assert streams[0].fixed_width == 8 and streams[0].mean_occupancy < streams[0].real_width
@@ -370,12 +370,12 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
         running.step()
     assert eager_capacity < len(prompts[0]) + budgets[0] <= running.caches[0].keys.shape[2]
     _steps(running, 3)
-    retraces = running.graph_retraces
+    retraces = running.counters.graph_retraces
     _steps(running, 150)
-    assert running.width == 1 and running.graph_retraces == retraces
+    assert running.width == 1 and running.counters.graph_retraces == retraces
     streams += [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[3:], budgets[3:]), 3)]
     running.step()
-    assert running.width == 3 and running.widenings == 1
+    assert running.width == 3 and running.counters.widenings == 1
     _drain(running)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
@@ -392,7 +392,7 @@ def test_sampled_row_depends_only_on_its_seed_not_on_when_it_joined(model, lanes
     alone = lane_mod.RunningLane(solo_lane(model), settings=settings)
     ref = alone.add(_req("x", prompts[5], 40, sampler=hot, seed=77))
     _drain(alone)
-    assert alone.draft_draw == draw and (alone.device_drafts > 0) == (draw == "device")
+    assert alone.draft_draw == draw and (alone.stats().device_drafts > 0) == (draw == "device")
     assert ref.tokens == generate_mtpk(model, prompts[5], 40, hot, seed=77, draft_draw=draw).tokens
     running = lane_mod.RunningLane([lanes[3], lanes[8]], settings=settings)
     for i, p in enumerate(prompts[:5]):
@@ -480,8 +480,8 @@ def test_sampled_cohort_keeps_the_target_joint_distribution(model, lanes, draft,
     n = 800
     running = RunningLane(lanes[8], settings=EngineSettings(draft_draw=draw))
     streams, counts = seeded_outcomes(running, ids, n, 2, cfg, draft)
-    assert running.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 100
-    assert (running.device_drafts > 100) == (draw == "device" and not draft.is_greedy)
+    assert running.counters.peak_rows == 8 and sum(s.accepted_drafts for s in streams) > 100
+    assert (running.stats().device_drafts > 100) == (draw == "device" and not draft.is_greedy)
     p_value, df = chi2_test(counts, joint)
     assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
     # power: under "accept every draft", t2 ~ the draft distribution given t1
@@ -534,14 +534,14 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
     running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), keep_log=True,
                           settings=EngineSettings(draft_draw="host"))
     streams, counts = seeded_outcomes(running, ids, 400, 3, cfg, draft)
-    assert running.device_drafts == 0
+    assert running.stats().device_drafts == 0
     running.proposer.draft_draw = "device"           # the same lane, its drafts now drawn on the device
     more, more_counts = seeded_outcomes(running, ids, 400, 3, cfg, draft, first_seed=400)
     streams += more
     counts = {k: counts.get(k, 0) + more_counts.get(k, 0) for k in set(counts) | set(more_counts)}
     chained = [j for *_, j in running.draft_log]
     assert chained.count(1) > 100 and sum(s.rejected_drafts for s in streams) > 100
-    assert running.device_drafts > 100
+    assert running.stats().device_drafts > 100
     p_value, df = chi2_test(counts, joint)
     assert df >= 8 and p_value > ALPHA, (p_value, df, counts)
 
@@ -607,7 +607,7 @@ def test_ladder_of_mixed_depths_widens_and_narrows_exactly(model, lanes):
         running.step()
     assert _head_history_is_the_rows_own(model, running)
     _drain(running)
-    assert set(running.width_cycles) == {1, 3, 8} and running.narrowings >= 1
+    assert set(running.counters.width_cycles) == {1, 3, 8} and running.counters.narrowings >= 1
     assert any(owed_at_change), "no depth change happened while a row owed history: the test lost its power"
     assert not any(owed_after_change)
     for i, (p, n) in enumerate(zip(prompts, budgets)):
@@ -752,7 +752,7 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
     _drain(running)
     seeded = {str(s) for s in range(600)}
     second = [j for rid, *_, j in running.draft_log if rid in seeded and j == 1]
-    assert running.peak_rows == 8 and len(second) > 100 and len(late) == 3
+    assert running.counters.peak_rows == 8 and len(second) > 100 and len(late) == 3
     assert sum(s.rejected_drafts for s in streams) > 100 and {s.mtp_depth for s in streams} == {2}
     judged_seeded = [rid for rid in on_device if rid in seeded]
     drafting_cycles = sum(s.accepted_drafts + s.rejected_drafts for s in streams)   # >= one judged draft a cycle
@@ -849,7 +849,7 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
         for acceptance, kept in (("low", 0), ("high", 10 ** 6)):
             running = lane_mod.RunningLane(ladder, sampled_ladder=[solo_lane(model, 2), deep[2]],
                                            depth_ladders=ladders)
-            running.greedy_first_drafts, running.greedy_first_kept = 10 ** 6, kept
+            running.counters.greedy_first_drafts, running.counters.greedy_first_kept = 10 ** 6, kept
             streams = [running.add(_req(f"{acceptance}{i}", prompts[i], 40)) for i in range(2)]
             seen = set()
             while running.has_work:
@@ -865,7 +865,7 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
         _drain(alone)
         running = lane_mod.RunningLane(ladder, sampled_ladder=[solo_lane(model, 2), deep[2]],
                                        depth_ladders=ladders)
-        running.greedy_first_drafts = running.greedy_first_kept = 10 ** 6
+        running.counters.greedy_first_drafts = running.counters.greedy_first_kept = 10 ** 6
         sampled = [running.add(_req(f"s{i}", prompts[2], 40, sampler=hot, seed=5)) for i in range(2)]
         greedy_stream = running.add(_req("g", prompts[0], 90))
         beside, after = set(), []      # depths of steps the sampled rows were live at; then at width 3
@@ -880,7 +880,7 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
         # an adaptive sampled row that stopped drafting and probes does not pull the lane to 2
         running = lane_mod.RunningLane(ladder, sampled_ladder=[solo_lane(model, 2), deep[2]],
                                        depth_ladders=ladders)
-        running.greedy_first_drafts = running.greedy_first_kept = 10 ** 6
+        running.counters.greedy_first_drafts = running.counters.greedy_first_kept = 10 ** 6
         running.add(_req("g2", prompts[0], 8))
         running.add(_req("p", prompts[2], 8, sampler=hot, seed=5, adaptive=True))
         (probing,) = [r for r in running.waiting if not r.greedy]

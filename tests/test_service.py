@@ -429,7 +429,7 @@ def test_a_lane_error_fails_nobody(make_service, prompts):
 
     class FlakyLane(RunningLane):
         def decode(self):
-            if not broken and self.cycles == 2:
+            if not broken and self.counters.cycles == 2:
                 broken.append(self.live_rows)
                 raise RuntimeError("device lost")
             return super().decode()
@@ -750,7 +750,7 @@ def test_greedy_depths_by_cost_keep_being_chosen_as_the_lane_runs(model, make_se
     assert made and all(running.depth_by_cost for running in made)
     running = made[-1]
     assert set(running._lanes_at[3]) == {1, 2, 3}
-    assert running.greedy_first_drafts > 0 and 0.0 < running.greedy_acceptance() <= 1.0
+    assert running.counters.greedy_first_drafts > 0 and 0.0 < running.greedy_acceptance() <= 1.0
 
 
 @pytest.mark.parametrize("depths", [{3: 4}, {0: 2}, {3: True}, {64: 1}])

@@ -113,9 +113,9 @@ def test_greedy_constrained_mtp_equals_ar_and_the_oracle(model, deep_lane, llg_t
     reqs.append(_req(11, tok.encode("while"), 40, sampler=SamplerConfig(temperature=0.8, top_k=20), seed=3))
     reqs.append(_req(12, tok.encode("import sys"), 40, sampler=SamplerConfig(temperature=1.0, top_p=0.9), seed=4))
     mtp, running = _run(deep_lane, reqs, stagger=2)
-    assert running.accepted > 20 and max(s.mtp_depth for s in mtp) == 3
+    assert running.counters.accepted > 20 and max(s.mtp_depth for s in mtp) == 3
     overlapped, running = _run(deep_lane, reqs, stagger=2, settings=EngineSettings(overlap=True))
-    assert running.overlapped_cycles > 0
+    assert running.counters.overlapped_cycles > 0
     assert [s.tokens for s in overlapped] == [s.tokens for s in mtp]
     ar, _ = _run(deep_lane, [_req(r.request_id, r.prompt_ids, r.max_tokens, r.constraint, stop_token_ids=eos,
                                   speculative=False) for r in reqs[:len(constraints)]])
@@ -193,7 +193,7 @@ def test_sampled_constrained_rows_keep_the_restricted_joint(model, llg_tokenizer
     while running.has_work:
         running.step()
     counts = Counter(tuple(st.tokens) for st in streams)
-    assert running.peak_rows == 8 and sum(st.accepted_drafts for st in streams) > 100
+    assert running.counters.peak_rows == 8 and sum(st.accepted_drafts for st in streams) > 100
     assert max(st.mtp_depth for st in streams) == 2
     p_value, df = chi2_test(counts, joint)
     assert df >= 3 and p_value > ALPHA, (p_value, df, counts)
@@ -267,7 +267,7 @@ def test_min_tokens_holds_the_stop_tokens_back(model, deep_lane, llg_tokenizer):
     neighbours = [_req("g", tok.encode("class A:\n"), 30),
                   _req("s", tok.encode("while"), 30, sampler=SamplerConfig(temperature=0.8, top_k=20), seed=3)]
     mtp, running = _run(deep_lane, held + neighbours, stagger=2)
-    assert running.accepted > 10
+    assert running.counters.accepted > 10
     ar, _ = _run(deep_lane, [_req(r.request_id, r.prompt_ids, 40, r.constraint, stop_token_ids=r.stop_token_ids,
                                   speculative=False) for r in held])
     for i, (ids, st, m) in enumerate(zip(prompts, stops, minimum)):

@@ -201,7 +201,7 @@ class LaneAdmission:
                 if len(together) > 1:
                     spent += sum(a.left for a in together)
                     prefill_together(self.model, together)
-                    self.batched_prefills += 1
+                    self.counters.batched_prefills += 1
                 else:
                     spent += self.admitting[0].advance()
             while self.admitting and self.admitting[0].out is not None and None in self.rows:
@@ -239,7 +239,7 @@ class LaneAdmission:
                 self.waiting.remove(row)
             else:
                 self.admitting.remove(next(a for a in self.admitting if a.row is row))
-            self.shared_prefills += 1
+            self.counters.shared_prefills += 1
             self._place(adm.shared_with(row))
 
     def _place(self, adm: Admission) -> None:
@@ -259,9 +259,9 @@ class LaneAdmission:
         r = row.result
         self.rows[b] = row
         if row.req.resume is None:        # a resumed row's placement stats go on from its first lane
-            r.admitted_at_cycle, r.fixed_width, r.route_id = self.cycles, self.width, self.lane.route_id
+            r.admitted_at_cycle, r.fixed_width, r.route_id = self.counters.cycles, self.width, self.lane.route_id
             r.real_width = self.live_rows
-        self.admitted += 1
+        self.counters.admitted += 1
         if not mx.isfinite(hidden).all().item():
             raise RowFailure(row.req.request_id, "its hidden state went non-finite (NaN or inf) in its prefill")
         if row.req.resume is not None:     # resumed: its last token, emitted before, is fed next (if not fed)

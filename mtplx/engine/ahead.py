@@ -75,7 +75,7 @@ class LaneAhead:
         self.history.record(H, drafts)
         step.device_keep = keep
         x0 = mx.take_along_axis(ids, kept[:, None], axis=1)[:, 0]
-        self.ahead_cycles += 1
+        self.counters.ahead_cycles += 1
         return self._launch_cycle((Step(step.active.copy(), step.active.copy(), True, x0, ahead=True), kept))
 
     def _settle(self, step: Step) -> None:

@@ -27,15 +27,16 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_dr
     t_decode = time.perf_counter()
     max_cycles = max(r.max_tokens for r in requests) + 2
     while running.has_work:
-        if running.cycles >= max_cycles:
+        if running.counters.cycles >= max_cycles:
             raise RuntimeError(f"cohort exceeded its safety cap of {max_cycles} cycles")
         running.step()
     t_end = time.perf_counter()
+    stats = running.stats()
     result = A3BMTPBatchResult(
-        streams=streams, cycles=running.cycles, accepted_drafts=running.accepted,
-        rejected_drafts=running.rejected, route_id=lane.route_id, width_histogram={lane.width: running.cycles},
+        streams=streams, cycles=stats.cycles, accepted_drafts=stats.accepted,
+        rejected_drafts=stats.rejected, route_id=lane.route_id, width_histogram={lane.width: stats.cycles},
         real_width=len(requests), fixed_width=lane.width, prefill_s=t_decode - t_prefill,
-        decode_s=t_end - t_decode, host_s=running.host_s)
+        decode_s=t_end - t_decode, host_s=stats.host_s)
     if _keep_log:
         result.keep_log = running.keep_log
     return result

@@ -72,9 +72,7 @@ class CycleForwards:
     def __init__(self, lane, caches, mtp_caches, counters=None):
         self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
         self.compiled, self.span_bucket = lane.compiled, lane.span_bucket
-        # gets `graph_retraces` += 1 per retrace of a lane graph: the running lane, weakly (it holds
-        # this object; a cycle would keep an ended lane's KV buffers until a cyclic collection)
-        self.counters = counters
+        self.counters = counters        # the running lane's LaneCounters: graph_retraces += 1 per retrace
         if self.compiled and "fns" not in lane._graphs:
             model = lane.model
             kinds = [type(c) for c in caches]

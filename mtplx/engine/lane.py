@@ -14,7 +14,6 @@ hidden states), in an order that exactness depends on; read top to bottom, a cyc
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from dataclasses import replace
 from functools import partial
@@ -28,7 +27,8 @@ from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import DEPTH, DEPTHS, InstalledA3BMTPBatchLane, solo_lane, sorted_ladder
+from mtplx.engine.lane_stats import LaneCounters, LaneStats
+from mtplx.engine.installed import DEPTH, InstalledA3BMTPBatchLane, solo_lane, sorted_ladder
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, CostSteps, StepCostMeter, StepChooser, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
@@ -83,7 +83,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             self.ladder, greedy_ladder, sampled_ladder, depth_ladders or ())
         # greedy rows' depth chosen by cost as the lane runs, at their acceptance here (`lane_depth`)
         self.depth_by_cost = depth_ladders is not None
-        self.greedy_first_drafts = self.greedy_first_kept = 0     # greedy rows' first drafts, kept
         self.model = self.ladder[0].model
         self.prefill_chunk = self.ladder[0].prefill_chunk
         self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
@@ -106,36 +105,23 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw)
         # each step's kind: by measured cost, or a test's known sequence (`ScriptedSteps`)
         self.step_chooser = step_chooser or CostSteps(partial(draft_acceptance_prior, self.model))
-        self.cycles = self.accepted = self.rejected = 0
-        self.draft_proposals = self.draft_tokens = 0    # rows' drafting cycles, the drafts they chained
-        self.accepted_at = [0] * max(DEPTHS)           # accepted drafts by position in their chain
-        self.row_cycles = self.peak_rows = 0            # live rows: summed over cycles, most in one
-        self.width_cycles: dict = {}
-        self.admitted = self.widenings = self.narrowings = 0
-        self.depth_switches = 0                        # moves between depths at one width
-        self.shared_prefills = 0                       # rows admitted with a sibling's prefill (n > 1)
-        self.batched_prefills = 0                      # forwards that prefilled several rows together
+        # written here, on the thread that steps the lane; other threads read `stats()`
+        self.counters = LaneCounters()
+        self._stats = LaneStats()
         self._batchable: Optional[bool] = None         # whether the model's rows can prefill together
-        self.cycle_s = self.prefill_s = 0.0            # time spent in cycles / in admission prefill
-        self.graph_retraces = 0                        # compiled cycle graphs traced again at new shapes
-        self._host_s = 0.0                             # host work in cycles besides the proposer's
-        self._wait_s = 0.0                             # cycles' waits for the device besides the proposer's
         self._low_demand = 0
         self.keep_log = [] if keep_log else None
         self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
         self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)
-        self.mtp_cycles = self.ar_steps = 0            # of `cycles`, by kind
         self.last_step: Optional[str] = None
         # overlapped cycles: the next MTP cycle, launched at a step's end (step, verify), its
         # launch's host time, or the kind chosen for the next step when it was not launched
         self.overlap = settings.lane_overlap()
         self._launched: Optional[tuple] = None
-        self.overlapped_cycles = 0                     # cycles launched at the step before theirs
         self._launch_s = 0.0
         self._next_kind: Optional[str] = None
         self.run_ahead = settings.run_ahead
         self.device_judging = settings.lane_device_judging()   # sampled chains judged on the device
-        self.ahead_cycles = 0                          # cycles launched before the last one's verify was read
         self._step_costs = StepCostMeter()
 
     # -- what the lane looks like ----------------------------------------------------------------
@@ -151,23 +137,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     @property
     def draft_draw(self) -> str:
         return self.proposer.draft_draw
-
-    @property
-    def device_drafts(self) -> int:
-        return self.proposer.device_drafts
-
-    @property
-    def host_s(self) -> float:
-        """Host work in cycles: sampling, accept tests, drafts drawn on the host, rows' bookkeeping."""
-        return self._host_s + self.proposer.host_s
-
-    @property
-    def device_s(self) -> float:
-        """Time cycles spent in MLX's evaluation: handing graphs to the device (`mx.async_eval`,
-        which on the CPU backend computes most of a forward) and waiting for it (the verify, the
-        head where drafts are drawn on the host); the rest of `cycle_s` not in `host_s` built the
-        graphs in Python and kept the books."""
-        return self._wait_s + self.proposer.wait_s
 
     @property
     def policy(self) -> StepPolicy:
@@ -195,7 +164,24 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """Greedy rows' draft acceptance in this lane: their first drafts' outcomes, after
         ACCEPTANCE_PRIOR_WEIGHT drafts' worth of the head's acceptance on a fixed prompt."""
         n = ACCEPTANCE_PRIOR_WEIGHT
-        return (n * draft_acceptance_prior(self.model) + self.greedy_first_kept) / (n + self.greedy_first_drafts)
+        c = self.counters
+        return (n * draft_acceptance_prior(self.model) + c.greedy_first_kept) / (n + c.greedy_first_drafts)
+
+    def stats(self) -> LaneStats:
+        """The lane's counters and shape as of its last step's end, safe to read from any thread.
+        Device time (`device_s`) is MLX's evaluation: handing graphs over (`mx.async_eval`, which
+        on the CPU backend computes most of a forward) and waiting for them; the rest of `cycle_s`
+        not in `host_s` built the graphs in Python and kept the books."""
+        return self._stats
+
+    def _publish_stats(self) -> None:
+        c, p = self.counters, self.proposer
+        self._stats = LaneStats(
+            **c.copy_fields(), host_s=c.lane_host_s + p.host_s, device_s=c.lane_wait_s + p.wait_s,
+            device_drafts=p.device_drafts, width=self.width, route_id=self.route_id,
+            depth=self.lane.depth if self.lane is not None else None, live_rows=self.live_rows,
+            greedy_rows=self.greedy_rows, prefilling_rows=len(self.admitting), waiting_rows=len(self.waiting),
+            last_step=self.last_step)
 
     def _all_rows(self) -> list:
         return list(self.waiting) + [a.row for a in self.admitting] + [r for r in self.rows if r is not None]
@@ -269,7 +255,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._resize()
         t0 = time.perf_counter()
         self._admit()
-        self.prefill_s += time.perf_counter() - t0
+        self.counters.prefill_s += time.perf_counter() - t0
         if shape is not None and shape != (self.lane, [id(r) for r in self.rows]):
             self._next_kind = None          # chosen for other rows
 
@@ -284,8 +270,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         if self._launched is not None:
             launched, self._launched = self._launched, None
             t1, previous, launch_s = time.perf_counter(), self.last_step, self._launch_s
-            self.mtp_cycles += 1
-            self.overlapped_cycles += 1
+            self.counters.mtp_cycles += 1
+            self.counters.overlapped_cycles += 1
             ahead_s = self._finish_launched(launched, self._ahead_ok())
             # a cycle's time is its launch's and its finish's (the next one's launch counts with it)
             self._observe_step(previous, time.perf_counter() - t1 - ahead_s + launch_s)
@@ -298,7 +284,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             self._next_kind = None
             ahead_s = 0.0
             if kind == "mtp" and self._ahead_ok():
-                self.mtp_cycles += 1
+                self.counters.mtp_cycles += 1
                 ahead_s = self._finish_launched(self._launch_cycle(), True)
             else:
                 self._run_step(kind)
@@ -310,8 +296,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         return self.drain_events()
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
-        self.cycle_s += dt
-        self._step_costs.observe(self.lane, self.last_step, previous, dt, self.cycles)
+        self.counters.cycle_s += dt
+        self._step_costs.observe(self.lane, self.last_step, previous, dt, self.counters.cycles)
 
     def _boundary_idle(self) -> bool:
         """Whether the next boundary would change nothing: rows live, none waiting, prefilling,
@@ -350,6 +336,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         rows = {id(r): r for r in self._reporting}
         rows.update((id(r), r) for r in self._all_rows())
         self._reporting = []
+        self._publish_stats()
         return [e for e in (row.drain_event() for row in rows.values()) if e is not None]
 
     def _choose_step(self) -> str:
@@ -359,11 +346,11 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     def _run_step(self, kind: str) -> None:
         # an MTP cycle in which no row drafts is an AR step (and the head's history is owed)
         if kind == "mtp" and any(r is not None and r.wants_draft() for r in self.rows):
-            self.mtp_cycles += 1
+            self.counters.mtp_cycles += 1
             self._cycle()
         else:
             kind = "ar"             # its time is an AR step's
-            self.ar_steps += 1
+            self.counters.ar_steps += 1
             self._ar_step()
         self.last_step = kind
 
@@ -398,16 +385,16 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
 
     def _forwards(self) -> CycleForwards:
         if self.forwards is None:
-            self.forwards = CycleForwards(self.lane, self.caches, self.mtp_caches, weakref.proxy(self))
+            self.forwards = CycleForwards(self.lane, self.caches, self.mtp_caches, self.counters)
         return self.forwards
 
     def _count_step(self) -> None:
         """Count a step for the lane and its live rows."""
-        W, n_live = self.width, self.live_rows
-        self.cycles += 1
-        self.row_cycles += n_live
-        self.peak_rows = max(self.peak_rows, n_live)
-        self.width_cycles[W] = self.width_cycles.get(W, 0) + 1
+        W, n_live, c = self.width, self.live_rows, self.counters
+        c.cycles += 1
+        c.row_cycles += n_live
+        c.peak_rows = max(c.peak_rows, n_live)
+        c.width_cycles[W] = c.width_cycles.get(W, 0) + 1
         for row in self.rows:
             if row is not None:
                 r = row.result
@@ -436,7 +423,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         for b in draw:
             with row_work(rows[b]) as row:
                 x0_host[b] = sample(row.dist(self.logits_host[b], allowed=row.allowed()), row.rng)
-        self._host_s += time.perf_counter() - t_host
+        self.counters.lane_host_s += time.perf_counter() - t_host
         return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
 
     def _speculate_primaries(self, step: Step) -> None:
@@ -469,14 +456,14 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         read = [tokens, mx.argmax(L, axis=-1), finite, *(step.verdicts.lazy if step.verdicts else ())]
         t_device = time.perf_counter()
         mx.async_eval(read)          # on MLX's CPU backend this computes most of the graph
-        self._wait_s += time.perf_counter() - t_device
+        self.counters.lane_wait_s += time.perf_counter() - t_device
         return tokens, H, L, read
 
     def _read_verify(self, step: Step, tokens: mx.array, H: mx.array, L: mx.array, read: list) -> tuple:
         """The step's one wait for the device, and what the host reads of the verify."""
         t_wait = time.perf_counter()
         mx.eval(read)
-        self._wait_s += time.perf_counter() - t_wait
+        self.counters.lane_wait_s += time.perf_counter() - t_wait
         host = np.array(tokens)
         check_finite(np.array(read[2]), self.rows, step.active)
         step.targets = Targets(self.model.vocab_size, np.array(read[1]), L, allowed=step.allowed,
@@ -543,7 +530,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                 if step.has_pending[b] or not self._emit_primary(b, row, int(step.x0_host[b])):
                     self._keep_target(step, b, row)
         self._end_decisions(step)
-        self._host_s += time.perf_counter() - t_host
+        self.counters.lane_host_s += time.perf_counter() - t_host
         commit_rows(self.caches, 1, step.keep)
         self.h_last, self.logits_last = H, L[:, 0]
         self.logits_host = None if step.targets.logits is None else step.targets.logits[:, 0]
@@ -602,7 +589,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                 self._decide(step, b, row)
         self._end_decisions(step)
         self.policy.observe(step.drafted, step.accepted)
-        self._host_s += time.perf_counter() - t_host
+        self.counters.lane_host_s += time.perf_counter() - t_host
         if step.device_keep is not None:      # the next cycle, launched ahead, committed this one
             self._settle(step)
             return
@@ -641,23 +628,23 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """The acceptor's verdict on row b's j-th draft, counted for the lane, the row and its
         drafting policy."""
         kept, token = step.targets.judge(row, b, j, draft, step.proposal.q_of(b, j))
-        r = row.result
+        r, c = row.result, self.counters
         if j == 0:
             row.drafted(kept)           # its policy reads its first draft's outcome
             if row.greedy:
-                self.greedy_first_drafts += 1
-                self.greedy_first_kept += int(kept)
+                c.greedy_first_drafts += 1
+                c.greedy_first_kept += int(kept)
             r.mtp_depth = max(r.mtp_depth, int(step.row_depth[b]))
-            self.draft_proposals += 1
-            self.draft_tokens += int(step.row_depth[b])
+            c.draft_proposals += 1
+            c.draft_tokens += int(step.row_depth[b])
         if self.draft_log is not None:
             self.draft_log.append((row.req.request_id, len(r.tokens), draft, j))
         if kept:
-            self.accepted += 1
-            self.accepted_at[j] += 1
+            c.accepted += 1
+            c.accepted_at[j] += 1
             r.accepted_drafts += 1
         else:
-            self.rejected += 1
+            c.rejected += 1
             r.rejected_drafts += 1
         return kept, token
 
@@ -685,8 +672,9 @@ def draft_acceptance_prior(model) -> float:
                                        max_tokens=PRIOR_TOKENS))
         while running.has_work:
             running.step()
-        drafts = running.accepted + running.rejected
-        prior = model._draft_acceptance_prior = running.accepted / drafts if drafts else ROW_ACCEPT_PRIOR
+        c = running.counters
+        drafts = c.accepted + c.rejected
+        prior = model._draft_acceptance_prior = c.accepted / drafts if drafts else ROW_ACCEPT_PRIOR
     return prior
 
 

@@ -60,7 +60,7 @@ class ScriptedSteps:
         self.plan = plan
 
     def __call__(self, running) -> str:
-        return self.plan(running.cycles)
+        return self.plan(running.counters.cycles)
 
 
 class StepPolicy:

@@ -88,18 +88,18 @@ class LaneShape:
         if self.lane is None:
             self._reshape(fit, [])
         elif fit.width > self.width:
-            self.widenings += 1
+            self.counters.widenings += 1
             self._low_demand = 0
             self._reshape(fit, list(range(self.width)))
         elif narrower and self._narrow_due():
-            self.narrowings += 1
+            self.counters.narrowings += 1
             self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
         else:
             if not narrower:
                 self._low_demand = 0
             here = fit if fit.width == self.width else self._lane_at(self.width)
             if here is not self.lane:         # same width, another depth
-                self.depth_switches += 1
+                self.counters.depth_switches += 1
                 self._reshape(here, list(range(self.width)))
 
     def _narrow_due(self) -> bool:

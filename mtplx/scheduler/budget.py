@@ -28,7 +28,7 @@ def row_state_bytes(model) -> tuple:
 
 def row_need(job) -> int:
     """KV positions one row may hold: prompt, budget, and a verify's positions at most."""
-    from mtplx.engine.lane import DEPTHS
+    from mtplx.engine.installed import DEPTHS
 
     return len(job.prompt_ids) + job.max_tokens + 1 + max(DEPTHS)
 

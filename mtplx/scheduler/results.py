@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mtplx.engine.lane_stats import LaneStats
 from mtplx.sampling import SamplerConfig
 
 MTP_DEPTH = 1                          # drafts a lane chains where no other depth is given or chosen
@@ -142,8 +143,8 @@ def new_service_stats(max_depth: int) -> dict:
     }
 
 
-# A running lane's counters, by the service stat they add up to (drained lanes are folded into the
-# stats once; a snapshot adds the live lanes' current values).
+# A running lane's counters (`LaneStats`), by the service stat they add up to (drained lanes are
+# folded into the stats once; a snapshot adds the live lanes' last published stats).
 LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycles",
                  "accepted": "accepted_draft_tokens", "rejected": "rejected_draft_tokens",
                  "admitted": "admissions", "shared_prefills": "shared_prefills", "batched_prefills": "batched_prefills", "widenings": "widenings",
@@ -154,12 +155,12 @@ LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycle
                  "draft_proposals": "draft_proposals", "draft_tokens": "draft_tokens"}
 
 
-def add_lane_counters(stats: dict, running) -> None:
-    for attr, key in LANE_COUNTERS.items():
-        stats[key] += getattr(running, attr)
-    stats["accepted_by_position"] = [a + b for a, b in zip(stats["accepted_by_position"], running.accepted_at)]
+def add_lane_counters(stats: dict, lane: LaneStats) -> None:
+    for name, key in LANE_COUNTERS.items():
+        stats[key] += getattr(lane, name)
+    stats["accepted_by_position"] = [a + b for a, b in zip(stats["accepted_by_position"], lane.accepted_at)]
     hist = stats["fixed_width_histogram"]
-    for w, c in dict(running.width_cycles).items():
+    for w, c in lane.width_cycles.items():
         hist[str(w)] = hist.get(str(w), 0) + c
 
 
@@ -199,29 +200,28 @@ def lane_route(live_rows: int, greedy_rows: int) -> str:
 
 
 def lane_snapshot(key, serial: int, running) -> dict:
-    """One running lane as the snapshot shows it."""
-    installed = running.lane
-    return {"key": lane_label(key), "width": running.width, "route_id": running.route_id,
+    """One running lane as the snapshot shows it: its stats as of its last step's end."""
+    st = running.stats()
+    return {"key": lane_label(key), "width": st.width, "route_id": st.route_id,
             # rows of any sampling settings share the lane: its route is what its live rows are
-            "route": lane_route(running.live_rows, running.greedy_rows),
-            "depth": installed.depth if installed is not None else None,
-            "greedy_rows": running.greedy_rows, "depth_switches": running.depth_switches,
+            "route": lane_route(st.live_rows, st.greedy_rows),
+            "depth": st.depth, "greedy_rows": st.greedy_rows, "depth_switches": st.depth_switches,
             # greedy rows' depth chosen as it runs (`lane_depth`), at their acceptance in this lane
             # (their first drafts kept, as counted here: no model call off the owner thread)
             "depth_by_cost": running.depth_by_cost,
-            "greedy_first_drafts_kept": round(running.greedy_first_kept / running.greedy_first_drafts, 4)
-            if running.greedy_first_drafts else None,
-            "live_rows": running.live_rows, "prefilling_rows": len(running.admitting),
-            "waiting_rows": len(running.waiting), "cycles": running.cycles,
-            "mean_occupancy": round(running.row_cycles / max(running.cycles, 1), 3),
+            "greedy_first_drafts_kept": round(st.greedy_first_kept / st.greedy_first_drafts, 4)
+            if st.greedy_first_drafts else None,
+            "live_rows": st.live_rows, "prefilling_rows": st.prefilling_rows,
+            "waiting_rows": st.waiting_rows, "cycles": st.cycles,
+            "mean_occupancy": round(st.row_cycles / max(st.cycles, 1), 3),
             # the lane's own counters since it started (periodic summaries and metrics diff them)
-            "serial": serial, "admitted": running.admitted, "row_cycles": running.row_cycles,
-            "accepted": running.accepted, "rejected": running.rejected,
+            "serial": serial, "admitted": st.admitted, "row_cycles": st.row_cycles,
+            "accepted": st.accepted, "rejected": st.rejected,
             # its step choice: the kind of its last step, counts by kind, the cost model at its
             # width and its acceptance estimate (StepPolicy)
-            "step": running.last_step, "mtp_cycles": running.mtp_cycles, "ar_steps": running.ar_steps,
-            "ahead_cycles": running.ahead_cycles,
-            "step_policy": running.policy.snapshot(installed.step_costs if installed is not None else {})}
+            "step": st.last_step, "mtp_cycles": st.mtp_cycles, "ar_steps": st.ar_steps,
+            "ahead_cycles": st.ahead_cycles,
+            "step_policy": running.policy.snapshot(running.lane.step_costs if running.lane is not None else {})}
 
 
 def lanes_by_route(lanes: list) -> dict:

@@ -523,7 +523,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             self._stats["lanes_rebuilt"] += 1
             if self._running.get(lane.key) is lane:
                 del self._running[lane.key]
-            add_lane_counters(self._stats, lane.running)
+            add_lane_counters(self._stats, lane.running.stats())
         for job, error in fate.failed:
             job._fail(error)
         for job, req, alone in fate.rejoin:
@@ -546,14 +546,14 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     def _drain(self, lane: _KeyLane) -> None:
         """The key's lane has no rows left: drop it (its buffers go with it) and finalize."""
-        r = lane.running
+        st = lane.running.stats()
         with self._cond:
             if self._running.get(lane.key) is lane:
                 del self._running[lane.key]
-            add_lane_counters(self._stats, r)
-            if r.cycles:    # the last lane that ended
+            add_lane_counters(self._stats, st)
+            if st.cycles:    # the last lane that ended
                 s = self._stats
-                s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = r.width, r.route_id, r.peak_rows
+                s["last_fixed_width"], s["last_route_id"], s["last_real_width"] = st.width, st.route_id, st.peak_rows
         self._suspects.difference_update(lane.jobs)
         for job in lane.jobs:   # nothing admitted may hang, whatever happened
             if not job.future.done():
@@ -687,7 +687,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             s = dict(self._stats, fixed_width_histogram=dict(self._stats["fixed_width_histogram"]),
                      accepted_by_position=list(self._stats["accepted_by_position"]))
             for lane in self._running.values():
-                add_lane_counters(s, lane.running)
+                add_lane_counters(s, lane.running.stats())
             lanes = [lane_snapshot(k, ln.serial, ln.running) for k, ln in self._running.items()]
             row_bytes = self.kv_budget.row_bytes
             return {
