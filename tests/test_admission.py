@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtplx.engine.admission import Admission, batchable
+from mtplx.engine.admission import RowPrefill, batchable
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.lane import RunningLane
 from mtplx.engine.settings import EngineSettings
@@ -29,7 +29,7 @@ def _req(i, ids, n, **kw):
 
 def _alone(model, ids, **kw):
     """Row `ids`' own prefill: (logits, hidden, target KV of layer 0, head history of its layer 0)."""
-    adm = Admission(model, LaneRow(_req("alone", ids, 1, **kw), model.vocab_size), 256)
+    adm = RowPrefill(model, LaneRow(_req("alone", ids, 1, **kw), model.vocab_size), 256)
     while adm.out is None:
         adm.advance()
     return adm
@@ -72,7 +72,7 @@ def test_a_long_prompt_and_a_banked_prefix_in_the_line(model, lane8):
     base = model.tokenizer.encode("import os\n" * 120)[:300]
     assert len(base) == 300
     banked = {}
-    adm = Admission(model, LaneRow(_req("bank", base, 1, session_commit=lambda s: banked.setdefault(len(s.key), s)),
+    adm = RowPrefill(model, LaneRow(_req("bank", base, 1, session_commit=lambda s: banked.setdefault(len(s.key), s)),
                                    model.vocab_size), 256)
     while adm.out is None:
         adm.advance()

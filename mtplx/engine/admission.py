@@ -16,7 +16,7 @@ from mtplx.models.cache import RaggedKVCache, commit_rows, empty_batch_layer
 from mtplx.sampling import sample, to_host
 
 
-class Admission:
+class RowPrefill:
     """A row on its way into the lane: its own prefill, one chunk at a time. The prefill starts
     (and the row's prefix restore is looked up) at `begin`, so a row queued behind another with
     the same prompt prefix reuses what that one banked."""
@@ -27,7 +27,7 @@ class Admission:
         self.chunks_run = 0
         self.out = None        # (logits [V], hidden [1, 1, H]) once the prefill has ended
 
-    def begin(self) -> "Admission":
+    def begin(self) -> "RowPrefill":
         """Start the prefill: the prefix restore, the caches, the chunks to run."""
         if self.steps is None:
             req = self.row.req
@@ -66,7 +66,7 @@ class Admission:
         self.fed += n
         return n
 
-    def shared_with(self, row: LaneRow) -> "Admission":
+    def shared_with(self, row: LaneRow) -> "RowPrefill":
         """A finished admission for `row`, a sibling with the same prompt: this prefill's state,
         as its own would be (the lane copies a row's caches into its slot, so both may read them)."""
         row.prefill_started_s = time.perf_counter()
@@ -74,7 +74,7 @@ class Admission:
             row.req.on_admit()
         except Exception:
             pass
-        sib = Admission(self.model, row, self.chunk)
+        sib = RowPrefill(self.model, row, self.chunk)
         sib.cache, sib.mtp_cache, sib.out = self.cache, self.mtp_cache, self.out
         row.result.cached_tokens, row.result.shared_prefill = self.row.result.cached_tokens, True
         return sib
@@ -129,7 +129,7 @@ def prefill_together(model, admissions: list) -> None:
         _bank(a, prompt)
 
 
-def _bank(a: Admission, prompt: list) -> None:
+def _bank(a: RowPrefill, prompt: list) -> None:
     """The whole prompt's state into the row's prefix bank, as its own prefill would commit it."""
     from mtplx.engine.prefix_cache import snapshot_whole
 
@@ -174,7 +174,7 @@ class LaneAdmission:
     prefill budget, and finished ones merged into free slots (its rows, caches and counters are
     the lane's own)."""
 
-    def _ensure_state(self, adm: Admission) -> None:
+    def _ensure_state(self, adm: RowPrefill) -> None:
         """Empty lane state at the current width, shaped like this first row's."""
         if self.caches is not None:
             return
@@ -192,7 +192,7 @@ class LaneAdmission:
         chunk prefill together, in one forward (`prefill_together`)."""
         free = self.width - self.live_rows
         while self.waiting and len(self.admitting) < free:
-            self.admitting.append(Admission(self.model, self.waiting.popleft(), self.prefill_chunk))
+            self.admitting.append(RowPrefill(self.model, self.waiting.popleft(), self.prefill_chunk))
         budget = self.prefill_budget
         spent = 0
         while self.admitting and (budget is None or spent < budget):
@@ -228,7 +228,7 @@ class LaneAdmission:
             tokens += adm.left
         return group
 
-    def _place_siblings(self, adm: Admission) -> None:
+    def _place_siblings(self, adm: RowPrefill) -> None:
         """Rows of adm's prefill group that have not started their own prefill take its prefill
         instead, as far as free slots go (the rest prefill on their own when a slot frees)."""
         queued = [a.row for a in self.admitting if a.steps is None] + list(self.waiting)
@@ -242,7 +242,7 @@ class LaneAdmission:
             self.counters.shared_prefills += 1
             self._place(adm.shared_with(row))
 
-    def _place(self, adm: Admission) -> None:
+    def _place(self, adm: RowPrefill) -> None:
         self._ensure_state(adm)
         b = self.rows.index(None)
         for layer, per_row in zip(self.caches, adm.cache):

@@ -91,7 +91,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.lane: Optional[InstalledA3BMTPBatchLane] = None
         self.rows: list = []                           # slot -> LaneRow or None (free)
         self.waiting: deque = deque()                  # rows not yet prefilling
-        self.admitting: deque = deque()                # Admission, FIFO
+        self.admitting: deque = deque()                # RowPrefill, FIFO
         self._removed: set = set()                     # request ids to drop at the next boundary
         self._reporting: list = []                     # rows whose news the next drain_events returns
         self.caches = self.mtp_caches = None
