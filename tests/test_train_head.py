@@ -182,6 +182,12 @@ def test_a_shipped_head_installs_beside_a_checkpoint_once(plain, trained, tmp_pa
     assert (out / "GEMMA_TERMS.html").is_file() and not (out / "model.safetensors").exists()
     half = mx.load(str(out / HEAD_FILE))
     assert half["mtp.fc.weight"].dtype == mx.float16 and half["draft_ids"].dtype == mx.int32
+    # retrained beside a checkpoint whose NOTICE names the head it had: the same asset, float16
+    (trained / "NOTICE").write_text("Gemma notice. Beside this file: GEMMA_TERMS.html.\n"
+                                    "mtp_head.safetensors: a head trained here.\n")
+    again = draft_head.write_asset(trained, "tiny-mtp", "mtp_head.safetensors: a head trained here.", tmp_path / "again")
+    assert (again / "NOTICE").read_text() == (out / "NOTICE").read_text()
+    assert mx.load(str(again / HEAD_FILE))["mtp.fc.weight"].dtype == mx.float16
     entry = json.loads((out / draft_head.ASSET_ENTRY).read_text())
     monkeypatch.setattr(draft_head, "ASSETS", assets)
     d = tmp_path / "installed"

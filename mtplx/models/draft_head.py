@@ -203,9 +203,11 @@ def write_asset(model_dir, asset: str, notice_line: str, assets: Optional[Path] 
     mx.save_safetensors(str(out / HEAD_FILE), half, metadata={"format": "mlx"})
     (out / ASSET_ENTRY).write_text(json.dumps(dict(entry, file=HEAD_FILE, stored_dtype="float16"), indent=2) + "\n")
     notice = (model_dir / "NOTICE").read_text().rstrip("\n") if (model_dir / "NOTICE").is_file() else ""
-    (out / "NOTICE").write_text((notice + "\n" if notice else "") + notice_line.strip() + "\n")
+    # a checkpoint that had a shipped head installed already names it in its NOTICE
+    lines = [ln for ln in notice.splitlines() if ln.strip() != notice_line.strip()]
+    (out / "NOTICE").write_text("".join(ln + "\n" for ln in lines) + notice_line.strip() + "\n")
     for f in model_dir.iterdir():
-        if f.is_file() and f.name in notice:
+        if f.is_file() and f.name in notice and f.name not in (HEAD_FILE, ASSET_ENTRY, "NOTICE", "config.json"):
             shutil.copyfile(f, out / f.name)
     return out
 
