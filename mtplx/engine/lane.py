@@ -27,8 +27,8 @@ from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.ahead import LaneAhead
 from mtplx.engine.commit import HeadHistory, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.lane_stats import LaneCounters, LaneStats
 from mtplx.engine.installed import DEPTH, InstalledA3BMTPBatchLane, solo_lane, sorted_ladder
+from mtplx.engine.lane_stats import LaneCounters, LaneStats
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, CostSteps, StepCostMeter, StepChooser, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
