@@ -247,6 +247,37 @@ def test_step_costs_move_in_pairs_measured_under_one_load(model):
     assert lane.step_costs["ar"] > 1.0 and lane.step_costs["mtp"] / lane.step_costs["ar"] == pytest.approx(1.3)
 
 
+def test_step_costs_skip_steps_that_ran_a_graph_first(model):
+    """A step that ran a compiled graph for the first time (a new span: its trace and eager check)
+    and the step after it are not steady costs; the next pair is."""
+    from mtplx.engine.policy import StepCostMeter
+
+    lane = install_a3b_mtp_batch_lane(model, 3, selfcheck=False)
+    lane.step_costs.update({"mtp": 1.2, "ar": 1.0})
+    meter = StepCostMeter()
+    meter.observe(lane, "ar", "ar", 1.0, 1, graph_first_runs=0)
+    meter.observe(lane, "mtp", "ar", 1.2, 2, graph_first_runs=0)       # a switch: not counted
+    meter.observe(lane, "mtp", "mtp", 3.0, 3, graph_first_runs=2)      # traced at a new span
+    meter.observe(lane, "mtp", "mtp", 3.0, 4, graph_first_runs=2)      # carried the launch
+    assert lane.step_costs == {"mtp": 1.2, "ar": 1.0}
+    meter.observe(lane, "mtp", "mtp", 1.5, 5, graph_first_runs=2)      # steady; step 1 is too far back to pair
+    meter.observe(lane, "ar", "mtp", 1.0, 6, graph_first_runs=2)
+    meter.observe(lane, "ar", "ar", 1.25, 7, graph_first_runs=2)       # pairs with step 5
+    assert lane.step_costs["mtp"] > 1.2 and lane.step_costs["ar"] > 1.0
+
+
+def test_lanes_of_one_width_share_their_compiled_graphs_across_depths(model):
+    """A lane that switches depth runs its AR step through the graphs it already traced: the
+    ladder installs each width's deeper lanes on the width's own graphs."""
+    from mtplx.scheduler.ladder import LaneLadder
+
+    ladder = LaneLadder(model, greedy_depths="cost")
+    ladder.install([3])
+    lanes = [ladder._installed(3, d) for d in (1, 2, 3)]
+    assert all(ln is not None for ln in lanes) and len({ln.depth for ln in lanes}) == 3
+    assert all(ln._graphs is lanes[0]._graphs for ln in lanes)
+
+
 def test_an_unmeasured_cost_is_seeded_from_a_steady_step_not_the_first(model):
     """A lane's first step of a kind may trace its graphs (seconds on a large model): an
     unmeasured cost starts from the second."""

@@ -31,16 +31,13 @@ class LaneAhead:
         self._launched = self._launch_cycle()
         self._launch_s = time.perf_counter() - t0
 
-    def _finish_launched(self, launched: tuple, ahead: bool) -> float:
+    def _finish_launched(self, launched: tuple, ahead: bool) -> None:
         """Finish a launched MTP cycle, first launching the next from it when it runs `ahead`
-        (`_ahead_ok`). Returns the time the next cycle's launch took."""
-        t0 = time.perf_counter()
+        (`_ahead_ok`)."""
         if ahead:
             self._launched = self._launch_ahead(launched)
-        ahead_s = time.perf_counter() - t0
         self._finish_cycle(launched)
         self.last_step = "mtp"
-        return ahead_s
 
     def _ahead_ok(self) -> bool:
         """Whether the next MTP cycle may launch before the host reads this one's verify: with

@@ -72,7 +72,7 @@ class CycleForwards:
     def __init__(self, lane, caches, mtp_caches, counters=None):
         self.model, self.caches, self.mtp_caches = lane.model, caches, mtp_caches
         self.compiled, self.span_bucket = lane.compiled, lane.span_bucket
-        self.counters = counters        # the running lane's LaneCounters: graph_retraces += 1 per retrace
+        self.counters = counters        # the running lane's LaneCounters: its graphs' traces and first runs
         if self.compiled and "fns" not in lane._graphs:
             model = lane.model
             kinds = [type(c) for c in caches]
@@ -118,6 +118,8 @@ class CycleForwards:
         checked = self._graphs.setdefault("checked", set())        # (graph, span, input shapes) checked
         if (span,) + signature not in checked:
             checked.add((span,) + signature)
+            if self.counters is not None:
+                self.counters.graph_first_runs += 1
             out = self._checked(name, span, out, args, offset, arrays)
         return out, offset + T
 

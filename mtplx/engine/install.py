@@ -33,9 +33,10 @@ class LaneSelfCheckError(RuntimeError):
 
 def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughput",
                                selfcheck: bool = True, compiled: Optional[bool] = None,
-                               depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
+                               depth: int = DEPTH, graphs: Optional[dict] = None) -> InstalledA3BMTPBatchLane:
     """Bind a fixed-width cohort lane to a model, after a numerical self-check at real shapes.
-    `depth`: drafts a cycle chains (1-3; the self-check's injected cycles draft one)."""
+    `depth`: drafts a cycle chains (1-3; the self-check's injected cycles draft one). `graphs`:
+    compiled graphs to share with a lane of this width at another depth (`new_lane`)."""
     if getattr(model, "mtp", None) is None:
         raise ValueError(f"cannot install an MTP batch lane: the model has no MTP head "
                          f"({getattr(model, 'mtp_disabled_reason', 'no mtp.* weights')})")
@@ -45,7 +46,7 @@ def install_a3b_mtp_batch_lane(model, width: int = 8, numerics: str = "throughpu
         raise ValueError(f"numerics={numerics!r} is invalid: choose one of {NUMERICS_PROFILES}")
     if isinstance(depth, bool) or depth not in DEPTHS:
         raise ValueError(f"depth={depth!r} is invalid: a lane chains {' or '.join(map(str, DEPTHS))} drafts")
-    lane = new_lane(model, width, numerics, {"skipped": True}, compiled, depth)
+    lane = new_lane(model, width, numerics, {"skipped": True}, compiled, depth, graphs)
     if selfcheck:
         receipt = run_selfcheck(lane)
         if not receipt["ok"]:

@@ -48,13 +48,17 @@ def _fingerprint(model, numerics: str, route_id: str) -> str:
 
 
 def new_lane(model, width: int, numerics: str, selfcheck: dict, compiled: Optional[bool],
-              depth: int = DEPTH) -> InstalledA3BMTPBatchLane:
+              depth: int = DEPTH, graphs: Optional[dict] = None) -> InstalledA3BMTPBatchLane:
+    """`graphs`: the compiled graphs of another lane of this width and numerics to share (lanes of
+    other depths run the same forwards; a lane that switches depth would otherwise trace its AR
+    step's graph again at every span)."""
     route_id = _route_id(model, width, numerics, depth)
     compiled = True if compiled is None else bool(compiled)      # None: EngineSettings' default
     return InstalledA3BMTPBatchLane(
         model=model, width=width, depth=depth, verify_t=1 + depth, numerics=numerics, route_id=route_id,
         config_fingerprint=_fingerprint(model, numerics, route_id), selfcheck=selfcheck,
-        compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None)
+        compiled=compiled, span_bucket=_span_bucket(model, width) if compiled else None,
+        _graphs={} if graphs is None else graphs)
 
 
 # Compiled attention spans of wide lanes are rounded up to this many positions: one graph per span
@@ -82,7 +86,8 @@ def solo_lane(model, depth: int = DEPTH, compiled: Optional[bool] = None) -> Ins
     compiled = True if compiled is None else bool(compiled)      # None: EngineSettings' default
     lanes = model.__dict__.setdefault("_solo_lanes", {})
     if (depth, compiled) not in lanes:
-        lanes[(depth, compiled)] = new_lane(model, 1, "throughput", {"skipped": "solo lane"}, compiled, depth)
+        shared = solo_lane(model, DEPTH, compiled)._graphs if depth != DEPTH else None
+        lanes[(depth, compiled)] = new_lane(model, 1, "throughput", {"skipped": "solo lane"}, compiled, depth, shared)
     return lanes[(depth, compiled)]
 
 

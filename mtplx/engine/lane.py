@@ -272,24 +272,23 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             t1, previous, launch_s = time.perf_counter(), self.last_step, self._launch_s
             self.counters.mtp_cycles += 1
             self.counters.overlapped_cycles += 1
-            ahead_s = self._finish_launched(launched, self._ahead_ok())
-            # a cycle's time is its launch's and its finish's (the next one's launch counts with it)
-            self._observe_step(previous, time.perf_counter() - t1 - ahead_s + launch_s)
-            self._launch_s = ahead_s
+            self._finish_launched(launched, self._ahead_ok())
+            # a step's time is all it did (the next cycle's launch ahead included: it waits for
+            # this one's verify) and the launch `_launch_next` did between steps
+            self._observe_step(previous, time.perf_counter() - t1 + launch_s)
+            self._launch_s = 0.0
             if self._launched is None and not self._boundary_idle():
                 self._boundary()
         elif self.live_rows:
             t1 = time.perf_counter()
             kind, previous = self._next_kind or self._choose_step(), self.last_step
             self._next_kind = None
-            ahead_s = 0.0
             if kind == "mtp" and self._ahead_ok():
                 self.counters.mtp_cycles += 1
-                ahead_s = self._finish_launched(self._launch_cycle(), True)
+                self._finish_launched(self._launch_cycle(), True)
             else:
                 self._run_step(kind)
-            self._observe_step(previous, time.perf_counter() - t1 - ahead_s)
-            self._launch_s = ahead_s
+            self._observe_step(previous, time.perf_counter() - t1)
         self._mark_rows()           # before a launch: its primaries' draws belong to the next step
         if self.overlap and self._launched is None and self._boundary_idle():
             self._launch_next()
@@ -297,7 +296,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
         self.counters.cycle_s += dt
-        self._step_costs.observe(self.lane, self.last_step, previous, dt, self.counters.cycles)
+        self._step_costs.observe(self.lane, self.last_step, previous, dt, self.counters.cycles,
+                                 self.counters.graph_first_runs)
 
     def _boundary_idle(self) -> bool:
         """Whether the next boundary would change nothing: rows live, none waiting, prefilling,

@@ -42,6 +42,7 @@ class LaneCounters:
     narrowings: int = 0
     depth_switches: int = 0          # moves between depths at one width
     graph_retraces: int = 0          # compiled cycle graphs traced again at new shapes
+    graph_first_runs: int = 0        # compiled graphs run first at a span and shape: traced, checked eagerly
     cycle_s: float = 0.0             # time in cycles
     prefill_s: float = 0.0           # time in admission prefill
     lane_host_s: float = 0.0         # host work in cycles besides the proposer's

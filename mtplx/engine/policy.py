@@ -161,13 +161,23 @@ class StepCostMeter:
     the switch), and in pairs: a counted step of each kind within COST_PAIR_WITHIN steps updates
     both costs at once, so the ratio the StepPolicy compares is measured under one load (kept
     current only while its kind runs, each cost drifts with the machine's load while the other's
-    stays stale). One slow step (a retrace, a pause) moves a cost by at most half its weight."""
+    stays stale). Nor a step that ran a compiled graph for the first time (a new span or shape:
+    its trace and eager check cost about one more step, once), nor the step after it (a launched
+    cycle's time carries into the next step's): counted, they drove a B8 Gemma 3 270M lane's MTP
+    cost from 1.2x its AR step's to 1.47x, clamped step after step, and auto to AR where MTP paid.
+    One slow step (a pause) moves a cost by at most half its weight."""
 
     def __init__(self):
         self._counted: dict = {}    # kind -> (step index, seconds, lane) of its last counted step not yet in a pair
         self._first_seen: set = set()   # (lane, kind) whose first step this meter saw
+        self._first_runs, self._first_run_step = 0, None    # graph first runs seen; the step of the last
 
-    def observe(self, lane, kind: str, previous: Optional[str], dt: float, step_index: int) -> None:
+    def observe(self, lane, kind: str, previous: Optional[str], dt: float, step_index: int,
+                graph_first_runs: int = 0) -> None:
+        if graph_first_runs != self._first_runs:
+            self._first_runs, self._first_run_step = graph_first_runs, step_index
+        if self._first_run_step is not None and step_index - self._first_run_step <= 1:
+            return
         costs = lane.step_costs
         other = "ar" if kind == "mtp" else "mtp"
         if kind not in costs:

@@ -82,7 +82,8 @@ class LaneLadder:
                 if (w, d) in self.deep_lanes:
                     continue
                 lane = (solo_lane(self.model, d, self.compiled) if w == 1 else install_a3b_mtp_batch_lane(
-                    self.model, w, numerics=self.numerics, selfcheck=False, depth=d, compiled=self.compiled))
+                    self.model, w, numerics=self.numerics, selfcheck=False, depth=d, compiled=self.compiled,
+                    graphs=getattr(lanes[w], "_graphs", None)))
                 if not lane.step_costs:
                     measure_step_costs(lane)
                 self.deep_lanes[(w, d)] = lane
