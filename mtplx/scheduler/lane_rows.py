@@ -43,6 +43,14 @@ def resume_from(job):
     return RowResume(job.resume_tokens, (), bool(cp.pending), cp.rng_state, tuple(cp.policy))
 
 
+def remove_cancelled(running, job_of: dict) -> None:
+    """The rows whose callers ended their jobs leave the lane at its next boundary, each with the
+    End its caller's cancel gives it (a stop string's, or a cancellation)."""
+    for row_id, job in job_of.items():
+        if job.cancel_requested():
+            running.remove([row_id], job.requested_end)
+
+
 def deliver_event(job, event) -> None:
     """A lane step's news of one row, into its job: prefill progress, tokens (with their
     log-probability entries), and at its end a cancelled row's failure (the result follows

@@ -67,7 +67,7 @@ from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFi
                                  MTPBatchServiceClosed, failsafe)
 from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
-from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result
+from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result, remove_cancelled
 from mtplx.scheduler.owner import ModelOwnerThread, fail_calls
 from mtplx.scheduler.recovery import recover
 from mtplx.scheduler.results import (MTP_DEPTH, Placement, add_lane_counters, add_runner_counters, build_result,
@@ -475,9 +475,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         running, failure = lane.running, None
         self.in_lane_step = True
         try:
-            for rid, job in lane.job_of.items():
-                if job.cancel_requested():
-                    running.remove([rid], job.requested_end)
+            remove_cancelled(running, lane.job_of)
             for phase in (running.admit, running.decode):
                 failure = self._run_phase(lane, phase)
                 if failure is not None:
