@@ -21,6 +21,8 @@ import time
 from collections import deque
 from typing import Callable, Dict, Iterable, Optional
 
+from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
+
 SECONDS_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0]
 TPOT_BOUNDARIES = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0]
 CYCLE_BOUNDARIES = [0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5]
@@ -172,14 +174,19 @@ def lane_route_label(ln: dict) -> str:
     return ln["route"] if ln["route"] in LANE_ROUTES else "other"
 
 
-# engine-level reasons that end a row as one of FINISH_REASONS: a stop string matched by the
-# ingress is a stop, not a cancellation
-FINISH_REASON_OF = {"stop_string": "stop"}
+# A row's End as its `finish_reason` label, one of FINISH_REASONS: a stop string is a stop, not
+# a cancellation
+FINISH_REASON_OF_END = {EOS: "stop", STOP_TOKEN: "stop", STOP_STRING: "stop", LENGTH: "length",
+                        GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: "cancelled", FAILED: "internal"}
 
 
-def finish_reason_label(reason: Optional[str]) -> str:
-    reason = FINISH_REASON_OF.get(reason, reason)
-    return reason if reason in FINISH_REASONS else "other"
+def finish_reason_label(end: End) -> str:
+    return FINISH_REASON_OF_END[end.kind]
+
+
+def error_label(kind: Optional[str]) -> str:
+    """The `finish_reason` label of a row that ended with an error event (its `kind`)."""
+    return kind if kind in FINISH_REASONS else "other"
 
 
 def _lane_gauges(snap: dict) -> dict:

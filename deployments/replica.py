@@ -26,11 +26,12 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 from ray import serve
 
 from mtplx.api.rows import RowCheckpoint, RowSpec, mtp_batch_compatibility_key
+from mtplx.end import CANCELLED, End
 from mtplx.structured import GRAMMAR_MEMORY, holding_back
 from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST,
                                      checked_cancel_reason)
 
-from .metrics import REPLICA_SERIES, CohortMonitor, finish_reason_label, make_metrics, record
+from .metrics import REPLICA_SERIES, CohortMonitor, error_label, finish_reason_label, make_metrics, record
 from .prefix_index import PrefixCacheLog
 
 log = logging.getLogger("ray.serve")
@@ -211,14 +212,12 @@ def _cancel_keys(job) -> set:
 
 
 def _public_result(result: dict) -> dict:
-    """The part of a service result dict the ingress needs (no token list: it was streamed)."""
+    """The part of a service result dict the ingress needs (no token list: it was streamed), its
+    End as the engine decided it, in its plain form."""
     stats = dict(result.get("stats") or {})
-    tokens = result.get("tokens") or []
-    ended_on_stop_token = (result.get("finish_reason") == "stop" and bool(tokens)
-                           and tokens[-1] in set(result.get("_mtp_batch_stop_token_ids") or ()))
     return {
-        "finish_reason": result.get("finish_reason"),
-        "stop_token_id": int(tokens[-1]) if ended_on_stop_token else None,   # the token that ended it
+        "finish_reason": result["finish_reason"],
+        "end": result["end"].as_dict(),
         "prompt_tokens": int(result.get("prompt_tokens", 0)),
         "completion_tokens": int(result.get("completion_tokens", 0)),
         "cached_tokens": int(result.get("cached_tokens", 0) or 0),
@@ -226,14 +225,17 @@ def _public_result(result: dict) -> dict:
     }
 
 
-def _partial_result(job, generation_mode: str, reason: str) -> dict:
+def _partial_result(job, generation_mode: str) -> dict:
     """Usage and timing of a row that ended without a service result (cancelled)."""
     now = time.perf_counter()
     n = len(job.tokens)
     started = job.decode_started_s or job.admitted_s or job.created_s
     decode_s = max(now - started, 1e-9)
+    end = End(CANCELLED)
+    reason = end.finish_reason
     return {
         "finish_reason": reason,
+        "end": end.as_dict(),
         "prompt_tokens": len(job.prompt_ids),
         "completion_tokens": n,
         "cached_tokens": 0,
@@ -431,10 +433,13 @@ class MTPReplica:
         constraint holds those stops back until then."""
         eos = frozenset() if row.ignore_eos else self.model.eos_token_ids
         stops = eos | frozenset(row.stop_token_ids)
+        # an EOS id the request also asked for ends the row as that requested stop (vLLM reports it
+        # as the stop_reason)
+        unrequested_eos = eos - frozenset(row.stop_token_ids)
         job = self._mtp_batch.MTPBatchJob(
             request_id=row.request_id, prompt_ids=row.prompt_ids, max_tokens=row.max_tokens,
             sampler=row.sampler, draft_sampler=row.draft_sampler, seed=row.seed,
-            stop_token_ids=stops,
+            stop_token_ids=stops, eos_token_ids=unrequested_eos,
             token_callback=lambda toks, lps=None: buf.push_tokens(i, toks, lps), logprobs=row.logprobs,
             compatibility_key=row.compatibility_key, speculative=row.speculative, adaptive=row.adaptive,
             cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
@@ -537,17 +542,17 @@ class MTPReplica:
             self._observe_row(out)
             return out
         if job.cancel_requested():
-            self._observe("finished", 1, {"finish_reason": "cancelled"})
-            return _partial_result(job, mode, "cancelled")
+            self._observe("finished", 1, {"finish_reason": finish_reason_label(End(CANCELLED))})
+            return _partial_result(job, mode)
         error = self._error_class(job, exc)
-        self._observe("finished", 1, {"finish_reason": finish_reason_label(error["kind"])})
+        self._observe("finished", 1, {"finish_reason": error_label(error["kind"])})
         return {"error": error}
 
     def _observe_row(self, out: dict) -> None:
         """A finished row's request series (once per row, on the event loop)."""
         st, n = out["stats"], out["completion_tokens"]
         prompt, cached = out["prompt_tokens"], out["cached_tokens"]
-        self._observe("finished", 1, {"finish_reason": finish_reason_label(out["finish_reason"])})
+        self._observe("finished", 1, {"finish_reason": finish_reason_label(End.from_dict(out["end"]))})
         self._observe("prompt_tokens", prompt)
         self._observe("generation_tokens", n)
         self._observe("prefill_tokens", max(0, prompt - cached))

@@ -86,12 +86,10 @@ def test_anthropic_usage_splits_the_prompt_only_for_cache_control():
 
 
 def test_finish_reasons_are_openais_only():
-    from mtplx.api.openai import FINISH_REASONS, openai_finish_reason
+    from mtplx.api.openai import FINISH_REASON_OF_END, FINISH_REASONS
+    from mtplx.end import KINDS
 
-    for engine in ("stop", "length", "cancelled", "repetition_stop", None):
-        assert openai_finish_reason(engine) in FINISH_REASONS
-    assert openai_finish_reason("length") == "length" and openai_finish_reason("cancelled") == "abort"
-    assert openai_finish_reason("stop") == openai_finish_reason("repetition_stop") == "stop"
+    assert set(FINISH_REASON_OF_END) == set(KINDS) and set(FINISH_REASON_OF_END.values()) <= set(FINISH_REASONS)
 
 
 def test_overload_refusals_spread_their_retry_after():
@@ -234,13 +232,14 @@ def test_replica_stop_set_is_eos_unless_ignored_plus_requested_ids(replica, monk
 
     toks, finals = asyncio.run(go([row(0), row(1, ignore_eos=True), row(2, ignore_eos=True, stop_token_ids=(ref[k],))]))
     # EOS ends row 0 at k (the stop token is not streamed; the replica counts it, the ingress does not)
-    # and is reported as the stop token
-    assert toks[0] == ref[:k] and finals[0]["finish_reason"] == "stop" and finals[0]["stop_token_id"] == ref[k]
+    # and the engine's End says so, with the token
+    assert toks[0] == ref[:k] and finals[0]["finish_reason"] == "stop"
+    assert finals[0]["end"] == {"kind": "eos", "token": ref[k]}
     assert finals[0]["completion_tokens"] == k + 1
     # ignore_eos: the row runs to its budget, the "EOS" streamed as a token
-    assert toks[1] == ref[:24] and finals[1]["finish_reason"] == "length" and finals[1]["stop_token_id"] is None
-    # ignore_eos with the same id requested: it stops there again
-    assert toks[2] == ref[:k] and finals[2]["stop_token_id"] == ref[k]
+    assert toks[1] == ref[:24] and finals[1]["finish_reason"] == "length" and finals[1]["end"] == {"kind": "length"}
+    # ignore_eos with the same id requested: it stops there again, on the requested stop token
+    assert toks[2] == ref[:k] and finals[2]["end"] == {"kind": "stop_token", "token": ref[k]}
 
 
 # ------------------------------------------------------------------------------------------------

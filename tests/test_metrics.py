@@ -459,9 +459,11 @@ def test_live_page_in_headless_chromium(serve_app, tmp_path):
 
 
 def test_finish_reason_labels_stay_bounded_and_a_stop_string_is_a_stop():
-    from deployments.metrics import FINISH_REASONS, finish_reason_label
+    from deployments.metrics import FINISH_REASONS, error_label, finish_reason_label
+    from mtplx.end import KINDS, End
 
-    assert finish_reason_label("stop_string") == "stop"
-    assert finish_reason_label("cancelled") == "cancelled"
-    assert finish_reason_label("a user string") == "other" and finish_reason_label(None) == "other"
-    assert all(finish_reason_label(r) == r for r in FINISH_REASONS)
+    assert finish_reason_label(End("stop_string")) == "stop"
+    assert finish_reason_label(End("cancelled")) == "cancelled"
+    assert all(finish_reason_label(End(kind)) in FINISH_REASONS for kind in KINDS)
+    assert error_label("a user string") == "other" and error_label(None) == "other"
+    assert all(error_label(r) == r for r in FINISH_REASONS)

@@ -238,12 +238,13 @@ def test_parser_takes_any_text_without_failing():
 
 def test_anthropic_stream_opens_a_block_per_part():
     from mtplx.api.anthropic import MessageStream
+    from mtplx.end import End
 
     stream = MessageStream("msg_1", MODEL, 5, parsed=True)
     raw = stream.start() + stream.events([("reasoning", "r"), ("reasoning", "s"), ("content", "c"),
                                           ("call", 0, "toolu_1", "f"), ("args", 0, '{"a"'), ("args", 0, ": 1}"),
                                           ("call", 1, "toolu_2", "g"), ("args", 1, "{}")])
-    raw += stream.finish("stop", None, 9, {})
+    raw += stream.finish(End("eos", token=2), 9, {})
     events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
     shape = [(e["type"], e.get("index"), (e.get("content_block") or e.get("delta") or {}).get("type")) for e in events]
     assert shape == [("message_start", None, None),
@@ -258,7 +259,7 @@ def test_anthropic_stream_opens_a_block_per_part():
     assert events[8]["content_block"] == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
     empty = MessageStream("msg_2", MODEL, 5, parsed=True)
-    raw = empty.start() + empty.finish("length", None, 4, {})
+    raw = empty.start() + empty.finish(End("length"), 4, {})
     assert b'"content_block_start","index":0,"content_block":{"type":"text"' in raw and b"max_tokens" in raw
 
 
@@ -367,6 +368,7 @@ def test_top_p_zero_decodes_greedy():
 
 def test_anthropic_tool_turns_become_the_templates_messages(tokenizer):
     from mtplx.api import anthropic
+    from mtplx.end import End
     from mtplx.api.openai import parse_request
 
     body = {"model": MODEL, "max_tokens": 64,
@@ -391,8 +393,8 @@ def test_anthropic_tool_turns_become_the_templates_messages(tokenizer):
     text = tokenizer.decode(req.encode(tokenizer))
     assert '"name": "get_weather"' in text and "<tool_response>\nsunny\n</tool_response>" in text
     assert "call it" not in text and text.endswith("<|im_start|>assistant\n<think>\n")
-    assert anthropic.stop_reason("stop", None, True) == "tool_use"
-    assert anthropic.stop_reason("length", None, True) == "max_tokens"
+    assert anthropic.stop_reason(End("eos", token=2), True) == "tool_use"
+    assert anthropic.stop_reason(End("length"), True) == "max_tokens"
 
 
 # ------------------------------------------------------------------------------------------------

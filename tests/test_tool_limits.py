@@ -153,12 +153,14 @@ def tokenizer_llg():
 class _ScriptedRun:
     """A row's text as given (what the Anthropic format reads from a RowStream)."""
 
-    def __init__(self, plan, pieces, finish_reason):
+    def __init__(self, plan, pieces, end_kind):
         from deployments.ingress.row_stream import RowResult
+        from mtplx.api.openai import FINISH_REASON_OF_END
+        from mtplx.end import End
 
         self.plan, self.pieces, self.rid, self.model = plan, pieces, "msg_1", MODEL
         self.spec = type("Spec", (), {"prompt_ids": (1, 2, 3)})()
-        self._result = RowResult(3, 40, 0, finish_reason, finish_reason, None, None, {})
+        self._result = RowResult(3, 40, 0, End(end_kind), FINISH_REASON_OF_END[end_kind], None, {})
 
     async def texts(self):
         for piece in self.pieces:

@@ -221,7 +221,7 @@ class AnthropicFormat:
         r = run.result()
         usage = anthropic.usage(r.prompt_tokens, r.completion_tokens, r.cached_tokens if self.cache_split else 0)
         parsed = self.parser.parse(text, cut=r.finish_reason == "length") if self.parser is not None else None
-        return anthropic.message_response(run.rid, run.model, text, r.finish_reason, r.stop_string, usage,
+        return anthropic.message_response(run.rid, run.model, text, r.end, usage,
                                           with_dropped_calls(r.stats, self.parser), parsed)
 
     async def sse(self):
@@ -239,8 +239,7 @@ class AnthropicFormat:
                 return
             r = run.result()
             tail = b"" if parser is None else events.events(parser.flush(cut=r.finish_reason == "length"))
-            yield tail + events.finish(r.finish_reason, r.stop_string, r.completion_tokens,
-                                       with_dropped_calls(r.stats, parser))
+            yield tail + events.finish(r.end, r.completion_tokens, with_dropped_calls(r.stats, parser))
         finally:
             run.close()
 

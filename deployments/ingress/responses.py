@@ -50,9 +50,9 @@ class ResponsesFormat:
 
     def _final(self, r: RowResult, output: List[dict]) -> dict:
         run = self.run
-        return responses.response_object(run.rid, run.created, run.model, self.echo, responses.status_of(r.finish_reason),
+        return responses.response_object(run.rid, run.created, run.model, self.echo, responses.STATUS_OF_END[r.end.kind],
                                          output, self._usage(r), with_dropped_calls(r.stats, self.parser),
-                                         responses.INCOMPLETE_REASON.get(r.finish_reason))
+                                         responses.INCOMPLETE_REASON.get(r.end.kind))
 
     async def _keep(self, body: dict) -> None:
         """Store the response with its conversation; a store that fails is logged and said in

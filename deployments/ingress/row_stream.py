@@ -1,5 +1,6 @@
 """One row's life after admission: events from its batch slot -> tokens -> text, with its stop
-strings and log-probabilities, and the one place that decides how the row ended.
+strings and log-probabilities, and how the row ended: the engine's `End`, carried here from the
+replica, unless a stop string this stream matched ended it first (the text is cut here).
 
 What a client is told about a row lines up with its text: every token it returns is counted in
 usage and has (when asked for) one log-probability entry, in order; the token that ended the row
@@ -19,16 +20,12 @@ from typing import List, Optional, Tuple, Union
 from mtplx.api import openai as oa
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.text import IncrementalDetokenizer, StopStringMatcher
+from mtplx.end import CANCELLED, STOP_STRING, End
 
-from .pending import DISCONNECT, STOP_STRING, PendingRow
+from .pending import DISCONNECT, PendingRow
+from .pending import STOP_STRING as STOP_STRING_MATCHED
 
 log = logging.getLogger("ray.serve")
-
-# How a row ended (one of these, decided in `RowStream._end`), besides an error (raised instead).
-END_STOP_TOKEN = "stop_token"       # EOS or a requested stop token id
-END_STOP_STRING = "stop_string"
-END_LENGTH = "length"
-END_CANCELLED = "cancelled"         # through the cancel route (a departed client hears nothing)
 
 _END = object()
 
@@ -40,10 +37,9 @@ class RowResult:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    end: str                               # END_* (or the engine's own reason, e.g. a repetition stop)
-    finish_reason: str                     # OpenAI's
-    stop_reason: Union[int, str, None]     # vLLM's: the stop string or requested stop token id
-    stop_string: Optional[str]
+    end: End                               # how it ended (an error raises instead)
+    finish_reason: str                     # OpenAI's, of `end`
+    stop_reason: Union[int, str, None]     # vLLM's, of `end`: the stop string or requested stop token id
     stats: dict
 
 
@@ -203,7 +199,7 @@ class RowStream:
             self._returned([token], entries[k:k + 1] if entries else None)
             text += self.stops.push(self.detok.push([token]), armed=self.n_tokens >= self.spec.min_tokens)
             if self.stops.stopped:
-                self.ing.dispatch.end_row(self.row, STOP_STRING)
+                self.ing.dispatch.end_row(self.row, STOP_STRING_MATCHED)
                 break
         return text
 
@@ -256,31 +252,32 @@ class RowStream:
 
     # -- the result --------------------------------------------------------------------------------
 
-    def _end(self) -> str:
-        """How the row ended: the one decision every reason, flag and count follows from."""
+    def _engine_end(self) -> Optional[End]:
+        """The End the engine decided (None: no final came, as after a stop string whose row's final
+        was not awaited)."""
+        return End.from_dict(self.final["end"]) if self.final is not None else None
+
+    def _end(self) -> End:
+        """How the row ended: a stop string this stream matched (it cut the text here, whatever the
+        row did after), else the engine's End; no final at all: cancelled."""
         if self.stops.stopped:
-            return END_STOP_STRING
-        final = self.final or {}
-        if final.get("stop_token_id") is not None:
-            return END_STOP_TOKEN
-        return final.get("finish_reason") or END_CANCELLED
+            return End(STOP_STRING, string=self.stops.matched)
+        engine = self._engine_end()
+        return engine if engine is not None else End(CANCELLED)
 
     def result(self) -> RowResult:
         """The ended row's result (computed once)."""
         if self._result is None:
             fin, end = self.final or {}, self._end()
-            finish_reason = oa.openai_finish_reason(end)
-            requested_stop_token = fin.get("stop_token_id") in (self.req.stop_token_ids or ())
-            stop_reason = self.stops.matched if end == END_STOP_STRING else (
-                fin["stop_token_id"] if end == END_STOP_TOKEN and requested_stop_token else None)
+            finish_reason = oa.FINISH_REASON_OF_END[end.kind]
             self._result = RowResult(
                 prompt_tokens=int(fin.get("prompt_tokens", len(self.spec.prompt_ids))),
                 completion_tokens=self.n_tokens, cached_tokens=int(fin.get("cached_tokens") or 0), end=end,
-                finish_reason=finish_reason, stop_reason=stop_reason, stop_string=self.stops.matched,
+                finish_reason=finish_reason, stop_reason=oa.vllm_stop_reason(end),
                 stats=self._stats(fin, end, finish_reason))
         return self._result
 
-    def _stats(self, fin: dict, end: str, finish_reason: str) -> dict:
+    def _stats(self, fin: dict, end: End, finish_reason: str) -> dict:
         stats = dict(fin.get("stats") or {})
         stats["completion_tokens"] = self.n_tokens         # the count usage reports
         stats["http_ttft_s"] = (self.first_text_s - self.t0) if self.first_text_s else None
@@ -289,13 +286,14 @@ class RowStream:
         stats["request_id"] = self.rid
         if self.client_id is not None:
             stats["client_request_id"] = self.client_id
-        if end == END_STOP_STRING:
+        if end.kind == STOP_STRING:
             stats["stop_string_matched"] = True
         if self.spec.constraint is not None:     # what constrained the row (json_schema, tool_call, thinking, ...)
             stats["constraint"] = self.spec.constraint.kind
-        stats["cancelled"] = end == END_CANCELLED
+        stats["cancelled"] = end.kind == CANCELLED
         # the client sees OpenAI's reason everywhere; the engine's stays beside it
-        stats["engine_finish_reason"] = stats.get("engine_finish_reason") or fin.get("finish_reason")
+        engine = self._engine_end()
+        stats["engine_finish_reason"] = engine.engine_reason if engine is not None else None
         stats["finish_reason"] = finish_reason
         return stats
 

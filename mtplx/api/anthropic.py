@@ -20,6 +20,7 @@ from mtplx.api import openai as oa
 from mtplx.api import output_plan
 from mtplx.api.parsing import ParsedAnswer
 from mtplx.api.tools import anthropic_tool_choice, anthropic_tools
+from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -284,17 +285,22 @@ class MessagesRequest(_MessagesPrompt):
 # Responses
 
 
-def stop_reason(finish_reason: str, stop_sequence: Optional[str], tool_use: bool = False) -> str:
-    """Anthropic's stop_reason from the row's finish_reason, the stop string it matched and
-    whether it made tool calls; a row cancelled through the cancel route keeps "abort" (Anthropic
-    has no word for an answer that did not finish)."""
-    if finish_reason == "length":
-        return "max_tokens"
-    if finish_reason == oa.ABORT:
-        return oa.ABORT
-    if stop_sequence is not None:
-        return "stop_sequence"
-    return "tool_use" if tool_use else "end_turn"
+# A row's End as Anthropic's stop_reason. A row that did not finish (cancelled through the cancel
+# route) keeps vLLM's "abort": Anthropic has no word for it.
+STOP_REASON_OF_END = {EOS: "end_turn", STOP_TOKEN: "end_turn", STOP_STRING: "stop_sequence", LENGTH: "max_tokens",
+                      GRAMMAR_COMPLETE: "end_turn", REPETITION: "end_turn", CANCELLED: oa.ABORT, FAILED: oa.ABORT}
+
+
+def stop_reason(end: End, tool_use: bool = False) -> str:
+    """Anthropic's stop_reason of a row's End; an answer that made tool calls and ended its turn
+    says "tool_use"."""
+    reason = STOP_REASON_OF_END[end.kind]
+    return "tool_use" if tool_use and reason == "end_turn" else reason
+
+
+def stop_sequence(end: End) -> Optional[str]:
+    """Anthropic's stop_sequence: the stop string that ended the row (None for any other end)."""
+    return end.string if end.kind == STOP_STRING else None
 
 
 def content_blocks(parsed: ParsedAnswer) -> List[dict]:
@@ -318,13 +324,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def message_response(msg_id: str, model: str, text: str, finish_reason: str, stop_sequence: Optional[str],
-                     usage_: dict, stats: Optional[dict], parsed: Optional[ParsedAnswer] = None) -> dict:
+def message_response(msg_id: str, model: str, text: str, end: End, usage_: dict, stats: Optional[dict],
+                     parsed: Optional[ParsedAnswer] = None) -> dict:
     """`parsed`: the answer read for thinking and tool calls (None: one text block of `text`)."""
     content = [{"type": "text", "text": text}] if parsed is None else content_blocks(parsed)
     tool_use = parsed is not None and bool(parsed.tool_calls)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(finish_reason, stop_sequence, tool_use), "stop_sequence": stop_sequence,
+            "stop_reason": stop_reason(end, tool_use), "stop_sequence": stop_sequence(end),
             "usage": usage_, "mtplx_stats": stats}
 
 
@@ -395,13 +401,11 @@ class MessageStream:
                 out += self._delta({"type": "input_json_delta", "partial_json": ev[2]})
         return out
 
-    def finish(self, finish_reason: str, stop_sequence: Optional[str], output_tokens: int,
-               stats: Optional[dict]) -> bytes:
-        end = b"" if self.index >= 0 else self._open("text", {"type": "text", "text": ""})
-        reason = stop_reason(finish_reason, stop_sequence, self.tool_use)
-        return (end + self._close()
-                + sse_event("message_delta", {"type": "message_delta",
-                                              "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+    def finish(self, end: End, output_tokens: int, stats: Optional[dict]) -> bytes:
+        opened = b"" if self.index >= 0 else self._open("text", {"type": "text", "text": ""})
+        delta = {"stop_reason": stop_reason(end, self.tool_use), "stop_sequence": stop_sequence(end)}
+        return (opened + self._close()
+                + sse_event("message_delta", {"type": "message_delta", "delta": delta,
                                               "usage": usage(self.prompt_tokens, output_tokens),
                                               "mtplx_stats": stats})
                 + sse_event("message_stop", {"type": "message_stop"}))

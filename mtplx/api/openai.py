@@ -25,6 +25,7 @@ from mtplx.api.limits import (MAX_TOP_LOGPROBS, NO_LIMITS, BoundedRequest, Reque
                               check_stop_strings, check_token_count, check_token_ids, check_top_k, check_top_p,
                               request_limits)
 from mtplx.api.text import TokenBytes
+from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
 from mtplx.sampling import SamplerConfig, shown_value
 
 
@@ -524,14 +525,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort")
 ABORT = "abort"
 
+# A row's End as OpenAI's finish_reason: every kind of stop is "stop" (a stop token or string, a
+# grammar complete, a literal-repetition stop); a row that did not finish is "abort".
+FINISH_REASON_OF_END = {EOS: "stop", STOP_TOKEN: "stop", STOP_STRING: "stop", LENGTH: "length",
+                        GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: ABORT, FAILED: ABORT}
 
-def openai_finish_reason(engine_reason: Optional[str]) -> str:
-    """The engine's reason a row ended, as the client reads it: "length" when the row ran out of
-    budget; "abort" when it was cancelled (the cancel route); "stop" for everything else: a stop
-    token or string, a literal-repetition stop."""
-    if engine_reason == "length":
-        return "length"
-    return ABORT if engine_reason == "cancelled" else "stop"
+
+def vllm_stop_reason(end: End) -> Union[int, str, None]:
+    """vLLM's stop_reason: the stop string, or the requested stop token id, that ended the row;
+    None for any other end (EOS included)."""
+    if end.kind == STOP_STRING:
+        return end.string
+    return end.token if end.kind == STOP_TOKEN else None
 
 
 def chat_response(rid: str, created: int, model: str, text: Optional[str], finish_reason: str, usage_: dict,

@@ -23,6 +23,7 @@ from mtplx.api import output_plan
 from mtplx.api.limits import MAX_TOP_LOGPROBS, check_token_count, request_limits
 from mtplx.api.parsing import ParsedAnswer
 from mtplx.api.tools import responses_tool_choice, responses_tools
+from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # what `include` may ask for: the output text's log-probabilities, and reasoning's encrypted
@@ -388,15 +389,11 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_t
             "total_tokens": int(input_tokens) + int(output_tokens)}
 
 
-# An answer's end as a response's status: completed, incomplete (its budget ran out), or
-# cancelled (through the cancel route)
-INCOMPLETE_REASON = {"length": "max_output_tokens"}
-
-
-def status_of(finish_reason: str) -> str:
-    if finish_reason == "length":
-        return "incomplete"
-    return "cancelled" if finish_reason == oa.ABORT else "completed"
+# A row's End as a response's status: completed, incomplete (its budget ran out, for the reason
+# INCOMPLETE_REASON gives), cancelled (through the cancel route) or failed
+STATUS_OF_END = {EOS: "completed", STOP_TOKEN: "completed", STOP_STRING: "completed", LENGTH: "incomplete",
+                 GRAMMAR_COMPLETE: "completed", REPETITION: "completed", CANCELLED: "cancelled", FAILED: "failed"}
+INCOMPLETE_REASON = {LENGTH: "max_output_tokens"}
 
 
 def response_object(rid: str, created_at: float, model: str, echo: dict, status: str, output: List[dict],

@@ -9,6 +9,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from mtplx.end import CANCELLED, End
 from mtplx.engine.commit import HeadHistory
 from mtplx.engine.prefill import start_prefill
 from mtplx.engine.row import LaneRow, RowFailure, host_logprob, row_work
@@ -273,7 +274,7 @@ class LaneAdmission:
             try:
                 row.req.on_decode_start()
             except Exception:
-                row.finish("cancelled")
+                row.finish(End(CANCELLED))
                 self.rows[b] = None
                 return
         # The first token comes from the prefill's logits: emit it now rather than after a cycle

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from mtplx.end import End
 from mtplx.engine.cohort import generate_a3b_mtp_batch
 from mtplx.engine.installed import DEPTHS, solo_lane
 from mtplx.engine.prefill import check_request
@@ -28,8 +29,9 @@ from mtplx.sampling import SamplerConfig
 @dataclass
 class GenerationResult:
     tokens: list[int]
-    finish_reason: str                  # "stop" | "length" | "cancelled"
+    finish_reason: str                  # "stop" | "length" | "cancelled": its End's coarse reason
     stats: dict = field(default_factory=dict)
+    end: Optional[End] = None           # how it ended (`mtplx.end`)
 
 
 def generate_ar(model, prompt_ids, max_tokens: int = 64, sampler: SamplerConfig = SamplerConfig(),
@@ -93,11 +95,11 @@ def _generate_in_lane(model, prompt, max_tokens, sampler, draft_sampler, depth, 
     }
     if not speculative:
         stats.update(mode="ar", generation_mode="ar", verify_calls=0)
-        return GenerationResult(list(s.tokens), s.finish_reason, stats)
+        return GenerationResult(list(s.tokens), s.finish_reason, stats, s.end)
     stats.update({
         "mode": "mtp", "generation_mode": "mtp", "mtp_depth": depth, "accepted_drafts": s.accepted_drafts,
         "rejected_drafts": s.rejected_drafts, "verify_calls": s.cycles,
         "acceptance_rate": s.accepted_drafts / max(s.accepted_drafts + s.rejected_drafts, 1),
         "mean_tokens_per_verify": n / max(s.cycles, 1),
     })
-    return GenerationResult(list(s.tokens), s.finish_reason, stats)
+    return GenerationResult(list(s.tokens), s.finish_reason, stats, s.end)

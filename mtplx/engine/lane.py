@@ -22,6 +22,7 @@ from typing import Iterable, Optional
 import mlx.core as mx
 import numpy as np
 
+from mtplx.end import CANCELLED, End
 from mtplx.engine.acceptor import DeviceVerdicts, Targets, accept_chain
 from mtplx.engine.admission import LaneAdmission
 from mtplx.engine.ahead import LaneAhead
@@ -92,7 +93,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.rows: list = []                           # slot -> LaneRow or None (free)
         self.waiting: deque = deque()                  # rows not yet prefilling
         self.admitting: deque = deque()                # RowPrefill, FIFO
-        self._removed: set = set()                     # request ids to drop at the next boundary
+        self._removed: dict = {}                       # request id -> its End, to drop at the next boundary
         self._reporting: list = []                     # rows whose news the next drain_events returns
         self.caches = self.mtp_caches = None
         self.logits_last = self.h_last = None
@@ -217,16 +218,17 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         """Queue rows (each joins at a cycle boundary when a slot is free); returns their ids."""
         return [self.add(req).request_id for req in requests]
 
-    def remove(self, request_ids: Iterable[str]) -> None:
-        """Cancel rows: each ends ("cancelled") at the next boundary, wherever it is."""
-        self._removed.update(request_ids)
+    def remove(self, request_ids: Iterable[str], end: End = End(CANCELLED)) -> None:
+        """End rows early: each ends with `end` (a cancel; a stop string its caller matched) at
+        the next boundary, wherever it is."""
+        self._removed.update((rid, end) for rid in request_ids)
 
-    def cancel_all(self, reason: str = "cancelled") -> None:
+    def cancel_all(self) -> None:
         self._launched = self._next_kind = None
         self._launch_s = 0.0                # the dropped cycle's launch is no step's cost
         self._reporting += self._all_rows()
         for row in self._all_rows():
-            row.finish(reason)
+            row.finish(End(CANCELLED))
         self.waiting.clear()
         self.admitting.clear()
         self.rows = [None] * len(self.rows)
@@ -365,19 +367,26 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         finally:
             self.prefill_budget = budget
 
-    def _gone(self, row: LaneRow) -> bool:
-        return row.req.request_id in self._removed or row.cancelled()
+    def _gone(self, row: LaneRow) -> Optional[End]:
+        """The End of a row removed or cancelled (None: it goes on)."""
+        end = self._removed.get(row.req.request_id)
+        return end if end is not None else End(CANCELLED) if row.cancelled() else None
 
     def _drop_cancelled(self) -> None:
-        for row in [r for r in self.waiting if self._gone(r)]:
-            self.waiting.remove(row)
-            row.finish("cancelled")
-        for adm in [a for a in self.admitting if self._gone(a.row)]:
-            self.admitting.remove(adm)
-            adm.row.finish("cancelled")
+        for row in list(self.waiting):
+            end = self._gone(row)
+            if end is not None:
+                self.waiting.remove(row)
+                row.finish(end)
+        for adm in list(self.admitting):
+            end = self._gone(adm.row)
+            if end is not None:
+                self.admitting.remove(adm)
+                adm.row.finish(end)
         for b, row in enumerate(self.rows):
-            if row is not None and self._gone(row):
-                row.finish("cancelled")
+            end = None if row is None else self._gone(row)
+            if end is not None:
+                row.finish(end)
                 self.rows[b] = None
         self._removed.clear()
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_TOKEN, End
 from mtplx.engine.prefill import CapacityError
 from mtplx.engine.repetition import RepetitionLimits, repeated_tail
 from mtplx.sampling import SamplerConfig, row_distribution, to_host
@@ -98,6 +99,9 @@ class A3BMTPBatchRequest:
     seed: int = 0
     max_tokens: int = 64
     stop_token_ids: frozenset = frozenset()
+    # Of stop_token_ids, the model's end of sequence: a row that ends on one of these ends as EOS,
+    # on any other as the stop token its caller asked for (`mtplx.end`).
+    eos_token_ids: frozenset = frozenset()
     omit_speculative_bonus: bool = False
     on_token: Callable[[int], None] = _noop
     on_admit: Callable[[], None] = _noop               # the row leaves the queue: its prefill starts
@@ -129,13 +133,14 @@ class A3BMTPBatchRequest:
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "eos_token_ids", frozenset(int(t) for t in self.eos_token_ids))
 
 
 @dataclass
 class A3BMTPBatchStreamResult:
     request_id: str
     tokens: list = field(default_factory=list)
-    finish_reason: Optional[str] = None             # "stop" | "length" | "cancelled"
+    end: Optional[End] = None                       # how the row ended (None: it has not)
     cycles: int = 0                                 # cycles this row was live in
     accepted_drafts: int = 0
     rejected_drafts: int = 0
@@ -156,23 +161,32 @@ class A3BMTPBatchStreamResult:
     shared_prefill: bool = False                    # took a sibling row's prefill (same prefill_group)
     mtp_depth: int = 0                              # most drafts it chained in one cycle's lane (0: never drafted)
 
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop" | "length" | "cancelled" (None: not ended): its End's coarse reason."""
+        return None if self.end is None else self.end.finish_reason
+
 
 @dataclass
 class RowEvent:
     """What one lane step did to one row (`RunningLane.step` returns these): the tokens it emitted
     and their log-probability entries (when the row asked for them), and on the row's last event
-    why it ended and its stream result (tokens as returned, counters). A row that stopped on a
+    how it ended (its `End`) and its stream result (tokens as returned, counters). A row that stopped on a
     repetition has its repeats trimmed from `result.tokens`; its events carried every token it
     emitted, the repeats included (as a stream shows them before the stop is known)."""
     request_id: str
     tokens: list
     logprobs: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
+    end: Optional[End] = None
     result: Optional[A3BMTPBatchStreamResult] = None
     times: list = field(default_factory=list)     # when each token was emitted (perf_counter)
     prefill_started_s: Optional[float] = None     # on the first event after its prefill started (perf_counter)
     decode_started_s: Optional[float] = None      # on the first event after it took its slot
     mark: Optional[RowMark] = None                # a live row's state after this event's tokens (`RowMark`)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return None if self.end is None else self.end.finish_reason
 
 
 @dataclass
@@ -259,7 +273,7 @@ class LaneRow:
 
     def _resume(self, at: RowResume) -> None:
         base = at.result if at.result is not None else self.result
-        self.result = replace(base, tokens=list(at.tokens), logprobs=list(at.logprobs), finish_reason=None,
+        self.result = replace(base, tokens=list(at.tokens), logprobs=list(at.logprobs), end=None,
                               terminal_perf_s=None)
         if at.rng_state is not None:
             self.rng.bit_generator.state = at.rng_state
@@ -353,17 +367,18 @@ class LaneRow:
             logits_row = np.where(allowed, to_host(logits_row), np.float32(-np.inf))
         return row_distribution(logits_row, cfg or self.sampler, self.counts)
 
-    def finish(self, reason: str) -> None:
+    def finish(self, end: End) -> None:
+        """End the row (the first end wins): its result's `end`, its terminal callbacks."""
         r = self.result
-        if r.finish_reason is not None:
+        if r.end is not None:
             return
-        r.finish_reason = reason
+        r.end = end
         r.terminal_perf_s = time.perf_counter()
         if r.cycles:
             r.mean_occupancy = r.occupancy_sum / r.cycles
         self.live = False
         try:
-            self.req.on_terminal(reason, r.cycles)
+            self.req.on_terminal(end.finish_reason, r.cycles)
             if self.req.on_result is not None:
                 self.req.on_result(r)
         except Exception:  # a client's callback never breaks the lane
@@ -372,7 +387,7 @@ class LaneRow:
     def drain_event(self) -> Optional[RowEvent]:
         """The row's tokens since its last event, and its end once it has ended (None: nothing new)."""
         r = self.result
-        ended = r.finish_reason is not None and not self.ended_reported
+        ended = r.end is not None and not self.ended_reported
         started = self.prefill_started_s is not None or self.decode_started_s is not None
         if not self.unreported and not ended and not started:
             return None
@@ -382,7 +397,7 @@ class LaneRow:
         self.prefill_started_s = self.decode_started_s = None
         if ended:
             self.ended_reported = True
-            event.finish_reason, event.result = r.finish_reason, r
+            event.end, event.result = r.end, r
         elif self._mark is not None and self._mark.tokens == len(r.tokens):   # its step completed
             event.mark = self._mark
         return event
@@ -404,17 +419,27 @@ class LaneRow:
                 self.unreported_entries.append(logprob)
                 self.req.on_token(token, logprob)
         except Exception:
-            self.finish("cancelled")
+            self.finish(End(CANCELLED))
             return True
         if self.grammar is not None:
             self.grammar.consume(token)
             if self.grammar.spent:
                 self.grammar = None
-        if token in self.req.stop_token_ids or (self.grammar is not None and self.grammar.ended):
-            self.finish("stop")
-        elif len(r.tokens) >= self.req.max_tokens:
-            self.finish("length")
+        end = self._end_after(token)
+        if end is not None:
+            self.finish(end)
         return not self.live
+
+    def _end_after(self, token: int) -> Optional[End]:
+        """The row's end on its newest token, if that token ends it: a stop token (EOS, or one
+        its caller asked for), its grammar complete, its budget spent."""
+        if token in self.req.stop_token_ids:
+            return End(EOS if token in self.req.eos_token_ids else STOP_TOKEN, token=token)
+        if self.grammar is not None and self.grammar.ended:
+            return End(GRAMMAR_COMPLETE)
+        if len(self.result.tokens) >= self.req.max_tokens:
+            return End(LENGTH)
+        return None
 
     def check_repetition(self) -> None:
         """Stop with the repeats after the block's first copy trimmed (mtplx.engine.repetition)."""
@@ -423,7 +448,7 @@ class LaneRow:
             self.result.repetition_stop = hit
             del self.result.tokens[len(self.result.tokens) - hit.trimmed_tokens:]
             del self.result.logprobs[len(self.result.tokens):]
-            self.finish("stop")
+            self.finish(End(REPETITION))
 
     def cancelled(self) -> bool:
         try:

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Optional
 
 from mtplx.api.rows import RowCheckpoint, mtp_batch_compatibility_key
+from mtplx.end import CANCELLED, STOP_STRING, End
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.config import checked_cancel_reason
 from mtplx.structured import Constraint
@@ -64,7 +65,9 @@ class MTPBatchJob:
     after these tokens from that state (``mtplx.api.rows.RowSpec`` says how); they count in its
     ``tokens`` and ``max_tokens`` but are not emitted again. ``checkpoint_callback(checkpoint)``:
     after each lane step that emitted tokens of a live row, its state after them (a
-    ``RowCheckpoint``), once those tokens have reached ``token_callback``.
+    ``RowCheckpoint``), once those tokens have reached ``token_callback``. ``eos_token_ids``: which
+    of ``stop_token_ids`` are the model's end of sequence (the row's `End` says EOS for those,
+    a requested stop token for the others).
     """
 
     def __init__(self, request_id: str, prompt_ids: Iterable[int], max_tokens: int,
@@ -83,7 +86,8 @@ class MTPBatchJob:
                  adaptive: bool = True, prefill_group: Optional[Hashable] = None,
                  constraint: Optional[Constraint] = None, cache_salt: Optional[str] = None,
                  resume_tokens: Iterable[int] = (), checkpoint: Optional[RowCheckpoint] = None,
-                 checkpoint_callback: Optional[Callable[[RowCheckpoint], None]] = None):
+                 checkpoint_callback: Optional[Callable[[RowCheckpoint], None]] = None,
+                 eos_token_ids: Iterable[int] = frozenset()):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -91,6 +95,7 @@ class MTPBatchJob:
         self.draft_sampler = draft_sampler
         self.seed = int(seed) if seed is not None else secrets.randbits(63)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.token_callback = token_callback
         # None: off; k >= 0: each streamed token comes with the target's (logprob, k alternatives),
         # as token_callback([token], [entry]) (from the lane: such a job never goes to its solo_runner)
@@ -217,6 +222,11 @@ class MTPBatchJob:
     def stopped_by_caller(self) -> bool:
         """The caller ended the row as a stop (a stop string), not as a cancellation."""
         return self.cancel_reason == "stop_string"
+
+    @property
+    def requested_end(self) -> End:
+        """The End its caller's cancel gives the row: a stop string's, or a cancellation."""
+        return End(STOP_STRING) if self.stopped_by_caller else End(CANCELLED)
 
     @property
     def generation_mode(self) -> str:

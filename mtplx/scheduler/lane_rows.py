@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mtplx.end import CANCELLED
 from mtplx.scheduler.job import failsafe
 from mtplx.scheduler.results import build_result, lane_placement, lane_row_stats
 
@@ -18,7 +19,7 @@ def lane_request(job, row_id: str, *, numerics: str, repetition_stop: bool):
     return A3BMTPBatchRequest(
         request_id=row_id, prompt_ids=tuple(job.prompt_ids), sampler=job.sampler,
         draft_sampler=job.draft_sampler, seed=job.seed, max_tokens=job.max_tokens,
-        stop_token_ids=job.stop_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
+        stop_token_ids=job.stop_token_ids, eos_token_ids=job.eos_token_ids, omit_speculative_bonus=job.omit_speculative_bonus,
         logprobs=job.logprobs, speculative=job.speculative,
         # b1-exact rows decode as the solo path does: drafting every cycle
         adaptive=job.adaptive and numerics != "b1-exact", prefill_group=job.prefill_group,
@@ -42,10 +43,19 @@ def resume_from(job):
     return RowResume(job.resume_tokens, (), bool(cp.pending), cp.rng_state, tuple(cp.policy))
 
 
+def remove_cancelled(running, job_of: dict) -> None:
+    """The rows whose callers ended their jobs leave the lane at its next boundary, each with the
+    End its caller's cancel gives it (a stop string's, or a cancellation)."""
+    for row_id, job in job_of.items():
+        if job.cancel_requested():
+            running.remove([row_id], job.requested_end)
+
+
 def deliver_event(job, event) -> None:
     """A lane step's news of one row, into its job: prefill progress, tokens (with their
     log-probability entries), and at its end a cancelled row's failure (the result follows
-    through `lane_result`)."""
+    through `lane_result`; a row its caller stopped with a stop string ends as that, not as a
+    cancellation)."""
     if event.prefill_started_s is not None:
         job.admitted_s = event.prefill_started_s
         job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
@@ -59,15 +69,14 @@ def deliver_event(job, event) -> None:
     if event.mark is not None:
         m = event.mark
         job.emit_checkpoint(m.tokens, m.pending, m.rng_state, m.policy)
-    if event.finish_reason == "cancelled" and not job.stopped_by_caller:   # its future fails at once
+    if event.end is not None and event.end.kind == CANCELLED:   # its future fails at once
         job._fail(job._cancel_exception())
 
 
 def lane_result(job, stream, *, numerics: str, mtp_disabled_reason: Optional[str]) -> Optional[dict]:
     """A lane row's result at its own terminal, from its final stream; None when it was
-    cancelled. A row its caller stopped (a stop string) ends as a stop."""
-    stopped = job.stopped_by_caller
-    if (stream.finish_reason == "cancelled" or job.cancel_requested()) and not stopped:
+    cancelled (by the engine, or by its caller before the row ended otherwise)."""
+    if stream.end.kind == CANCELLED or (job.cancel_requested() and not job.stopped_by_caller):
         return None
     placement = lane_placement(stream, numerics)
     placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s
@@ -75,10 +84,7 @@ def lane_result(job, stream, *, numerics: str, mtp_disabled_reason: Optional[str
     if stream.repetition_stop is not None:   # the repeats already streamed; the result drops them
         cut = len(job.tokens) - stream.repetition_stop.trimmed_tokens
         del job.tokens[cut:], job.token_times[cut:]
-    finish_reason = stream.finish_reason
-    if stopped and finish_reason == "cancelled":
-        finish_reason, extra["engine_finish_reason"] = "stop", "stop_string"
-    return build_result(job, placement, finish_reason=finish_reason, cycles=stream.cycles,
+    return build_result(job, placement, end=stream.end, cycles=stream.cycles,
                         accepted=stream.accepted_drafts, rejected=stream.rejected_drafts,
                         terminal_perf_s=stream.terminal_perf_s, cached_tokens=stream.cached_tokens,
                         solo=stream.fixed_width <= 1, extra_stats=extra, depth=stream.mtp_depth or None)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mtplx.end import End
 from mtplx.engine.lane_stats import LaneStats
 from mtplx.sampling import SamplerConfig
 
@@ -48,11 +49,12 @@ def _valid_time(t, lo: float, hi: float) -> bool:
     return isinstance(t, (int, float)) and math.isfinite(t) and lo <= t <= hi
 
 
-def build_result(job, placement: Placement, *, finish_reason: str, cycles: int = 0, accepted: int = 0,
+def build_result(job, placement: Placement, *, end: End, cycles: int = 0, accepted: int = 0,
                  rejected: int = 0, terminal_perf_s: Optional[float] = None, cached_tokens: int = 0,
                  solo: bool, extra_stats: Optional[dict] = None, depth: Optional[int] = None) -> dict:
-    """The per-request result dict and its stats, from the job's own timestamps. `depth`: most
-    drafts the row chained in a cycle (default: MTP_DEPTH for a speculative row)."""
+    """The per-request result dict and its stats, from the job's own timestamps and its row's
+    `end` (carried as "end"; "finish_reason" and the stats' reasons are its compatibility strings).
+    `depth`: most drafts the row chained in a cycle (default: MTP_DEPTH for a speculative row)."""
     completed_s = time.perf_counter()
     decode_started_s = job.decode_started_s
     if not _valid_time(decode_started_s, placement.started_s, completed_s):
@@ -88,7 +90,8 @@ def build_result(job, placement: Placement, *, finish_reason: str, cycles: int =
         "mtp_batch_numerics": placement.numerics,
         "mtp_disabled_reason": stats.get("mtp_disabled_reason"),
         "repetition_stop_triggered": bool(stats.get("repetition_stop_triggered", False)),
-        "finish_reason": finish_reason,
+        "finish_reason": end.finish_reason,
+        "engine_finish_reason": end.engine_reason,
         "cancelled": False,
         "server_seed": job.seed,
     })
@@ -106,7 +109,8 @@ def build_result(job, placement: Placement, *, finish_reason: str, cycles: int =
         "prompt_tokens": len(job.prompt_ids),
         "completion_tokens": n,
         "cached_tokens": int(cached_tokens),
-        "finish_reason": finish_reason,
+        "finish_reason": end.finish_reason,
+        "end": end,
         "_mtp_batch_stop_token_ids": sorted(job.stop_token_ids),
         "_mtp_batch_solo": solo,
         "_completed_s": completed_s,

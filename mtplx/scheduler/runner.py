@@ -3,39 +3,40 @@ the job's result. The service calls the runner at the job's turn; this module re
 
 from __future__ import annotations
 
-from typing import Optional
-
+from mtplx.end import End
 from mtplx.scheduler.results import Placement, build_result
 
 
 def unpack_runner_result(out) -> tuple:
-    """(tokens, finish_reason, stats, extra result keys) from a solo runner's return value."""
+    """(tokens, End, stats, extra result keys) from a solo runner's return value. A runner that
+    reports only a coarse finish_reason (a result dict, a GenerationResult of its own making) gets
+    the End that reason reads as (`End.from_finish_reason`)."""
     if isinstance(out, dict):
         stats = dict(out.get("stats") or {})
-        extra = {k: v for k, v in out.items() if k not in ("tokens", "stats", "finish_reason")}
-        return list(out.get("tokens") or []), out.get("finish_reason") or stats.get("finish_reason"), \
-            stats, extra
+        extra = {k: v for k, v in out.items() if k not in ("tokens", "stats", "finish_reason", "end")}
+        end = out.get("end") or End.from_finish_reason(out.get("finish_reason") or stats.get("finish_reason"))
+        return list(out.get("tokens") or []), end, stats, extra
     tokens = getattr(out, "tokens", None)
     if tokens is None:
         raise TypeError(f"solo_runner returned {type(out).__name__}; expected a result dict or a "
                         f"GenerationResult")
-    return list(tokens), getattr(out, "finish_reason", None), dict(getattr(out, "stats", {}) or {}), {}
+    end = getattr(out, "end", None) or End.from_finish_reason(getattr(out, "finish_reason", None))
+    return list(tokens), end, dict(getattr(out, "stats", {}) or {}), {}
 
 
 def runner_result(job, placement: Placement, out) -> tuple:
     """(the job's result dict, (cycles, accepted, rejected)) from its runner's output; (None, ())
-    when the job was cancelled meanwhile. A job stopped by its caller (a stop string) ends as a
-    stop."""
+    when the job was cancelled meanwhile. A runner decodes to its own end, unaware of its caller's
+    stop: a job its caller stopped (a stop string) meanwhile ends as that stop."""
     if job.cancel_requested() and not job.stopped_by_caller:
         return None, ()
-    tokens, finish_reason, runner_stats, extra = unpack_runner_result(out)
+    tokens, end, runner_stats, extra = unpack_runner_result(out)
     _take_decode(job, placement, tokens, runner_stats.get("prompt_eval_time_s"))
     counts = tuple(int(runner_stats.get(k, 0) or 0) for k in ("verify_calls", "accepted_drafts", "rejected_drafts"))
     extra_stats = {k: v for k, v in runner_stats.items() if k in ("acceptance_rate", "mean_tokens_per_verify")}
-    finish_reason: Optional[str] = finish_reason or "length"
     if job.stopped_by_caller:
-        finish_reason, extra_stats["engine_finish_reason"] = "stop", "stop_string"
-    result = build_result(job, placement, finish_reason=finish_reason, cycles=counts[0], accepted=counts[1],
+        end = job.requested_end
+    result = build_result(job, placement, end=end, cycles=counts[0], accepted=counts[1],
                           rejected=counts[2], cached_tokens=int(runner_stats.get("cached_tokens", 0) or 0),
                           solo=True, extra_stats=extra_stats)
     for k, v in extra.items():

@@ -67,7 +67,7 @@ from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFi
                                  MTPBatchServiceClosed, failsafe)
 from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
-from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result
+from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result, remove_cancelled
 from mtplx.scheduler.owner import ModelOwnerThread, fail_calls
 from mtplx.scheduler.recovery import recover
 from mtplx.scheduler.results import (MTP_DEPTH, Placement, add_lane_counters, add_runner_counters, build_result,
@@ -330,8 +330,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             job._fail(job._cancel_exception())
             return
         placement = Placement(0, 0, None, "queued", "mtp_batch", self.numerics)
-        job._succeed(build_result(job, placement, finish_reason="stop", solo=False,
-                                  extra_stats={"engine_finish_reason": "stop_string"}))
+        job._succeed(build_result(job, placement, end=job.requested_end, solo=False))
 
     def _count_outcome(self, job: MTPBatchJob, fut: Future) -> None:
         with self._cond:
@@ -476,7 +475,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         running, failure = lane.running, None
         self.in_lane_step = True
         try:
-            running.remove([rid for rid, job in lane.job_of.items() if job.cancel_requested()])
+            remove_cancelled(running, lane.job_of)
             for phase in (running.admit, running.decode):
                 failure = self._run_phase(lane, phase)
                 if failure is not None:
@@ -502,7 +501,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             events = phase()
         except Exception as exc:
             failure = exc
-            events = [e for e in lane.running.drain_events() if e.finish_reason is not None
+            events = [e for e in lane.running.drain_events() if e.end is not None
                       and e.request_id != getattr(exc, "request_id", None)]
         t_deliver = time.perf_counter()
         for event in events:
@@ -632,7 +631,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
             return
         try:
             deliver_event(job, event)
-            if event.finish_reason is not None:
+            if event.end is not None:
                 del lane.job_of[event.request_id]
                 self._complete_lane_job(job, event.result)
         except Exception as exc:   # one row's result that cannot be built fails that row alone
