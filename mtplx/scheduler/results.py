@@ -136,7 +136,7 @@ def new_service_stats(max_depth: int) -> dict:
         "fixed_width_histogram": {},
         "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
         "draft_proposals": 0, "draft_tokens": 0, "accepted_by_position": [0] * max_depth,
-        "lane_row_cycles": 0, "graph_retraces": 0, "mtp_cycles": 0, "ar_steps": 0, "ahead_cycles": 0, "device_drafts": 0,
+        "lane_row_cycles": 0, "graph_retraces": 0, "graph_first_runs": 0, "mtp_cycles": 0, "ar_steps": 0, "ahead_cycles": 0, "device_drafts": 0,
         "batched_prefills": 0, "cycle_s": 0.0, "device_s": 0.0, "host_s": 0.0, "delivery_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
         "widenings": 0, "narrowings": 0, "depth_switches": 0,
         # lane faults: a row blamed and failed alone, or nobody (driver_errors); either way the
@@ -154,6 +154,7 @@ LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycle
                  "admitted": "admissions", "shared_prefills": "shared_prefills", "batched_prefills": "batched_prefills", "widenings": "widenings",
                  "narrowings": "narrowings", "depth_switches": "depth_switches",
                  "cycle_s": "cycle_s", "device_s": "device_s", "host_s": "host_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
+                 "graph_first_runs": "graph_first_runs",
                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "ahead_cycles": "ahead_cycles",
                  "device_drafts": "device_drafts",
                  "draft_proposals": "draft_proposals", "draft_tokens": "draft_tokens"}
@@ -277,6 +278,9 @@ def counters_snapshot(s: dict) -> dict:
         # compiled cycle graphs traced again at a new shape (a KV buffer grew, which the lane
         # avoids by sizing a row's KV for prompt + max_tokens when it joins)
         "graph_retraces": s["graph_retraces"],
+        # compiled graphs run for the first time at a span and shape (traced, checked eagerly:
+        # about one more step each, once per width, span and shape)
+        "graph_first_runs": s["graph_first_runs"],
         "cycle_seconds_total": round(s["cycle_s"], 6),
         # where the cycles' time went: in MLX's evaluation (the device's compute as the host sees
         # it), host decisions (sampling, accept tests); the rest built the graphs and kept the
