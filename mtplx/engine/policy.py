@@ -162,10 +162,9 @@ class StepCostMeter:
     both costs at once, so the ratio the StepPolicy compares is measured under one load (kept
     current only while its kind runs, each cost drifts with the machine's load while the other's
     stays stale). Nor a step that ran a compiled graph for the first time (a new span or shape:
-    its trace and eager check cost about one more step, once), nor the step after it (a launched
-    cycle's time carries into the next step's): counted, they drove a B8 Gemma 3 270M lane's MTP
-    cost from 1.2x its AR step's to 1.47x, clamped step after step, and auto to AR where MTP paid.
-    One slow step (a pause) moves a cost by at most half its weight."""
+    its trace and eager check cost about one more step, once, 0.5-0.7 s on Gemma 3 270M at width
+    8), nor the step after it (a launch between steps carries into the next step's time). One slow
+    step (a pause) moves a cost by at most half its weight."""
 
     def __init__(self):
         self._counted: dict = {}    # kind -> (step index, seconds, lane) of its last counted step not yet in a pair
