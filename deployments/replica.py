@@ -21,15 +21,16 @@ import logging
 import os
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from functools import partial
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ray import serve
 
 from mtplx.api.rows import RowCheckpoint, RowSpec, mtp_batch_compatibility_key
+from mtplx.api.text import StopStringWatch
 from mtplx.end import CANCELLED, End
 from mtplx.structured import GRAMMAR_MEMORY, holding_back
-from mtplx.scheduler.config import (DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST,
-                                     checked_cancel_reason)
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_SAMPLED_DEPTH, DEFAULT_WIDTHS, GREEDY_DEPTHS_BY_COST
 
 from .metrics import REPLICA_SERIES, CohortMonitor, error_label, finish_reason_label, make_metrics, record
 from .prefix_index import PrefixCacheLog
@@ -93,20 +94,17 @@ def _node_id() -> Optional[str]:
 
 
 class _CohortBuffer:
-    """Thread-safe hand-over of row tokens and row outcomes from the owner thread to the loop."""
+    """A cohort's sink: the owner thread hands it each lane step phase's news of the cohort's rows
+    in one call (`__call__`; a cycle's draft and bonus tokens go out together, with the row's
+    checkpoint after them), and each row's outcome (`push_final`); the event loop takes what
+    piled up (`take`)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, in_lane_step: Callable[[], bool] = lambda: False):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
         self._lock = threading.Lock()
-        # While a lane step runs, a row's later tokens wait for the step's end (`lane_step_ended`):
-        # a cycle's draft and bonus token go out in one message, not split by the work between them.
-        self._in_lane_step = in_lane_step
+        self.row_of: Dict[int, int] = {}              # id(job) -> its row in the cohort
         self._tokens: Dict[int, List[int]] = {}
         self._logprobs: Dict[int, list] = {}          # row -> entries parallel to its tokens (if asked)
-        # a lane step's tokens of a row wait here for the row's checkpoint after them, so that a
-        # message never carries a row's tokens past its last checkpoint (see push_checkpoint)
-        self._held: Dict[int, List[int]] = {}
-        self._held_logprobs: Dict[int, list] = {}
         self._checkpoints: Dict[int, RowCheckpoint] = {}
         self._finals: Dict[int, Any] = {}
         self.first_token_at: Dict[int, float] = {}   # row -> wall clock of its first token
@@ -134,52 +132,29 @@ class _CohortBuffer:
         self.event.set()
         self.urgent_event.set()
 
-    def push_tokens(self, row: int, tokens, logprobs=None) -> None:
+    def __call__(self, news: list) -> None:
+        """One lane step phase's `RowNews` of this cohort's rows (on the owner thread). A message
+        never carries a row's tokens past its checkpoint: tokens without one drop an older one."""
+        now, urgent = time.time(), False
         with self._lock:
-            if row not in self.first_token_at:
-                self.first_token_at[row] = time.time()
-            if self._in_lane_step():       # held for the row's checkpoint at the step's end
-                self._held.setdefault(row, []).extend(int(t) for t in tokens)
-                if logprobs is not None:
-                    self._held_logprobs.setdefault(row, []).extend(logprobs)
-                return
-            self._release_locked(row, [int(t) for t in tokens], logprobs)
-
-    def _release_locked(self, row: int, tokens: list, logprobs) -> None:
-        pending = self._tokens.setdefault(row, [])
-        pending.extend(tokens)
-        if logprobs:
-            self._logprobs.setdefault(row, []).extend(logprobs)
-        urgent = self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS
-        if urgent or not self._in_lane_step():
-            self._wake_locked(urgent=urgent)
-
-    def _release_held_locked(self, row: int) -> bool:
-        tokens = self._held.pop(row, None)
-        if not tokens:
-            return False
-        self._release_locked(row, tokens, self._held_logprobs.pop(row, None))
-        return True
-
-    def push_checkpoint(self, row: int, checkpoint: RowCheckpoint) -> None:
-        """The row's state after the tokens its lane step just pushed: they go out together."""
-        with self._lock:
-            if self._release_held_locked(row):
-                self._checkpoints[row] = checkpoint
-
-    def lane_step_ended(self) -> None:
-        """Called on the owner thread after each lane step: send what the step left waiting (tokens
-        whose checkpoint never came go without one)."""
-        with self._lock:
-            for row in list(self._held):
-                self._checkpoints.pop(row, None)
-                self._release_held_locked(row)
-            if self._tokens:
-                self._wake_locked()
+            for n in news:
+                row = self.row_of[id(n.job)]
+                if n.tokens:
+                    self.first_token_at.setdefault(row, now)
+                    pending = self._tokens.setdefault(row, [])
+                    pending.extend(n.tokens)
+                    if n.logprobs:
+                        self._logprobs.setdefault(row, []).extend(n.logprobs)
+                    urgent = urgent or self.sent.get(row, 0) + len(pending) <= URGENT_TOKENS
+                    if n.checkpoint is None:
+                        self._checkpoints.pop(row, None)
+                if n.checkpoint is not None:
+                    self._checkpoints[row] = n.checkpoint
+            if news:
+                self._wake_locked(urgent=urgent)
 
     def push_final(self, row: int, outcome) -> None:
         with self._lock:
-            self._release_held_locked(row)
             self._finals[row] = outcome
             self._wake_locked(urgent=True)
 
@@ -294,11 +269,9 @@ class MTPReplica:
             repetition_stop_all=True if stop is not None else None)
         t0 = time.perf_counter()
         self.model = mtplx.load_model(os.path.expanduser(model_path) if model_path else None)
-        self._buffers: set = set()            # the live cohort calls' buffers (see _lane_step_ended)
-        self._buffers_lock = threading.Lock()
         self.service = mtp_batch.MTPBatchGenerationService.for_model(
             self.model, widths=tuple(int(w) for w in widths), batch_wait_s=float(batch_wait_s),
-            numerics=numerics, on_lane_step=self._lane_step_ended,
+            numerics=numerics,
             greedy_depths=GREEDY_DEPTHS_BY_COST if greedy_depths is None else greedy_depths,
             sampled_depth=sampled_depth,
             settings=self.engine_settings)
@@ -394,13 +367,12 @@ class MTPReplica:
         "f": {row: result | {"error": ...}}} until every row has its final entry; any message may
         carry "pc", the prefix-cache events after `cache_seen[this replica]` (how far the caller
         has read them; absent: from the start). `_routing`: the router's keywords."""
-        buf = _CohortBuffer(asyncio.get_running_loop(), lambda: self.service.in_lane_step)
+        buf = _CohortBuffer(asyncio.get_running_loop())
         started, received_at = time.perf_counter(), time.time()
         seen = [(cache_seen or {}).get(self.replica_id, -1)]
-        jobs = [self._job(i, row, buf) for i, row in enumerate(rows)]
-        with self._buffers_lock:
-            self._buffers.add(buf)
+        jobs = [self._job(row, buf) for row in rows]
         for i, (job, row) in enumerate(zip(jobs, rows)):
+            buf.row_of[id(job)] = i
             self._owners[job.request_id] = row.owner
             for key in _cancel_keys(job):
                 self._jobs.setdefault(key, []).append(job)
@@ -427,10 +399,11 @@ class MTPReplica:
             seen[0] = update["seq"] if "reset" in update else update["from"] + len(update["events"]) - 1
         return msg
 
-    def _job(self, i: int, row: RowSpec, buf: "_CohortBuffer"):
-        """The scheduler's job for row `i` of a cohort: its tokens go to the cohort's buffer; the
+    def _job(self, row: RowSpec, buf: "_CohortBuffer"):
+        """The scheduler's job for a row of a cohort: its news goes to the cohort's buffer; the
         model's EOS joins the row's own stop tokens unless it ignores EOS; a `min_tokens` row's
-        constraint holds those stops back until then."""
+        constraint holds those stops back until then; its stop strings are watched on its text
+        (detokenized as its client's text is), so its row ends in the step that completed one."""
         eos = frozenset() if row.ignore_eos else self.model.eos_token_ids
         stops = eos | frozenset(row.stop_token_ids)
         # an EOS id the request also asked for ends the row as that requested stop (vLLM reports it
@@ -440,14 +413,15 @@ class MTPReplica:
             request_id=row.request_id, prompt_ids=row.prompt_ids, max_tokens=row.max_tokens,
             sampler=row.sampler, draft_sampler=row.draft_sampler, seed=row.seed,
             stop_token_ids=stops, eos_token_ids=unrequested_eos,
-            token_callback=lambda toks, lps=None: buf.push_tokens(i, toks, lps), logprobs=row.logprobs,
+            sink=buf, logprobs=row.logprobs,
             compatibility_key=row.compatibility_key, speculative=row.speculative, adaptive=row.adaptive,
             cancel_error=lambda job: RowCancelled(f"request {job.request_id} cancelled"),
             omit_speculative_bonus=row.omit_speculative_bonus, prefill_group=row.prefill_group,
             constraint=holding_back(row.constraint, stops, row.min_tokens), cache_salt=row.cache_salt,
             request_observability={"replica_id": self.replica_id},
             resume_tokens=row.resume_tokens, checkpoint=row.checkpoint,
-            checkpoint_callback=lambda cp: buf.push_checkpoint(i, cp))
+            stop_text=(partial(StopStringWatch, self.model.tokenizer, row.stop_strings, row.skip_special_tokens,
+                               row.min_tokens) if row.stop_strings else None))
         bank = self.service.session_bank     # the row's prompt is looked up and banked in its caller's partition
         if bank is not None:
             job.session_restore, job.session_commit = bank.job_hooks(job)
@@ -495,8 +469,6 @@ class MTPReplica:
     def _release(self, buf: "_CohortBuffer", jobs: list) -> None:
         """The cohort call ended (normally, or cancelled because the ingress went away): no row
         may keep decoding for nobody."""
-        with self._buffers_lock:
-            self._buffers.discard(buf)
         for job in jobs:
             if not job.future.done():
                 job.cancel()
@@ -507,12 +479,6 @@ class MTPReplica:
                     lst.remove(job)
                 if lst == []:
                     self._jobs.pop(key, None)
-
-    def _lane_step_ended(self) -> None:
-        with self._buffers_lock:
-            buffers = list(self._buffers)
-        for buf in buffers:
-            buf.lane_step_ended()
 
     def _admit_within_limits(self, jobs: list) -> list:
         """The jobs that fit their key's bound on waiting rows; the others fail at once with
@@ -595,16 +561,14 @@ class MTPReplica:
                   exc_info=(type(exc), exc, exc.__traceback__))
         return {"kind": "internal"}
 
-    async def cancel(self, request_id: str, reason: str = "cancelled", owner: Optional[str] = None, **_pin) -> int:
-        """End every row with this request id on this replica; returns how many were live.
-        "cancelled": the rows fail as cancelled; "stop_string" (the ingress matched a stop string):
-        they end as a normal stop, finish_reason "stop", with their results. `owner` (a client's
-        cancel, with API keys set): only the rows that caller's key created (another key's are not
-        found); None: the ingress's own cancels (a client gone, a stop string), or no keys set."""
-        checked_cancel_reason(reason)
+    async def cancel(self, request_id: str, owner: Optional[str] = None, **_pin) -> int:
+        """Cancel every row with this request id on this replica; returns how many were live.
+        `owner` (a client's cancel, with API keys set): only the rows that caller's key created
+        (another key's are not found); None: the ingress's own cancels (a client gone), or no keys
+        set."""
         jobs = [j for j in list(self._jobs.get(request_id, ()))
                 if owner is None or self._owners.get(j.request_id) == owner]
-        return sum(1 for job in jobs if job.cancel(reason))
+        return sum(1 for job in jobs if job.cancel())
 
     async def snapshot(self, **_pin) -> dict:
         snap = self.service.snapshot()

@@ -17,6 +17,16 @@ def greedy_ar(model, prompt_ids, max_tokens: int) -> list:
     return list(runs[key][:max_tokens])
 
 
+def stop_string_in(tokenizer, tokens, after: int) -> tuple:
+    """(s, n): a stop string whose text first completes at token n > `after` of `tokens`."""
+    for n in range(after + 1, len(tokens) + 1):
+        text, before = (tokenizer.decode(list(tokens[:m]), skip_special_tokens=True) for m in (n, n - 1))
+        s = text[-3:]
+        if s.strip() and s not in before:
+            return s, n
+    raise AssertionError("no stop string completes in these tokens")
+
+
 # A float32 near-tie: the oracle's top two logits closer than this share of the logits' scale
 TIE_RELATIVE = 1e-4
 

@@ -50,6 +50,31 @@ def test_stop_string_matcher_names_the_earliest_match():
     assert StopStringMatcher(["x"]).matched is None
 
 
+def test_the_replicas_stop_watch_ends_on_the_token_where_the_ingress_cuts_the_text(model):
+    """`StopStringWatch` (the replica ends the row with it) names the stop string at the very token
+    where the ingress's token-by-token matching of the client's text stops, with `min_tokens` held
+    alike; a re-admitted row's watch, fed its tokens so far, matches where the first would have."""
+    from mtplx.api.text import IncrementalDetokenizer, StopStringMatcher, StopStringWatch
+    from references import greedy_ar, stop_string_in
+
+    tok = model.tokenizer
+    tokens = greedy_ar(model, tok.encode("def f60(x):\n", add_special_tokens=False), 60)
+    stop, n = stop_string_in(tok, tokens, 4)
+    for stops, min_tokens in (([stop], 0), (["\x00never", stop], 0), ([stop], n + 1), ([stop[:1]], 0)):
+        detok, matcher, at = IncrementalDetokenizer(tok), StopStringMatcher(stops), None
+        for k, t in enumerate(tokens, 1):        # the ingress, as `RowStream` reads each token
+            matcher.push(detok.push([t]), armed=k >= min_tokens)
+            if matcher.stopped:
+                at = k
+                break
+        watch = StopStringWatch(tok, stops, min_tokens=min_tokens)
+        got = next(((k, m) for k, m in ((k, watch.push(t)) for k, t in enumerate(tokens, 1)) if m), None)
+        assert got == (None if at is None else (at, matcher.matched)), (stops, min_tokens)
+    assert got is None or got[0] <= n
+    resumed = StopStringWatch(tok, [stop])
+    assert [resumed.push(t) for t in tokens[:n - 1]] == [None] * (n - 1) and resumed.push(tokens[n - 1]) == stop
+
+
 def test_detokenizer_skips_special_tokens_unless_asked(model):
     """Special tokens inside the output (the template's `<|im_start|>` too) are left out of the
     text by default (vLLM's skip_special_tokens); with skip_special_tokens false they are text like

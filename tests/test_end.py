@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from mtplx.end import CANCELLED, EOS, KINDS, LENGTH, STOP_STRING, STOP_TOKEN, End
+from references import stop_string_in
 
 # kind -> (OpenAI finish_reason, Anthropic stop_reason, Responses status, metrics label)
 REASONS = {
@@ -125,14 +126,19 @@ def reference(model):
     return prompt, ref, k
 
 
-def test_the_lane_decides_each_rows_end(lane, reference):
-    """EOS, a requested stop token, the budget, and a removal each end their row with that End
-    (the stop tokens with the token), on the row's last event and its result."""
+def test_the_lane_decides_each_rows_end(model, lane, reference):
+    """EOS, a requested stop token, a stop string, the budget, and a removal each end their row
+    with that End (the stop tokens with the token, the stop string with the string: the token
+    that completed it the row's last), on the row's last event and its result."""
+    from functools import partial
+
+    from mtplx.api.text import StopStringWatch
     from mtplx.engine.lane import RunningLane
     from mtplx.engine.row import A3BMTPBatchRequest
 
     prompt, ref, k = reference
     t = ref[k]
+    s, n = stop_string_in(model.tokenizer, ref, 2)
 
     def req(rid, **kw):
         return A3BMTPBatchRequest(request_id=rid, prompt_ids=prompt, sampler=_greedy(), **kw)
@@ -142,9 +148,8 @@ def test_the_lane_decides_each_rows_end(lane, reference):
                     req("stop", max_tokens=24, stop_token_ids={t}),
                     req("length", max_tokens=k, stop_token_ids={t}),
                     req("removed", max_tokens=24),
-                    req("stop_string", max_tokens=24)])
+                    req("stop_string", max_tokens=24, stop_text=partial(StopStringWatch, model.tokenizer, [s]))])
     running.remove(["removed"])
-    running.remove(["stop_string"], End(STOP_STRING))
     ends = {}
     while running.has_work:
         for e in running.step():
@@ -154,17 +159,22 @@ def test_the_lane_decides_each_rows_end(lane, reference):
     assert ends["eos"] == (End(EOS, token=t), ref[:k + 1])
     assert ends["stop"] == (End(STOP_TOKEN, token=t), ref[:k + 1])
     assert ends["length"] == (End(LENGTH), ref[:k])
-    assert ends["removed"] == (End(CANCELLED), []) and ends["stop_string"] == (End(STOP_STRING), [])
+    assert ends["removed"] == (End(CANCELLED), [])
+    assert ends["stop_string"] == (End(STOP_STRING, string=s), ref[:n])
 
 
 def test_the_services_result_carries_the_engines_end(model, lane, reference):
-    """Through the service: each result's "end" is the End the engine decided (a stop string its
-    caller matched included, with no remapping of a cancel), its "finish_reason" and stats' reasons
-    the compatibility strings of that End; a cancelled row's future fails."""
+    """Through the service: each result's "end" is the End the engine decided (a stop string
+    included: the job's own, matched on its text as it decodes), its "finish_reason" and stats'
+    reasons the compatibility strings of that End; a cancelled row's future fails."""
+    from functools import partial
+
+    from mtplx.api.text import StopStringWatch
     from mtplx.scheduler.service import MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob
 
     prompt, ref, k = reference
     t = ref[k]
+    s, n = stop_string_in(model.tokenizer, ref, 2)
     service = MTPBatchGenerationService(model, {3: lane}, batch_wait_s=0.02)
     try:
         def job(rid, **kw):
@@ -174,23 +184,20 @@ def test_the_services_result_carries_the_engines_end(model, lane, reference):
 
         ended = [service.submit(job("eos", stop_token_ids={t}, eos_token_ids={t})),
                  service.submit(job("stop", stop_token_ids={t})),
-                 service.submit(job("length", max_tokens=k, stop_token_ids={t}))]
+                 service.submit(job("length", max_tokens=k, stop_token_ids={t})),
+                 service.submit(job("stop_string", stop_text=partial(StopStringWatch, model.tokenizer, [s])))]
         results = [f.result(TIMEOUT) for f in ended]
-        assert [r["end"] for r in results] == [End(EOS, token=t), End(STOP_TOKEN, token=t), End(LENGTH)]
-        assert [r["finish_reason"] for r in results] == ["stop", "stop", "length"]
-        assert [r["stats"]["engine_finish_reason"] for r in results] == ["stop", "stop", "length"]
+        assert [r["end"] for r in results] == [End(EOS, token=t), End(STOP_TOKEN, token=t), End(LENGTH),
+                                               End(STOP_STRING, string=s)]
+        assert [r["finish_reason"] for r in results] == ["stop", "stop", "length", "stop"]
+        assert [r["stats"]["engine_finish_reason"] for r in results] == ["stop", "stop", "length", "stop_string"]
+        assert results[3]["tokens"] == ref[:n] and not results[3]["stats"]["cancelled"]
 
-        for reason in ("stop_string", "cancelled"):
-            seen = threading.Event()
-            j = job(reason, max_tokens=400, token_callback=lambda toks, seen=seen: seen.set())
-            fut = service.submit(j)
-            assert seen.wait(TIMEOUT) and j.cancel(reason)
-            if reason == "cancelled":
-                with pytest.raises(MTPBatchCancelled):
-                    fut.result(TIMEOUT)
-                continue
-            r = fut.result(TIMEOUT)
-            assert r["end"] == End(STOP_STRING) and r["finish_reason"] == "stop"
-            assert r["stats"]["engine_finish_reason"] == "stop_string" and len(r["tokens"]) < 400
+        seen = threading.Event()
+        j = job("cancelled", max_tokens=400, token_callback=lambda toks: seen.set())
+        fut = service.submit(j)
+        assert seen.wait(TIMEOUT) and j.cancel()
+        with pytest.raises(MTPBatchCancelled):
+            fut.result(TIMEOUT)
     finally:
         service.shutdown(timeout_s=30)

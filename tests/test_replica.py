@@ -12,6 +12,7 @@ import pytest
 
 import process_state
 from mtplx.api.rows import RowSpec
+from mtplx.end import STOP_STRING, End
 from mtplx.sampling import SamplerConfig
 
 
@@ -203,48 +204,41 @@ def test_a_replica_takes_its_cpus_and_moves_its_nodes_other_processes_off():
         raylet.wait()
 
 
-def test_a_cycles_tokens_go_with_their_checkpoint_and_wait_for_the_lane_steps_end():
-    """During a lane step a row's tokens wait for the row's checkpoint after them, and go out with
-    it: a message never carries a row's tokens past its last checkpoint (the ingress resumes the
-    row elsewhere from there). A row's first few tokens then go at once; its later ones wait for
-    the step's end, so that the step's draft and bonus token go out as one message. Tokens whose
-    checkpoint never came go at the step's end without one; tokens pushed outside a lane step go
-    at once."""
+def test_a_cohorts_sink_takes_each_phases_news_at_once_with_its_checkpoints():
+    """The cohort's buffer is its rows' sink: one call per lane step phase, one wake. A row's
+    tokens go with its checkpoint after them, so a message never carries a row's tokens past its
+    last checkpoint (the ingress resumes the row elsewhere from there); tokens without one drop an
+    older one. A row's first few tokens wake the stream at once (urgent); later ones may wait for
+    the stream's interval. An empty hand-over wakes nothing."""
     from deployments.replica import URGENT_TOKENS, _CohortBuffer
     from mtplx.api.rows import RowCheckpoint
+    from mtplx.scheduler.lane_rows import RowNews
 
     def cp(n):
         return RowCheckpoint(n, True, None, (0.5, True, 16, 0))
 
+    a, b = object(), object()
+
     async def go():
-        in_step = [True]
-        buf = _CohortBuffer(asyncio.get_running_loop(), lambda: in_step[0])
+        buf = _CohortBuffer(asyncio.get_running_loop())
+        buf.row_of.update({id(a): 0, id(b): 1})
 
         async def woken() -> bool:
             await asyncio.sleep(0.01)     # the wake is scheduled thread-safely onto the loop
             return buf.event.is_set()
 
-        buf.push_tokens(0, list(range(URGENT_TOKENS)))
-        assert not await woken()                                  # held for its checkpoint
-        buf.push_checkpoint(0, cp(URGENT_TOKENS))                 # first tokens: urgent, at once
-        assert await woken() and buf.urgent_event.is_set()
+        buf([RowNews(a, list(range(URGENT_TOKENS)), None, cp(URGENT_TOKENS)), RowNews(b, [], None, cp(0))])
+        assert await woken() and buf.urgent_event.is_set()       # first tokens: urgent
         tokens, _, _, checkpoints = buf.take()
-        assert tokens == {0: list(range(URGENT_TOKENS))} and checkpoints == {0: cp(URGENT_TOKENS)}
-        buf.push_tokens(0, [7], [(-0.5, ())])
-        buf.push_tokens(0, [8], [(-0.25, ())])
-        buf.push_checkpoint(0, cp(URGENT_TOKENS + 2))
-        assert not await woken()                                  # mid-step: held
-        buf.lane_step_ended()
+        assert tokens == {0: list(range(URGENT_TOKENS))} and checkpoints == {0: cp(URGENT_TOKENS), 1: cp(0)}
+        buf([RowNews(a, [7, 8], [(-0.5, ()), (-0.25, ())], cp(URGENT_TOKENS + 2))])
         assert await woken() and not buf.urgent_event.is_set()
         assert buf.take() == ({0: [7, 8]}, {0: [(-0.5, ()), (-0.25, ())]}, {}, {0: cp(URGENT_TOKENS + 2)})
-        buf.push_tokens(0, [5])
-        buf.lane_step_ended()                                     # no checkpoint came: without one
-        assert await woken() and buf.take() == ({0: [5]}, {}, {}, {})
-        buf.lane_step_ended()                                     # nothing held: no wake
+        buf([RowNews(a, [4], None, cp(URGENT_TOKENS + 3))])
+        buf([RowNews(a, [5], None, None)])                        # no checkpoint after 5: the older goes
+        assert await woken() and buf.take() == ({0: [4, 5]}, {}, {}, {})
+        buf([])
         assert not await woken()
-        in_step[0] = False
-        buf.push_tokens(0, [9])                                   # outside a lane step (a solo runner)
-        assert await woken()
 
     asyncio.run(go())
 
@@ -273,37 +267,37 @@ def test_streamed_rows_arrive_whole_and_before_their_ends(replica):
         assert len(carrying) <= URGENT_TOKENS + finals[i]["stats"]["verify_calls"] + 1
 
 
-@pytest.mark.parametrize("reason", ["stop_string", "cancelled"])
-def test_a_stop_string_ends_a_row_as_a_stop_and_a_cancel_as_a_cancel(replica, reason):
-    """The ingress's cancel with reason "stop_string" ends the row as a normal stop (finish_reason
-    "stop", not cancelled, not counted as a cancellation); reason "cancelled" ends it cancelled."""
-    row = _row(replica, 60 + len(reason), max_tokens=400)
+def test_a_stop_string_ends_its_row_at_the_replica_and_a_cancel_cancels(replica):
+    """A row's stop strings are matched at the replica on its text: the row ends as a normal stop on
+    the token that completed one (finish_reason "stop", not cancelled, its End carries the string),
+    with no call from the ingress; a cancel ends a row cancelled, counted as one."""
+    from references import greedy_ar, stop_string_in
+
+    ids = replica.model.tokenizer.encode("def f60(x):\n", add_special_tokens=False)
+    ref = greedy_ar(replica.model, ids, 60)
+    stop, n = stop_string_in(replica.model.tokenizer, ref, 6)
+    before = asyncio.run(replica.snapshot())
+    final = _finals(replica, [_row(replica, 60, max_tokens=60, prompt_ids=ids, stop_strings=(stop,))])[0]
+    assert final["completion_tokens"] == n and final["finish_reason"] == "stop"
+    assert End.from_dict(final["end"]) == End(STOP_STRING, string=stop)
+    assert final["stats"]["cancelled"] is False and final["stats"]["engine_finish_reason"] == "stop_string"
+    after = asyncio.run(replica.snapshot())
+    assert after["requests_cancelled"] == before["requests_cancelled"]
+
+    row = _row(replica, 61, max_tokens=400)
 
     async def go():
         finals, cancelled = {}, None
         async for msg in replica.run_cohort([row]):
             if cancelled is None and msg.get("t"):
-                cancelled = await replica.cancel(row.request_id, reason=reason)
+                cancelled = await replica.cancel(row.request_id)
             finals.update(msg.get("f") or {})
         return finals[0], cancelled
 
-    before = asyncio.run(replica.snapshot())
     final, live = asyncio.run(go())
-    after = asyncio.run(replica.snapshot())
     assert live == 1 and final["completion_tokens"] < 400
-    if reason == "stop_string":
-        assert final["finish_reason"] == "stop" and final["stats"]["cancelled"] is False
-        assert final["stats"]["engine_finish_reason"] == "stop_string"
-        assert after["requests_cancelled"] == before["requests_cancelled"]
-        assert after["requests_completed"] == before["requests_completed"] + 1
-    else:
-        assert final["finish_reason"] == "cancelled" and final["stats"]["cancelled"] is True
-        assert after["requests_cancelled"] == before["requests_cancelled"] + 1
-
-
-def test_a_cancel_reason_must_be_known(replica):
-    with pytest.raises(ValueError, match="reason='bored'"):
-        asyncio.run(replica.cancel("row-none", reason="bored"))
+    assert final["finish_reason"] == "cancelled" and final["stats"]["cancelled"] is True
+    assert asyncio.run(replica.snapshot())["requests_cancelled"] == after["requests_cancelled"] + 1
 
 
 def test_info_reports_the_settings_in_effect(replica):

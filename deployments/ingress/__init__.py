@@ -5,12 +5,11 @@ shape), parse and validate (pydantic, 400s naming the field), apply the chat tem
 tokenize, then hold a place in the bound on waiting rows (`admission`) and build one typed row
 (`mtplx.api.rows.RowSpec`). Rows enter the `@serve.batch` window; each window goes to one MTP
 replica as a single streaming call, whose per-row updates are demultiplexed back to the rows
-(`dispatch`). Each row then turns tokens into text, matches stop strings and decides how it ended
-(`row_stream`), and answers as JSON or SSE in its route's format (`formats`: chat, completion,
+(`dispatch`). Each row then turns tokens into text, cuts it at the stop string the replica ended
+it on, and carries the engine's `End` (`row_stream`), and answers as JSON or SSE in its route's format (`formats`: chat, completion,
 Anthropic message; `responses`: a Responses response, kept in `response_store`).
 
-Row-level cancellation: a client that disconnects cancels only its row, and a stop string that
-matches ends only its row, with a call pinned (by `deployments.router`) to the replica that runs
+Row-level cancellation: a client that disconnects cancels only its row, with a call pinned (by `deployments.router`) to the replica that runs
 its cohort; a row whose client left before its window closed is never sent. The cohort stream
 itself is never cancelled by one row.
 """

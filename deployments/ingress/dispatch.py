@@ -30,12 +30,9 @@ from mtplx.api.rows import RowCheckpoint, RowSpec
 
 from ..router import AVOID_KWARG, DEFAULT_LOAD_FACTOR, PIN_KWARG, AffinityPolicy, known_replicas
 from .admission import WaitingBound
-from .pending import DISCONNECT, STOP_STRING, PendingRow
+from .pending import PendingRow
 
 log = logging.getLogger("ray.serve")
-
-# How a row ended early at the ingress, in the replica's words.
-_REPLICA_REASON = {DISCONNECT: "cancelled", STOP_STRING: "stop_string"}
 
 _SHUTTING_DOWN = {"kind": "unavailable", "message": "the server is shutting down; retry"}
 _REPLICA_FAILED = {"kind": "unavailable",
@@ -137,7 +134,7 @@ class ReplicaDispatcher:
         for slot, row in enumerate(rows):
             row.batch_started_at = now
             self.bound.row_leaves_wait(row)
-            if row.ended_early:
+            if row.cancelled:
                 self._stats["rows_dropped_before_dispatch"] += 1
                 queue.put_nowait((slot, ("error", {"kind": "cancelled"})))
             else:
@@ -273,7 +270,7 @@ class ReplicaDispatcher:
         for r in rows:
             if not r.done:
                 self._unplace(r)
-                r.move = not r.pending.ended_early
+                r.move = not r.pending.cancelled
                 r.error = None if r.move else _REPLICA_FAILED
 
     def _route_message(self, msg: dict, rows: List[_Row], replica: list, queue: asyncio.Queue) -> None:
@@ -304,8 +301,8 @@ class ReplicaDispatcher:
         for r in live:
             r.replica = replica
             self.row_replica[r.pending.request_id] = replica
-            if r.pending.ended_early:       # it ended while its call was on the way
-                self._send_cancel(r.pending.request_id, replica, _REPLICA_REASON[r.pending.ended_early])
+            if r.pending.cancelled:       # its client left while its call was on the way
+                self._send_cancel(r.pending.request_id, replica)
         self.policy.placed(replica, len(live), [r.pending.session for r in live])
 
     def _unplace(self, r: _Row) -> None:
@@ -317,7 +314,7 @@ class ReplicaDispatcher:
             return
         self._unplace(r)
         error = final.get("error")
-        if error is not None and error.get("resumable") and not r.pending.ended_early:
+        if error is not None and error.get("resumable") and not r.pending.cancelled:
             r.move = True           # its replica is shutting down: the row goes on elsewhere
             return
         r.done = True
@@ -325,30 +322,27 @@ class ReplicaDispatcher:
         queue.put_nowait((r.slot, ("error", error) if error is not None else ("final", final)))
 
     # ------------------------------------------------------------------------------------------
-    # Rows that end here: a client that left, a stop string that matched
+    # Rows that end here: a client that left
 
-    def end_row(self, row: PendingRow, why: str) -> None:
-        """End one row wherever it is (fire and forget; never the whole cohort). The mark on the row
-        is all the state there is: a row not yet in a batch is dropped at dispatch, a row whose
-        cohort call has not reached its replica is ended when the replica answers, and after its
-        cohort ended the mark is simply never read."""
-        if row.ended_early:
+    def cancel_row(self, row: PendingRow) -> None:
+        """Cancel one row, its client gone, wherever it is (fire and forget; never the whole
+        cohort). The mark on the row is all the state there is: a row not yet in a batch is dropped
+        at dispatch, a row whose cohort call has not reached its replica is cancelled when the
+        replica answers, and after its cohort ended the mark is simply never read."""
+        if row.cancelled:
             return
-        row.ended_early = why
-        if why == STOP_STRING:
-            self._stats["stop_string_stops"] += 1
-        else:
-            self._stats["row_cancels"] += 1
-            self._metric("cancels", 1, {"reason": why})
+        row.cancelled = True
+        self._stats["row_cancels"] += 1
+        self._metric("cancels", 1, {"reason": "disconnect"})
         replica_id = self.row_replica.get(row.request_id)
         if replica_id is not None:
-            self._send_cancel(row.request_id, replica_id, _REPLICA_REASON[why])
+            self._send_cancel(row.request_id, replica_id)
 
-    def _send_cancel(self, rid: str, replica_id: Optional[str], reason: str) -> None:
+    def _send_cancel(self, rid: str, replica_id: Optional[str]) -> None:
         async def send():
             try:
                 kwargs = {PIN_KWARG: replica_id} if replica_id else {}
-                await call(self._replica.cancel, rid, reason=reason, timeout_s=30, **kwargs)
+                await call(self._replica.cancel, rid, timeout_s=30, **kwargs)
             except Exception as exc:
                 log.warning("mtplx ingress: cancel of %s failed: %s", rid, exc)
 

@@ -8,22 +8,18 @@ from typing import Optional
 
 from mtplx.api.rows import RowSpec
 
-# How a row ends early at the ingress.
-DISCONNECT = "disconnect"           # the client went away: a cancellation
-STOP_STRING = "stop_string"         # a stop string matched: a normal stop, not a cancellation
-
 
 @dataclass
 class PendingRow:
     """`spec`, and when its HTTP request arrived and its batch started, whether it counts as
-    waiting for a batch, why it ended early (DISCONNECT, STOP_STRING), if it did, and its
+    waiting for a batch, whether its client went away before its end (`cancelled`), and its
     session for affinity routing (`deployments.router.session_key`; None: none)."""
 
     spec: RowSpec
     http_received_at: float
     batch_started_at: Optional[float] = None
     waiting_here: bool = False
-    ended_early: Optional[str] = None
+    cancelled: bool = False
     session: Optional[str] = None
 
     @property

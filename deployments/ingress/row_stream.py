@@ -1,12 +1,14 @@
 """One row's life after admission: events from its batch slot -> tokens -> text, with its stop
 strings and log-probabilities, and how the row ended: the engine's `End`, carried here from the
-replica, unless a stop string this stream matched ended it first (the text is cut here).
+replica unchanged. The replica ends a row on a stop string (it matches them on the row's text as
+it decodes); the text here is matched the same way, token by token, only to hold back what may
+begin a stop string and to cut the text at the one that ended the row.
 
 What a client is told about a row lines up with its text: every token it returns is counted in
 usage and has (when asked for) one log-probability entry, in order; the token that ended the row
 (EOS or a requested stop token id) is none of these (the replica does not stream it). With stop
 strings the tokens are matched one by one, so a row stopped by one counts the tokens up to and
-including the one that completed it, whatever else its last cycle decoded.
+including the one that completed it (the row's last).
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.text import IncrementalDetokenizer, StopStringMatcher
 from mtplx.end import CANCELLED, STOP_STRING, End
 
-from .pending import DISCONNECT, PendingRow
-from .pending import STOP_STRING as STOP_STRING_MATCHED
+from .pending import PendingRow
 
 log = logging.getLogger("ray.serve")
 
@@ -106,12 +107,12 @@ class RowStream:
         only, wherever it is, and stop listening."""
         if self.finished:
             return
-        self.ing.dispatch.end_row(self.row, DISCONNECT)
+        self.ing.dispatch.cancel_row(self.row)
         if self._pump_task is not None and not self._pump_task.done():
             self._pump_task.cancel()
 
-    async def _next_update(self, timeout: Optional[float] = None) -> list:
-        item = await (self._queue.get() if timeout is None else asyncio.wait_for(self._queue.get(), timeout))
+    async def _next_update(self) -> list:
+        item = await self._queue.get()
         if item is _END:
             self._queue.put_nowait(_END)
             raise StopAsyncIteration
@@ -142,8 +143,6 @@ class RowStream:
         async for text in self._iter:
             self._mark_text()
             yield text
-        if self.stops.stopped and self.final is None:
-            await self._drain_after_stop()
 
     async def text(self) -> str:
         """The whole text (non-streaming); the row is ended, or closed on failure."""
@@ -166,8 +165,6 @@ class RowStream:
                 text = self._on_event(event)
                 if text:
                     yield text
-            if self.stops.stopped:
-                return   # the caller drains the ended row (bounded) for its stats
 
     def _on_event(self, event: tuple) -> str:
         kind = event[0]
@@ -198,8 +195,7 @@ class RowStream:
         for k, token in enumerate(tokens):
             self._returned([token], entries[k:k + 1] if entries else None)
             text += self.stops.push(self.detok.push([token]), armed=self.n_tokens >= self.spec.min_tokens)
-            if self.stops.stopped:
-                self.ing.dispatch.end_row(self.row, STOP_STRING_MATCHED)
+            if self.stops.stopped:    # the row's last token: its replica ended it here
                 break
         return text
 
@@ -233,18 +229,6 @@ class RowStream:
         log.error("mtplx ingress: request %s failed at the replica (the replica log has the details)", self.rid)
         return oa.internal_error(self.rid)
 
-    async def _drain_after_stop(self) -> None:
-        """After a stop string: wait (bounded) for the ended row's final (it carries stats)."""
-        deadline = time.perf_counter() + self.ing.stop_wait_s
-        try:
-            while self.final is None and time.perf_counter() < deadline:
-                for event in await self._next_update(timeout=deadline - time.perf_counter()):
-                    if event[0] == "final":
-                        self.final = event[1]
-        except (asyncio.TimeoutError, StopAsyncIteration, oa.OpenAIError):
-            pass
-        self.finished = True
-
     def _mark_text(self) -> None:
         if self.first_text_s is None:
             self.first_text_s = time.perf_counter()
@@ -252,18 +236,15 @@ class RowStream:
 
     # -- the result --------------------------------------------------------------------------------
 
-    def _engine_end(self) -> Optional[End]:
-        """The End the engine decided (None: no final came, as after a stop string whose row's final
-        was not awaited)."""
-        return End.from_dict(self.final["end"]) if self.final is not None else None
-
     def _end(self) -> End:
-        """How the row ended: a stop string this stream matched (it cut the text here, whatever the
-        row did after), else the engine's End; no final at all: cancelled."""
-        if self.stops.stopped:
-            return End(STOP_STRING, string=self.stops.matched)
-        engine = self._engine_end()
-        return engine if engine is not None else End(CANCELLED)
+        """How the row ended: the End the engine decided; no final at all: cancelled."""
+        if self.final is None:
+            return End(CANCELLED)
+        end = End.from_dict(self.final["end"])
+        if self.stops.stopped != (end.kind == STOP_STRING):     # a bug of ours: say so, keep the engine's word
+            log.error("mtplx ingress: request %s: the text here %s a stop string, the replica ended the row as %s",
+                      self.rid, "matched" if self.stops.stopped else "matched no", end.kind)
+        return end
 
     def result(self) -> RowResult:
         """The ended row's result (computed once)."""
@@ -292,8 +273,7 @@ class RowStream:
             stats["constraint"] = self.spec.constraint.kind
         stats["cancelled"] = end.kind == CANCELLED
         # the client sees OpenAI's reason everywhere; the engine's stays beside it
-        engine = self._engine_end()
-        stats["engine_finish_reason"] = engine.engine_reason if engine is not None else None
+        stats["engine_finish_reason"] = end.engine_reason if self.final is not None else None
         stats["finish_reason"] = finish_reason
         return stats
 

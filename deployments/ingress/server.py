@@ -57,7 +57,7 @@ _SSE_HEADERS = {"cache-control": "no-cache"}
 # defaults from here, so each has one.
 INGRESS_DEFAULTS = {
     "niceness": 0, "tokenizer_source": "auto", "default_max_tokens": 512, "default_generation_mode": "auto",
-    "stop_wait_s": 2.0, "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
+    "max_body_bytes": 8 * 1024 * 1024, "api_keys_env": "MTPLX_API_KEYS",
     "max_waiting_rows": 256, "retry_after_s": 1.0, "overload_status": 429, "max_batch_size": 8,
     "batch_wait_timeout_s": 0.01, "max_concurrent_batches": 64, "metrics": True, "allowed_hosts": (),
     "max_tool_calls": DEFAULT_MAX_TOOL_CALLS, "responses_store": "sqlite", "responses_store_path": DEFAULT_STORE_PATH,
@@ -102,7 +102,6 @@ class OpenAIIngress:
         self.model_aliases.discard("")
         self.default_max_tokens = int(cfg["default_max_tokens"])
         self.default_mode = cfg["default_generation_mode"]
-        self.stop_wait_s = float(cfg["stop_wait_s"])
         self.max_body_bytes = int(cfg["max_body_bytes"])
         self.max_tokens_limit = cfg.get("max_tokens_limit")
         self.max_tool_calls = int(cfg["max_tool_calls"])
@@ -120,7 +119,7 @@ class OpenAIIngress:
         self.batch_wait_timeout_s = float(cfg["batch_wait_timeout_s"])
         self.max_concurrent_batches = int(cfg["max_concurrent_batches"])
         self._stats = {"requests": 0, "batches": 0, "cohorts": 0, "batch_size_histogram": {},
-                       "cohort_size_histogram": {}, "row_cancels": 0, "stop_string_stops": 0, "errors": 0,
+                       "cohort_size_histogram": {}, "row_cancels": 0, "errors": 0,
                        "rejected_overload": 0, "rejected_unauthorized": 0, "rows_dropped_before_dispatch": 0,
                        "replica_health_checks": 0, "replica_failures": 0, "rows_moved": 0, "row_moves_failed": 0}
         self._metrics = make_metrics(INGRESS_SERIES, log) if cfg["metrics"] else None
@@ -456,6 +455,7 @@ class OpenAIIngress:
             omit_speculative_bonus=bool(req.omit_speculative_bonus),
             # the row's stop set at the replica: the model's EOS (unless ignore_eos) and these
             stop_token_ids=tuple(sorted(set(req.stop_token_ids or ()))), ignore_eos=bool(req.ignore_eos),
+            stop_strings=tuple(req.stop_strings()), skip_special_tokens=bool(req.skip_special_tokens),
             logprobs=req.requested_logprobs, constraint=constraint, owner=ctx.caller,
             cache_salt=cache_partition(ctx.caller, getattr(req, "cache_salt", None)))
 

@@ -65,7 +65,7 @@ class RowCheckpoint:
 @dataclass(frozen=True)
 class RowSpec:
     """One completion row as the scheduler needs it: prompt, budget, sampling, stops, logprobs.
-    `stop_token_ids` are the request's own; the model's EOS joins them at the replica unless
+    `stop_token_ids` and `stop_strings` are the request's own; the model's EOS joins them at the replica unless
     `ignore_eos`. `prefill_group`: rows of one request (n > 1) that share one prefill.
     `resume_tokens`: a row re-admitted after the replica running it went away continues after
     these tokens (already streamed to its client), from `checkpoint` (its state after them, as
@@ -83,7 +83,9 @@ class RowSpec:
     omit_speculative_bonus: bool = False
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
-    min_tokens: int = 0                     # the row's stop tokens are held back until it has this many
+    min_tokens: int = 0                     # the row's stop tokens and strings are held back until it has this many
+    stop_strings: tuple = ()                # matched on its text at the replica (`StopStringWatch`)
+    skip_special_tokens: bool = True        # how that text is detokenized: as its client's text
     logprobs: Optional[int] = None          # None, or the alternatives per token (0-20)
     prefill_group: Optional[str] = None
     constraint: Optional[Constraint] = None   # structured output: checked at the ingress, enforced per row

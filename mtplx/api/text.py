@@ -157,6 +157,26 @@ class StopStringMatcher:
         return out
 
 
+class StopStringWatch:
+    """A row's stop strings watched where it decodes (the engine's `StopWatch`): each emitted
+    token is detokenized as the client's text will be (`skip_special_tokens`) and matched as the
+    ingress's `StopStringMatcher` matches it, so the row ends in the step whose token completed a
+    stop string and the ingress cuts its text at the same token. Before `min_tokens` tokens
+    nothing matches."""
+
+    def __init__(self, tokenizer, stops: Sequence[str], skip_special_tokens: bool = True, min_tokens: int = 0):
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self._matcher = StopStringMatcher(stops)
+        self._min_tokens = int(min_tokens)
+        self._n = 0
+
+    def push(self, token: int) -> Optional[str]:
+        """The stop string the text completed at `token` (None: none yet)."""
+        self._n += 1
+        self._matcher.push(self._detok.push([token]), armed=self._n >= self._min_tokens)
+        return self._matcher.matched
+
+
 def tokens_through(tokenizer, ids: Sequence[int], marker: str) -> int:
     """How many of `ids` it takes for their text to contain `marker` (all of them when it never
     does): a thinking section's tokens, `</think>` included."""

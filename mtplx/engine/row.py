@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_TOKEN, End
+from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
 from mtplx.engine.prefill import CapacityError
 from mtplx.engine.repetition import RepetitionLimits, repeated_tail
 from mtplx.sampling import SamplerConfig, row_distribution, to_host
@@ -82,6 +82,15 @@ class RowResume:
     result: Optional["A3BMTPBatchStreamResult"] = None   # its counters so far (its tokens and entries are the above)
 
 
+class StopWatch(Protocol):
+    """A row's stop strings, watched on its text as it decodes: `push` takes each emitted token
+    in order (a stop token never reaches it) and returns the stop string its text completed at
+    that token, else None. The engine sees only tokens; whoever builds the request owns the text
+    (the replica detokenizes with `mtplx.api.text.StopStringWatch`)."""
+
+    def push(self, token: int) -> Optional[str]: ...
+
+
 def _noop(*_args, **_kwargs):
     return None
 
@@ -129,6 +138,10 @@ class A3BMTPBatchRequest:
     constraint: Optional[Constraint] = None
     # A row re-admitted after its lane failed: it continues from here (`RowResume`)
     resume: Optional["RowResume"] = None
+    # Stop strings: a fresh `StopWatch` of the row's text per call (a re-admitted row watches its
+    # text again from its first token). The row ends as STOP_STRING in the step whose token
+    # completed one, that token its last.
+    stop_text: Optional[Callable[[], StopWatch]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -226,6 +239,7 @@ class LaneRow:
         self.req = req
         # structured output: the row's grammar state (`grammar_tokenizer`: llguidance's tokenizer)
         self.grammar = None if req.constraint is None else RowGrammar(req.constraint, grammar_tokenizer, vocab)
+        self.stop_watch = None if req.stop_text is None else req.stop_text()
         self.repetition_limits = repetition_limits
         self.live = True
         self.sampler = req.sampler
@@ -287,6 +301,9 @@ class LaneRow:
                 self.grammar.consume(t)
             if self.grammar.spent:
                 self.grammar = None
+        if self.stop_watch is not None:     # its text so far (it completed no stop string, or it had ended)
+            for t in at.tokens:
+                self.stop_watch.push(t)
 
     @property
     def prefill_ids(self) -> tuple:
@@ -432,9 +449,14 @@ class LaneRow:
 
     def _end_after(self, token: int) -> Optional[End]:
         """The row's end on its newest token, if that token ends it: a stop token (EOS, or one
-        its caller asked for), its grammar complete, its budget spent."""
+        its caller asked for), a stop string its text completed, its grammar complete, its budget
+        spent (vLLM's order)."""
         if token in self.req.stop_token_ids:
             return End(EOS if token in self.req.eos_token_ids else STOP_TOKEN, token=token)
+        if self.stop_watch is not None:
+            matched = self.stop_watch.push(token)
+            if matched is not None:
+                return End(STOP_STRING, string=matched)
         if self.grammar is not None and self.grammar.ended:
             return End(GRAMMAR_COMPLETE)
         if len(self.result.tokens) >= self.req.max_tokens:

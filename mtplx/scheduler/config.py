@@ -23,10 +23,6 @@ MAX_COHORT_ROWS = 8                    # MTPLX's seal cap; here the row cap when
 IDLE_HEAP_RELEASE_S = 0.5              # idle this long after work, the owner returns free heap to the OS
 NUMERICS = ("throughput", "b1-exact")
 
-# Why a row ends before its budget at a caller's request. "stop_string": the caller found a stop
-# string in the text, so the row ends as a normal stop (finish_reason "stop"), not a cancellation.
-CANCEL_REASONS = ("cancelled", "stop_string")
-
 
 def checked_greedy_depths(depths, widths_max: int, depths_allowed: tuple) -> dict:
     """`greedy_depths` as {width: depth}, or ValueError naming the entry at fault."""
@@ -39,8 +35,3 @@ def checked_greedy_depths(depths, widths_max: int, depths_allowed: tuple) -> dic
         out[int(w)] = int(d)
     return out
 
-
-def checked_cancel_reason(reason: str) -> str:
-    if reason not in CANCEL_REASONS:
-        raise ValueError(f"reason={reason!r} is invalid: expected one of {CANCEL_REASONS}")
-    return reason

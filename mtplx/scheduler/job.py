@@ -13,9 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Hashable, Iterable, Optional
 
 from mtplx.api.rows import RowCheckpoint, mtp_batch_compatibility_key
-from mtplx.end import CANCELLED, STOP_STRING, End
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.config import checked_cancel_reason
 from mtplx.structured import Constraint
 
 
@@ -87,7 +85,8 @@ class MTPBatchJob:
                  constraint: Optional[Constraint] = None, cache_salt: Optional[str] = None,
                  resume_tokens: Iterable[int] = (), checkpoint: Optional[RowCheckpoint] = None,
                  checkpoint_callback: Optional[Callable[[RowCheckpoint], None]] = None,
-                 eos_token_ids: Iterable[int] = frozenset()):
+                 eos_token_ids: Iterable[int] = frozenset(),
+                 stop_text: Optional[Callable[[], Any]] = None, sink: Optional[Callable[[list], None]] = None):
         self.request_id = str(request_id)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = max(1, int(max_tokens))
@@ -110,7 +109,6 @@ class MTPBatchJob:
         self.cancel_error = cancel_error or _default_cancel_error
         self.prefill_callback = prefill_callback
         self.cancel_event = cancel_event if cancel_event is not None else threading.Event()
-        self.cancel_reason: Optional[str] = None     # what `cancel(reason)` said first
         self.request_observability = request_observability if request_observability is not None else {}
         self.session_id = session_id
         self.session_restore = session_restore
@@ -120,6 +118,13 @@ class MTPBatchJob:
         # structured output (a JSON schema, grammar, tool-call format, thinking budget): enforced
         # by the lane row (such a job never goes to its solo_runner)
         self.constraint = constraint
+        # stop strings: the lane row's `StopWatch` factory (`A3BMTPBatchRequest.stop_text`); the
+        # row ends in the step whose token completed one (a solo_runner decodes to its own end)
+        self.stop_text = stop_text
+        # a cohort's sink, shared by its jobs: called on the owner thread once per lane step phase
+        # with the `RowNews` of those of its jobs that have any (their tokens then go to no
+        # token_callback or checkpoint_callback); a raising sink fails those jobs
+        self.sink = sink
         # the prefix bank's partition its prompt is looked up and banked in (`SessionBank.job_hooks`):
         # a digest of its caller and its request's cache salt; None: the shared partition
         self.cache_salt = cache_salt
@@ -199,34 +204,17 @@ class MTPBatchJob:
 
     # -- cancellation ------------------------------------------------------------------------
 
-    def cancel(self, reason: str = "cancelled") -> bool:
-        """End the job early, from any thread. "cancelled": its future fails at once with
-        ``cancel_error(job)``; a queued job never runs, an admitted row leaves its lane at the next
-        cycle boundary. "stop_string" (the caller matched a stop string in the text): the row
-        leaves its lane the same way but resolves with its result, finish_reason "stop".
+    def cancel(self) -> bool:
+        """End the job early, from any thread: its future fails at once with ``cancel_error(job)``;
+        a queued job never runs, an admitted row leaves its lane at the next cycle boundary.
         Returns False when the job had already finished."""
-        checked_cancel_reason(reason)
         if self.future.done():
             return False
-        if self.cancel_reason is None:
-            self.cancel_reason = reason
         self.cancel_event.set()
         service = self._service
         if service is not None:
             service._on_job_cancelled(self)
-        if self.stopped_by_caller:
-            return True
         return self._fail(self._cancel_exception())
-
-    @property
-    def stopped_by_caller(self) -> bool:
-        """The caller ended the row as a stop (a stop string), not as a cancellation."""
-        return self.cancel_reason == "stop_string"
-
-    @property
-    def requested_end(self) -> End:
-        """The End its caller's cancel gives the row: a stop string's, or a cancellation."""
-        return End(STOP_STRING) if self.stopped_by_caller else End(CANCELLED)
 
     @property
     def generation_mode(self) -> str:

@@ -1,11 +1,15 @@
-"""A job as a row of a running lane: the engine's request built from it (`lane_request`), and
-the job's result built from the row's final stream (`lane_result`)."""
+"""A job as a row of a running lane: the engine's request built from it (`lane_request`), a lane
+step's news of it into the job and, for a job with a cohort sink, as `RowNews` (`deliver_event`),
+and the job's result built from the row's final stream (`lane_result`)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from mtplx.end import CANCELLED
+from mtplx.api.rows import RowCheckpoint
+
+from mtplx.end import CANCELLED, End
 from mtplx.scheduler.job import failsafe
 from mtplx.scheduler.results import build_result, lane_placement, lane_row_stats
 
@@ -25,7 +29,7 @@ def lane_request(job, row_id: str, *, numerics: str, repetition_stop: bool):
         adaptive=job.adaptive and numerics != "b1-exact", prefill_group=job.prefill_group,
         repetition_stop=repetition_stop or bool(job.generation_limits.get("uncapped_repetition_stop_enabled", False)),
         session_restore=failsafe(job.session_restore), session_commit=failsafe(job.session_commit),
-        constraint=job.constraint, resume=resume_from(job))
+        constraint=job.constraint, resume=resume_from(job), stop_text=job.stop_text)
 
 
 def resume_from(job):
@@ -44,18 +48,29 @@ def resume_from(job):
 
 
 def remove_cancelled(running, job_of: dict) -> None:
-    """The rows whose callers ended their jobs leave the lane at its next boundary, each with the
-    End its caller's cancel gives it (a stop string's, or a cancellation)."""
+    """The rows whose callers cancelled their jobs leave the lane at its next boundary."""
     for row_id, job in job_of.items():
         if job.cancel_requested():
-            running.remove([row_id], job.requested_end)
+            running.remove([row_id], End(CANCELLED))
 
 
-def deliver_event(job, event) -> None:
+@dataclass(frozen=True)
+class RowNews:
+    """One row's part of a lane step, as its cohort's sink takes it: the tokens its client is shown
+    (a stop token that ended it is not one), their log-probability entries (None unless the row
+    asked for them), and its state after all its tokens so far (None: unknown, as after its last
+    step)."""
+    job: Any
+    tokens: list
+    logprobs: Optional[list]
+    checkpoint: Optional[RowCheckpoint]
+
+
+def deliver_event(job, event) -> Optional[RowNews]:
     """A lane step's news of one row, into its job: prefill progress, tokens (with their
-    log-probability entries), and at its end a cancelled row's failure (the result follows
-    through `lane_result`; a row its caller stopped with a stop string ends as that, not as a
-    cancellation)."""
+    log-probability entries), and at its end a cancelled row's failure (any other end's result
+    follows through `lane_result`). A job with a cohort sink records its tokens and returns its
+    news for the sink (None: none); one without forwards each token to its callbacks."""
     if event.prefill_started_s is not None:
         job.admitted_s = event.prefill_started_s
         job.emit_prefill({"phase": "started", "tokens_total": len(job.prompt_ids), "tokens_done": 0})
@@ -64,19 +79,40 @@ def deliver_event(job, event) -> None:
             job.decode_started_s = event.decode_started_s
         job.emit_prefill({"phase": "completed", "tokens_total": len(job.prompt_ids),
                           "tokens_done": len(job.prompt_ids)})
-    for i, token in enumerate(event.tokens):
-        job.emit_token(token, event.logprobs[i] if event.logprobs else None, at=event.times[i])
-    if event.mark is not None:
-        m = event.mark
-        job.emit_checkpoint(m.tokens, m.pending, m.rng_state, m.policy)
+    news = None
+    if job.sink is not None:
+        news = _news(job, event)
+    else:
+        for i, token in enumerate(event.tokens):
+            job.emit_token(token, event.logprobs[i] if event.logprobs else None, at=event.times[i])
+        if event.mark is not None:
+            m = event.mark
+            job.emit_checkpoint(m.tokens, m.pending, m.rng_state, m.policy)
     if event.end is not None and event.end.kind == CANCELLED:   # its future fails at once
         job._fail(job._cancel_exception())
+    return news
+
+
+def _news(job, event) -> Optional[RowNews]:
+    """The job records the event's tokens; its client is shown all but a stop token."""
+    if job.cancel_requested():
+        return None
+    tokens = [int(t) for t in event.tokens]
+    job.tokens.extend(tokens)
+    job.token_times.extend(event.times)
+    shown = [i for i, t in enumerate(tokens) if t not in job.stop_token_ids]
+    m = event.mark
+    checkpoint = None if m is None else RowCheckpoint(m.tokens, m.pending, m.rng_state, m.policy)
+    if not shown and checkpoint is None:
+        return None
+    entries = [event.logprobs[i] for i in shown] if job.logprobs is not None and event.logprobs else None
+    return RowNews(job, [tokens[i] for i in shown], entries, checkpoint)
 
 
 def lane_result(job, stream, *, numerics: str, mtp_disabled_reason: Optional[str]) -> Optional[dict]:
     """A lane row's result at its own terminal, from its final stream; None when it was
     cancelled (by the engine, or by its caller before the row ended otherwise)."""
-    if stream.end.kind == CANCELLED or (job.cancel_requested() and not job.stopped_by_caller):
+    if stream.end.kind == CANCELLED or job.cancel_requested():
         return None
     placement = lane_placement(stream, numerics)
     placement.started_s = job.admitted_s if job.admitted_s is not None else placement.started_s

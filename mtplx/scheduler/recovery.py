@@ -43,7 +43,7 @@ def recover(exc: BaseException, salvaged: list, suspects: set, lone_row: Optiona
             continue
         if req.request_id == blamed:
             out.failed.append((job, exc))
-        elif job.cancel_requested() and not job.stopped_by_caller:
+        elif job.cancel_requested():
             out.failed.append((job, job._cancel_exception()))
         elif len(job.tokens) != len(req.resume.tokens if req.resume is not None else ()):
             out.failed.append((job, RuntimeError(

@@ -26,16 +26,13 @@ def unpack_runner_result(out) -> tuple:
 
 def runner_result(job, placement: Placement, out) -> tuple:
     """(the job's result dict, (cycles, accepted, rejected)) from its runner's output; (None, ())
-    when the job was cancelled meanwhile. A runner decodes to its own end, unaware of its caller's
-    stop: a job its caller stopped (a stop string) meanwhile ends as that stop."""
-    if job.cancel_requested() and not job.stopped_by_caller:
+    when the job was cancelled meanwhile."""
+    if job.cancel_requested():
         return None, ()
     tokens, end, runner_stats, extra = unpack_runner_result(out)
     _take_decode(job, placement, tokens, runner_stats.get("prompt_eval_time_s"))
     counts = tuple(int(runner_stats.get(k, 0) or 0) for k in ("verify_calls", "accepted_drafts", "rejected_drafts"))
     extra_stats = {k: v for k, v in runner_stats.items() if k in ("acceptance_rate", "mean_tokens_per_verify")}
-    if job.stopped_by_caller:
-        end = job.requested_end
     result = build_result(job, placement, end=end, cycles=counts[0], accepted=counts[1],
                           rejected=counts[2], cached_tokens=int(runner_stats.get("cached_tokens", 0) or 0),
                           solo=True, extra_stats=extra_stats)

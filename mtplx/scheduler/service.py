@@ -42,7 +42,7 @@ Other choices worth knowing:
   context window or the KV budget) fails alone instead of failing the lane it would have joined.
 * ``job.cancel()`` fails the job's future at once wherever it is; a queued job never reaches MLX,
   an admitted row leaves its lane at the next cycle boundary while its neighbours continue.
-  ``job.cancel("stop_string")`` ends the row the same way as a normal stop, with its result.
+* A job's stop strings (``stop_text``) end its row in the step whose token completed one.
 * A fault in a lane's step ends at most the one row it is blamed on; the lane is rebuilt with
   its other rows resumed where they were (`mtplx.scheduler.recovery`).
 
@@ -64,13 +64,13 @@ from mtplx.scheduler.budget import KVBudget, row_need, row_state_bytes  # noqa: 
 from mtplx.engine.settings import EngineSettings
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, IDLE_HEAP_RELEASE_S, NUMERICS
 from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFinalizeError,  # noqa: F401
-                                 MTPBatchServiceClosed, failsafe)
+                                 MTPBatchServiceClosed)
 from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
 from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result, remove_cancelled
 from mtplx.scheduler.owner import ModelOwnerThread, fail_calls
 from mtplx.scheduler.recovery import recover
-from mtplx.scheduler.results import (MTP_DEPTH, Placement, add_lane_counters, add_runner_counters, build_result,
+from mtplx.scheduler.results import (MTP_DEPTH, add_lane_counters, add_runner_counters,
                                      counters_snapshot, lane_snapshot, lanes_by_route,
                                      new_service_stats, solo_placement)
 from mtplx.scheduler.runner import runner_result
@@ -105,10 +105,9 @@ class MTPBatchGenerationService(ModelOwnerThread):
     ``lanes``: installed lanes (a mapping width -> lane, or an iterable of lanes); may be empty for
     ``numerics="b1-exact"``. ``owner_finalize(jobs) -> receipt``: runs on the owner thread each time
     a key's lane drains (with the jobs still in it); raising, or a receipt with ``cleared: False``,
-    poisons the service. ``on_lane_step()``: runs on the owner thread after each lane step (one
-    cycle of one key's lane), once every token of that step has reached its job's
-    ``token_callback``; ``in_lane_step`` is True while a step runs (a consumer that groups a row's
-    tokens by cycle waits for the hook instead of sending each token). ``running_lane_cls``: the
+    poisons the service. A job's ``sink`` (one per cohort) takes each lane step phase's news of
+    its jobs in one call, before any of them resolves (`mtplx.scheduler.lane_rows.RowNews`).
+    ``running_lane_cls``: the
     running lane class (tests pass a subclass to force a fault). Use ``for_model`` to build one
     with its own lanes.
 
@@ -123,7 +122,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
                  numerics: Optional[str] = None, owner_finalize: Optional[Callable[[list], Any]] = None,
                  max_cohort_rows: Optional[int] = None, start: bool = True, session_bank=None,
                  running_lane_cls=None, kv_budget_bytes: Optional[int] = None,
-                 on_lane_step: Optional[Callable[[], None]] = None, greedy_depths=None, sampled_depth: int = MTP_DEPTH,
+                 greedy_depths=None, sampled_depth: int = MTP_DEPTH,
                  settings: Optional[EngineSettings] = None):
         from mtplx.engine.installed import DEPTHS
 
@@ -132,8 +131,6 @@ class MTPBatchGenerationService(ModelOwnerThread):
         self.ladder = LaneLadder(model, lanes, numerics=numerics, greedy_depths=greedy_depths,
                                  sampled_depth=sampled_depth, force_width=settings.force_width,
                                  compiled=settings.compiled, max_rows=max_cohort_rows)
-        self._on_lane_step = failsafe(on_lane_step)
-        self.in_lane_step = False
         # Rows join lanes only while every lane's decode state fits this budget
         self.kv_budget = KVBudget(model, kv_budget_bytes if kv_budget_bytes is not None else settings.kv_budget_bytes())
         # Prompt-prefix reuse for jobs that bring no session hooks of their own (greedy output
@@ -257,10 +254,10 @@ class MTPBatchGenerationService(ModelOwnerThread):
         self._enqueue(jobs, ready=True)
         return [job.future for job in jobs]
 
-    def cancel(self, job: MTPBatchJob, reason: str = "cancelled") -> bool:
-        """End a submitted job early (``MTPBatchJob.cancel``): "cancelled" fails it at once,
-        "stop_string" ends it as a normal stop with its result. False when it had finished."""
-        return job.cancel(reason)
+    def cancel(self, job: MTPBatchJob) -> bool:
+        """End a submitted job early (``MTPBatchJob.cancel``): it fails at once. False when it had
+        finished."""
+        return job.cancel()
 
     def _enqueue(self, jobs: list, ready: bool) -> None:
         for job in jobs:
@@ -324,13 +321,8 @@ class MTPBatchGenerationService(ModelOwnerThread):
             self._end_early(job)
 
     def _end_early(self, job: MTPBatchJob) -> None:
-        """A job ended before it reached a lane: a stop (stop string) with what it has, else
-        cancelled."""
-        if not job.stopped_by_caller:
-            job._fail(job._cancel_exception())
-            return
-        placement = Placement(0, 0, None, "queued", "mtp_batch", self.numerics)
-        job._succeed(build_result(job, placement, end=job.requested_end, solo=False))
+        """A job cancelled before it reached a lane."""
+        job._fail(job._cancel_exception())
 
     def _count_outcome(self, job: MTPBatchJob, fut: Future) -> None:
         with self._cond:
@@ -384,9 +376,11 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     def _runner_jobs_among(self, jobs: list) -> set:
         """Ids of the jobs that decode through their own solo_runner: those that would decode
-        alone (b1-exact: every one), unless they ask for log-probabilities (only lanes give them)."""
+        alone (b1-exact: every one), unless they ask for what only lanes give: log-probabilities,
+        structured output, stop strings."""
         of_key = Counter(j.compatibility_key for j in jobs)
-        return {id(j) for j in jobs if j.solo_runner is not None and j.logprobs is None and j.constraint is None and (
+        return {id(j) for j in jobs if j.solo_runner is not None and j.logprobs is None and j.constraint is None
+                and j.stop_text is None and (
             self.numerics == "b1-exact" or (of_key[j.compatibility_key] == 1 and j.compatibility_key not in self._running))}
 
     def _join_lane(self, job: MTPBatchJob) -> None:
@@ -473,17 +467,11 @@ class MTPBatchGenerationService(ModelOwnerThread):
         jobs before the cycle runs), then its cycle, each phase's events into the jobs. A phase
         that raises ends at most one row and the lane is rebuilt (`_rebuild_lane`)."""
         running, failure = lane.running, None
-        self.in_lane_step = True
-        try:
-            remove_cancelled(running, lane.job_of)
-            for phase in (running.admit, running.decode):
-                failure = self._run_phase(lane, phase)
-                if failure is not None:
-                    break
-        finally:
-            self.in_lane_step = False
-            if self._on_lane_step is not None:
-                self._on_lane_step()
+        remove_cancelled(running, lane.job_of)
+        for phase in (running.admit, running.decode):
+            failure = self._run_phase(lane, phase)
+            if failure is not None:
+                break
         if failure is not None:
             self._rebuild_lane(lane, failure)
             return
@@ -504,8 +492,13 @@ class MTPBatchGenerationService(ModelOwnerThread):
             events = [e for e in lane.running.drain_events() if e.end is not None
                       and e.request_id != getattr(exc, "request_id", None)]
         t_deliver = time.perf_counter()
+        news, ended = {}, []
         for event in events:
-            self._deliver(lane, event)
+            self._deliver(lane, event, news, ended)
+        for sink, rows in news.items():     # a cohort's rows' tokens, then their ends
+            self._hand(sink, rows)
+        for job, stream in ended:
+            self._complete_lane_job(job, stream)
         delivered_s = time.perf_counter() - t_deliver
         with self._cond:
             self._stats["delivery_s"] += delivered_s
@@ -624,23 +617,44 @@ class MTPBatchGenerationService(ModelOwnerThread):
 
     # -- lane rows ---------------------------------------------------------------------------
 
-    def _deliver(self, lane: _KeyLane, event) -> None:
-        """One row's `RowEvent` from a lane step: into its job, and at its end the job's result."""
+    def _deliver(self, lane: _KeyLane, event, news: dict, ended: list) -> None:
+        """One row's `RowEvent` from a lane step into its job; its news joins its sink's
+        (`news`), and at its end the job joins `ended`."""
         job = lane.job_of.get(event.request_id)
         if job is None:
             return
         try:
-            deliver_event(job, event)
-            if event.end is not None:
-                del lane.job_of[event.request_id]
-                self._complete_lane_job(job, event.result)
-        except Exception as exc:   # one row's result that cannot be built fails that row alone
+            row_news = deliver_event(job, event)
+        except Exception as exc:   # one row's news that cannot be delivered fails that row alone
             self._record_error(exc)
             job._fail(exc)
+            row_news = None
+        if row_news is not None:
+            news.setdefault(job.sink, []).append(row_news)
+        if event.end is not None:
+            del lane.job_of[event.request_id]
+            ended.append((job, event.result))
+
+    def _hand(self, sink, rows: list) -> None:
+        """A cohort's news of one phase to its sink; a raising sink fails those rows alone."""
+        try:
+            sink(rows)
+        except Exception as exc:
+            self._record_error(exc)
+            for n in rows:
+                n.job.callback_error = exc
+                n.job.cancel_event.set()
+                n.job._fail(exc)
 
     def _complete_lane_job(self, job: MTPBatchJob, stream) -> None:
-        """Resolve one lane row at its own terminal, from its final stream."""
-        result = lane_result(job, stream, numerics=self.numerics, mtp_disabled_reason=self.mtp_disabled_reason)
+        """Resolve one lane row at its own terminal, from its final stream (a result that cannot
+        be built fails that row alone)."""
+        try:
+            result = lane_result(job, stream, numerics=self.numerics, mtp_disabled_reason=self.mtp_disabled_reason)
+        except Exception as exc:
+            self._record_error(exc)
+            job._fail(exc)
+            return
         if result is None:
             job._fail(job._cancel_exception())
             return
