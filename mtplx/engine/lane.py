@@ -219,7 +219,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         return [self.add(req).request_id for req in requests]
 
     def remove(self, request_ids: Iterable[str], end: End = End(CANCELLED)) -> None:
-        """End rows early: each ends with `end` (a cancel; a stop string its caller matched) at
+        """End rows early: each ends with `end` (a cancel, unless the caller says otherwise) at
         the next boundary, wherever it is."""
         self._removed.update((rid, end) for rid in request_ids)
 
