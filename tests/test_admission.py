@@ -49,9 +49,9 @@ def test_rows_admitted_together_prefill_in_one_forward_each_as_its_own(model, la
     for b, p in enumerate(prompts):
         own = _alone(model, p)
         logits, hidden = own.out
-        assert np.allclose(np.array(running.logits_last[b]), np.array(logits), atol=1e-4)
-        assert np.allclose(np.array(running.h_last[b]), np.array(hidden[0]), atol=1e-4)
-        for lane_layer, own_layer in ((running.caches[0], own.cache[0]), (running.mtp_caches[0], own.mtp_cache[0])):
+        assert np.allclose(np.array(running.state.logits_last[b]), np.array(logits), atol=1e-4)
+        assert np.allclose(np.array(running.state.h_last[b]), np.array(hidden[0]), atol=1e-4)
+        for lane_layer, own_layer in ((running.state.caches[0], own.cache[0]), (running.state.mtp_caches[0], own.mtp_cache[0])):
             n = int(own_layer.offset)
             assert int(lane_layer.lengths[b]) == n
             if n:
@@ -113,7 +113,7 @@ def test_one_token_prompts_admitted_together(model, lane8):
 
 def _lengths_settled(running) -> bool:
     """Every ragged layer's host lengths equal its device offsets (the lane's caches and head's)."""
-    layers = (running.caches or []) + (running.mtp_caches or [])
+    layers = (running.state.caches or []) + (running.state.mtp_caches or [])
     return all(np.array_equal(c.lengths, np.array(c.offset)) for c in layers if c.keys is not None)
 
 

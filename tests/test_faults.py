@@ -115,7 +115,7 @@ class RaisingSampler(_Faulty):
 
     def add(self, req):
         result = super().add(req)
-        row = self.waiting[-1]
+        row = self.admitter.waiting[-1]
         if req.request_id == FAULTY:
             calls = [0]
             dist = row.dist
@@ -155,7 +155,7 @@ class BrokenGrammar(_Faulty):
 
     def add(self, req):
         result = super().add(req)
-        row = self.waiting[-1]
+        row = self.admitter.waiting[-1]
         if req.request_id == FAULTY:
             consume = row.grammar.consume
 

@@ -301,13 +301,13 @@ def test_rows_admitted_mid_flight_equal_solo_ar_including_a_long_prompt(model, l
     streams = [running.add(_req(i, p, n)) for i, (p, n) in enumerate(zip(prompts[:2], budgets[:2]))]
     _steps(running, 6)
     assert running.width == 3 and running.live_rows == 2 and running.counters.cycles == 6
-    capacity = running.caches[0].keys.shape[2]
+    capacity = running.state.caches[0].keys.shape[2]
     streams.append(running.add(_req(2, prompts[2], budgets[2])))
     running.step()
-    assert running.live_rows == 2 and len(running.admitting) == 1   # still prefilling, others decoded
+    assert running.live_rows == 2 and len(running.admitter.admitting) == 1   # still prefilling, others decoded
     assert running.counters.cycles == 7
     _drain(running)
-    assert streams[2].admitted_at_cycle > 7 and running.caches[0].keys.shape[2] > capacity
+    assert streams[2].admitted_at_cycle > 7 and running.state.caches[0].keys.shape[2] > capacity
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert streams[i].tokens == greedy_ar(model, p, n), f"row {i}"
     assert streams[2].cycles < streams[1].cycles and streams[2].real_width == 3
@@ -366,9 +366,9 @@ def test_compiled_one_row_lane_takes_rows_over_from_an_eager_lane(model):
     running.step()
     assert running.width == 3
     while running.width != 1:
-        eager_capacity = running.caches[0].keys.shape[2]
+        eager_capacity = running.state.caches[0].keys.shape[2]
         running.step()
-    assert eager_capacity < len(prompts[0]) + budgets[0] <= running.caches[0].keys.shape[2]
+    assert eager_capacity < len(prompts[0]) + budgets[0] <= running.state.caches[0].keys.shape[2]
     _steps(running, 3)
     retraces = running.counters.graph_retraces
     _steps(running, 150)
@@ -423,7 +423,7 @@ def seeded_outcomes(running, ids, n, tokens, cfg, draft, first_seed=0):
     others leave: their streams, and how often each token tuple came out. The rows share a
     prefill group (as a request's n choices do), so rows joining together take one prefill (the
     prompt state each would compute alone); each row draws from its own seed."""
-    streams, join = [], running.ladder[-1].width
+    streams, join = [], running.shapes.ladder[-1].width
     for s in range(first_seed, first_seed + n):
         streams.append(running.add(_req(s, ids, tokens, sampler=cfg, seed=s, draft_sampler=draft,
                                         prefill_group="seeded")))
@@ -558,7 +558,7 @@ def _head_history_is_the_rows_own(model, running) -> int:
     for b, row in enumerate(running.rows):
         if row is None:
             continue
-        layer = running.mtp_caches[0]
+        layer = running.state.mtp_caches[0]
         n = int(layer.lengths[b])
         cache, mtp_cache = model.make_cache(), model.make_mtp_cache()
         prefill(model, list(row.req.prompt_ids) + list(row.result.tokens), cache, mtp_cache)
@@ -883,7 +883,7 @@ def test_a_lane_choosing_its_depth_by_cost_follows_its_rows_acceptance_exactly(m
         running.counters.greedy_first_drafts = running.counters.greedy_first_kept = 10 ** 6
         running.add(_req("g2", prompts[0], 8))
         running.add(_req("p", prompts[2], 8, sampler=hot, seed=5, adaptive=True))
-        (probing,) = [r for r in running.waiting if not r.greedy]
+        (probing,) = [r for r in running.admitter.waiting if not r.greedy]
         probing.drafting, probing.probe_in = False, 0
         assert probing.wants_draft() and running._lane_at(3).depth == 3
         probing.drafting = True

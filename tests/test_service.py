@@ -770,9 +770,9 @@ def test_greedy_depths_by_cost_keep_being_chosen_as_the_lane_runs(model, make_se
     for i, r in zip((1, 2, 3), three):
         assert r["tokens"] == greedy_ar(model, prompts[i], 30)
         assert r["stats"]["mtp_depth"] in (1, 2, 3) and r["stats"]["mtp_batch_fixed_width"] == 3
-    assert made and all(running.depth_by_cost for running in made)
+    assert made and all(running.shapes.depth_by_cost for running in made)
     running = made[-1]
-    assert set(running._lanes_at[3]) == {1, 2, 3}
+    assert set(running.shapes.lanes_at[3]) == {1, 2, 3}
     assert running.counters.greedy_first_drafts > 0 and 0.0 < running.greedy_acceptance() <= 1.0
 
 

@@ -1,20 +1,20 @@
-"""Rows on their way into a running lane: each row's own prefill, one chunk at a time, and the
-rows admitted at one cycle boundary whose prefill is a single chunk, prefilled together."""
+"""Rows on their way into a running lane (`Admitter`: queued, then prefilling): each row's own
+prefill, one chunk at a time (`RowPrefill`), and the rows admitted at one cycle boundary whose
+prefill is a single chunk, prefilled together."""
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from collections import deque
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from mtplx.end import CANCELLED, End
-from mtplx.engine.commit import HeadHistory
+from mtplx.end import End
 from mtplx.engine.prefill import start_prefill
-from mtplx.engine.row import LaneRow, RowFailure, host_logprob, row_work
-from mtplx.models.cache import RaggedKVCache, commit_rows, empty_batch_layer
-from mtplx.sampling import sample, to_host
+from mtplx.engine.row import LaneRow
+from mtplx.models.cache import RaggedKVCache, commit_rows
 
 
 class RowPrefill:
@@ -170,31 +170,54 @@ def _padded(rows: list, pad: int = 0) -> mx.array:
     return mx.array([list(r) + [pad] * (T - len(r)) for r in rows], dtype=mx.uint32)
 
 
-class LaneAdmission:
-    """`RunningLane`'s side of admission: prefills started for free slots and advanced within the
-    prefill budget, and finished ones merged into free slots (its rows, caches and counters are
-    the lane's own)."""
+class Admitter:
+    """A running lane's rows on their way in: queued (`waiting`), then prefilling (`admitting`,
+    FIFO), started as slots free up and advanced within the prefill budget at each boundary
+    (`admit`). Rows next in line whose whole prefill is one chunk prefill together, in one
+    forward; queued rows of one prefill group (n > 1 choices) take the prefill of the first of
+    them placed. The lane places each finished prefill in a free slot (its `place`)."""
 
-    def _ensure_state(self, adm: RowPrefill) -> None:
-        """Empty lane state at the current width, shaped like this first row's."""
-        if self.caches is not None:
-            return
-        W = self.width
-        self.caches = [empty_batch_layer(c, W) for c in adm.cache]
-        self.mtp_caches = [empty_batch_layer(c, W) for c in adm.mtp_cache or []]
-        logits, hidden = adm.out
-        self.logits_last = mx.zeros((W,) + logits.shape, logits.dtype)
-        self.h_last = mx.zeros((W,) + hidden.shape[1:], hidden.dtype)
-        self.history = HeadHistory(W, self.lane.depth, hidden)
+    def __init__(self, model, prefill_chunk: int, budget: Optional[int], counters):
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self.budget = budget                    # prompt tokens prefilled per boundary; None: all
+        self.counters = counters                # the lane's
+        self.waiting: deque = deque()           # rows not yet prefilling
+        self.admitting: deque = deque()         # RowPrefill, FIFO
+        self._batchable: Optional[bool] = None  # whether the model's rows can prefill together
 
-    def _admit(self) -> None:
-        """Start prefills for free slots (FIFO), advance them within the prefill budget, and merge
-        each finished prefill into a free slot. Rows next in line whose whole prefill is one
-        chunk prefill together, in one forward (`prefill_together`)."""
-        free = self.width - self.live_rows
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.admitting)
+
+    def rows(self) -> list:
+        return list(self.waiting) + [a.row for a in self.admitting]
+
+    def add(self, row: LaneRow) -> None:
+        self.waiting.append(row)
+
+    def clear(self) -> None:
+        self.waiting.clear()
+        self.admitting.clear()
+
+    def drop(self, gone: Callable[[LaneRow], Optional[End]]) -> None:
+        """Rows removed or cancelled on their way in end here, with the End `gone` gives them."""
+        for row in list(self.waiting):
+            end = gone(row)
+            if end is not None:
+                self.waiting.remove(row)
+                row.finish(end)
+        for adm in list(self.admitting):
+            end = gone(adm.row)
+            if end is not None:
+                self.admitting.remove(adm)
+                adm.row.finish(end)
+
+    def admit(self, free: int, has_slot: Callable[[], bool], place: Callable[[RowPrefill], None]) -> None:
+        """Start prefills for `free` slots (FIFO), advance them within the budget, and `place` each
+        finished prefill while the lane `has_slot`."""
         while self.waiting and len(self.admitting) < free:
             self.admitting.append(RowPrefill(self.model, self.waiting.popleft(), self.prefill_chunk))
-        budget = self.prefill_budget
+        budget = self.budget
         spent = 0
         while self.admitting and (budget is None or spent < budget):
             if self.admitting[0].out is None:
@@ -205,10 +228,10 @@ class LaneAdmission:
                     self.counters.batched_prefills += 1
                 else:
                     spent += self.admitting[0].advance()
-            while self.admitting and self.admitting[0].out is not None and None in self.rows:
+            while self.admitting and self.admitting[0].out is not None and has_slot():
                 adm = self.admitting.popleft()
-                self._place(adm)
-                self._place_siblings(adm)
+                place(adm)
+                self._place_siblings(adm, has_slot, place)
             if self.admitting and self.admitting[0].out is not None:
                 break       # prefilled, but its siblings took the free slots: it waits for one
 
@@ -229,63 +252,16 @@ class LaneAdmission:
             tokens += adm.left
         return group
 
-    def _place_siblings(self, adm: RowPrefill) -> None:
+    def _place_siblings(self, adm: RowPrefill, has_slot, place) -> None:
         """Rows of adm's prefill group that have not started their own prefill take its prefill
         instead, as far as free slots go (the rest prefill on their own when a slot frees)."""
         queued = [a.row for a in self.admitting if a.steps is None] + list(self.waiting)
         for row in [r for r in queued if siblings(r, adm.row)]:
-            if None not in self.rows:
+            if not has_slot():
                 return
             if row in self.waiting:
                 self.waiting.remove(row)
             else:
                 self.admitting.remove(next(a for a in self.admitting if a.row is row))
             self.counters.shared_prefills += 1
-            self._place(adm.shared_with(row))
-
-    def _place(self, adm: RowPrefill) -> None:
-        self._ensure_state(adm)
-        b = self.rows.index(None)
-        for layer, per_row in zip(self.caches, adm.cache):
-            layer.put_row(b, per_row)
-        for layer, per_row in zip(self.mtp_caches, adm.mtp_cache or []):
-            layer.put_row(b, per_row)
-        self._reserve_for_life([adm.row])
-        logits, hidden = adm.out
-        self.logits_last[b] = logits
-        self.h_last[b] = hidden[0]
-        self.logits_host = None
-        self.history.clear_slot(b)
-        row = adm.row
-        r = row.result
-        self.rows[b] = row
-        if row.req.resume is None:        # a resumed row's placement stats go on from its first lane
-            r.admitted_at_cycle, r.fixed_width, r.route_id = self.counters.cycles, self.width, self.lane.route_id
-            r.real_width = self.live_rows
-        self.counters.admitted += 1
-        if not mx.isfinite(hidden).all().item():
-            raise RowFailure(row.req.request_id, "its hidden state went non-finite (NaN or inf) in its prefill")
-        if row.req.resume is not None:     # resumed: its last token, emitted before, is fed next (if not fed)
-            row.pending = row.resumed_pending
-            if row.pending is not None:
-                return
-        else:
-            row.decode_started_s = time.perf_counter()
-            try:
-                row.req.on_decode_start()
-            except Exception:
-                row.finish(End(CANCELLED))
-                self.rows[b] = None
-                return
-        # The first token comes from the prefill's logits: emit it now rather than after a cycle
-        # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
-        with row_work(row):
-            if row.greedy:
-                first = int(mx.argmax(logits).item())
-                first = first if row.grammar is None else row.constrained_argmax(first, lambda: to_host(logits))
-            else:
-                first = sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
-            if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
-                self.rows[b] = None
-            else:
-                row.pending = first
+            place(adm.shared_with(row))

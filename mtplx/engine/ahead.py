@@ -15,11 +15,11 @@ import numpy as np
 
 from mtplx.engine.commit import commit_positions
 from mtplx.engine.step import Step
-from mtplx.models.cache import RaggedKVCache, settle_rows
+from mtplx.models.cache import settle_rows
 
 
 class LaneAhead:
-    """`RunningLane`'s cycles launched early (its rows, caches and cycles are the lane's own)."""
+    """`RunningLane`'s cycles launched early (its rows, `LaneState` and cycles are the lane's own)."""
 
     def _launch_next(self) -> None:
         """The next step's choice, and if it is an MTP cycle its launch (`_launch_cycle`)."""
@@ -49,7 +49,7 @@ class LaneAhead:
         rows = [r for r in self.rows if r is not None]
         if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None for r in rows):
             return False
-        if not all(isinstance(c, RaggedKVCache) for c in self.caches + self.mtp_caches):
+        if not self.state.all_ragged():
             return False
         return any(r.wants_draft() for r in rows) and self._boundary_idle() and self._choose_step() == "mtp"
 
@@ -67,9 +67,9 @@ class LaneAhead:
         kept = mx.cumprod(((drafts == ids[:, :depth]) & judged).astype(mx.int32), axis=1).sum(axis=1)
         keep = mx.where(mx.array(step.active), 1 + kept, 0)
         mx.async_eval(keep)             # queued ahead of the next cycle: the host reads it with this verify
-        self.h_last, self.logits_last = commit_positions(self.caches, H, L, keep, 1 + depth)
-        self.logits_host = None
-        self.history.record(H, drafts)
+        self.state.h_last, self.state.logits_last = commit_positions(self.state.caches, H, L, keep, 1 + depth)
+        self.state.logits_host = None
+        self.state.history.record(H, drafts)
         step.device_keep = keep
         x0 = mx.take_along_axis(ids, kept[:, None], axis=1)[:, 0]
         self.counters.ahead_cycles += 1
@@ -86,8 +86,8 @@ class LaneAhead:
         if not np.array_equal(keep[live], step.keep[live]):
             raise RuntimeError(f"the device kept {keep[live].tolist()} positions of the live rows' verify, "
                                f"their decisions {step.keep[live].tolist()}")
-        settle_rows(self.caches, 1 + step.depth, keep)
-        settle_rows(self.mtp_caches, self.history.hidden.shape[1] + 1, keep)
+        settle_rows(self.state.caches, 1 + step.depth, keep)
+        settle_rows(self.state.mtp_caches, self.state.history.hidden.shape[1] + 1, keep)
 
     def _ahead_primaries(self, step: Step) -> None:
         """A step launched ahead, now that the last step's decisions are made: the rows still live,

@@ -90,7 +90,7 @@ def measure_step_costs(lane: InstalledA3BMTPBatchLane, rounds: int = 8, block: i
             kind = "mtp" if i < block else "ar"
             t0 = time.perf_counter()
             running._run_step(kind)
-            mx.eval(running.logits_last, running.h_last)
+            mx.eval(running.state.logits_last, running.state.h_last)
             if i % block and done:
                 times[kind].append(time.perf_counter() - t0)
         done += 1

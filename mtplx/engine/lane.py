@@ -8,13 +8,13 @@ and route ids follow MTPLX's A3B lane; the lane here is architecture-neutral.
 
 Why one file: a cycle's parts (primaries, the proposer's call, the verify, each row's decisions,
 the commit) read and write one set of per-cycle state (the rows, their slots, the last logits and
-hidden states), in an order that exactness depends on; read top to bottom, a cycle is here.
+hidden states), in an order that exactness depends on; read top to bottom, a cycle is here. A
+reshape (another width or depth) and a row's placement move that same state.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import replace
 from functools import partial
 from typing import Iterable, Optional
@@ -24,19 +24,20 @@ import numpy as np
 
 from mtplx.end import CANCELLED, End
 from mtplx.engine.acceptor import DeviceVerdicts, Targets, accept_chain
-from mtplx.engine.admission import LaneAdmission
+from mtplx.engine.admission import Admitter, RowPrefill
 from mtplx.engine.ahead import LaneAhead
-from mtplx.engine.commit import HeadHistory, commit_positions
+from mtplx.engine.commit import HISTORY_FLUSH_AT, commit_positions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import DEPTH, InstalledA3BMTPBatchLane, solo_lane, sorted_ladder
+from mtplx.engine.installed import DEPTH, VERIFY_T, InstalledA3BMTPBatchLane, solo_lane
+from mtplx.engine.lane_state import LaneState
 from mtplx.engine.lane_stats import LaneCounters, LaneStats
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, CostSteps, StepCostMeter, StepChooser, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
-                              check_finite, host_logprob, row_work, validate_request)
-from mtplx.engine.shape import LaneShape, lanes_by_depth
+                              RowFailure, check_finite, host_logprob, row_work, validate_request)
+from mtplx.engine.shape import LaneShapes
 from mtplx.engine.step import Step
 from mtplx.models.cache import commit_rows
 from mtplx.sampling import sample, to_host
@@ -47,7 +48,7 @@ PRIOR_TOKENS = 48
 ACCEPTANCE_PRIOR_WEIGHT = 32     # drafts' worth of the prior in a lane's greedy acceptance
 
 
-class RunningLane(LaneShape, LaneAdmission, LaneAhead):
+class RunningLane(LaneAhead):
     """A fixed-width lane that keeps running while rows come and go (continuous admission),
     shaped after mlx-lm's `BatchGenerator`: `insert` rows, `step()` returns what each row did
     (`RowEvent`s), `remove` rows. `ladder` is the installed lanes it may run as: when more rows
@@ -71,6 +72,12 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     events (`decode`). With `run_ahead`, a lane of greedy rows launches each MTP cycle before the
     host reads the last one's verify, from that verify's outcome computed on the device
     (`_launch_ahead`): the device never waits for the host's decisions.
+
+    Its parts: `rows` (slot -> `LaneRow`), `state` (`LaneState`: caches, last logits and hidden
+    states, the head's history), `admitter` (`Admitter`: rows queued and prefilling), `shapes`
+    (`LaneShapes`: the installed lanes it may run as, and which one its rows want), `proposer`,
+    `step_chooser` and the step policies with their cost meter, `counters` (published as
+    `stats()`). Cycles launched early (`LaneAhead`, in `ahead.py`) are still methods over those.
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
@@ -79,26 +86,15 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                  settings: Optional[EngineSettings] = None, proposer: Optional[Proposer] = None,
                  step_chooser: Optional[StepChooser] = None):
         settings = settings or EngineSettings()
-        self.ladder = sorted_ladder(ladder)
-        self._lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
-            self.ladder, greedy_ladder, sampled_ladder, depth_ladders or ())
-        # greedy rows' depth chosen by cost as the lane runs, at their acceptance here (`lane_depth`)
-        self.depth_by_cost = depth_ladders is not None
-        self.model = self.ladder[0].model
-        self.prefill_chunk = self.ladder[0].prefill_chunk
-        self.prefill_budget = prefill_budget          # prompt tokens prefilled per step; None: all
-        self.narrow_after = int(narrow_after)
+        # the installed lanes it may run as, and which one its rows want
+        self.shapes = LaneShapes(ladder, greedy_ladder, sampled_ladder, depth_ladders, narrow_after)
+        self.model = self.shapes.ladder[0].model
         self.repetition_limits = settings.repetition_limits    # what rows that arm the stop stop within
         self.lane: Optional[InstalledA3BMTPBatchLane] = None
         self.rows: list = []                           # slot -> LaneRow or None (free)
-        self.waiting: deque = deque()                  # rows not yet prefilling
-        self.admitting: deque = deque()                # RowPrefill, FIFO
         self._removed: dict = {}                       # request id -> its End, to drop at the next boundary
         self._reporting: list = []                     # rows whose news the next drain_events returns
-        self.caches = self.mtp_caches = None
-        self.logits_last = self.h_last = None
-        self.logits_host: Optional[np.ndarray] = None   # logits_last on the host, kept by sampled cycles
-        self.history: Optional[HeadHistory] = None
+        self.state = LaneState()                        # caches, last logits and hidden states, head history
         self.forwards: Optional[CycleForwards] = None
         # the drafts' source: the model's head, sampled rows' drafts drawn where `draft_draw` says
         # ("device": no wait between the head and the verify; "host": from the whole q, after a
@@ -108,9 +104,9 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self.step_chooser = step_chooser or CostSteps(partial(draft_acceptance_prior, self.model))
         # written here, on the thread that steps the lane; other threads read `stats()`
         self.counters = LaneCounters()
+        # rows on their way in: queued, prefilling (`prefill_budget` prompt tokens a step; None: all)
+        self.admitter = Admitter(self.model, self.shapes.ladder[0].prefill_chunk, prefill_budget, self.counters)
         self._stats = LaneStats()
-        self._batchable: Optional[bool] = None         # whether the model's rows can prefill together
-        self._low_demand = 0
         self.keep_log = [] if keep_log else None
         self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
         self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)
@@ -155,7 +151,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     @property
     def demand(self) -> int:
         """Rows that want a slot: live, prefilling and waiting."""
-        return self.live_rows + len(self.admitting) + len(self.waiting)
+        return self.live_rows + len(self.admitter)
 
     @property
     def has_work(self) -> bool:
@@ -181,11 +177,11 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             **c.copy_fields(), host_s=c.lane_host_s + p.host_s, device_s=c.lane_wait_s + p.wait_s,
             device_drafts=p.device_drafts, width=self.width, route_id=self.route_id,
             depth=self.lane.depth if self.lane is not None else None, live_rows=self.live_rows,
-            greedy_rows=self.greedy_rows, prefilling_rows=len(self.admitting), waiting_rows=len(self.waiting),
+            greedy_rows=self.greedy_rows, prefilling_rows=len(self.admitter.admitting), waiting_rows=len(self.admitter.waiting),
             last_step=self.last_step)
 
     def _all_rows(self) -> list:
-        return list(self.waiting) + [a.row for a in self.admitting] + [r for r in self.rows if r is not None]
+        return self.admitter.rows() + [r for r in self.rows if r is not None]
 
     # -- rows in and out ---------------------------------------------------------------------------
 
@@ -196,8 +192,8 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         row = LaneRow(req, self.model.vocab_size, prior, self.repetition_limits,
                       self._grammar_tokenizer() if req.constraint is not None and req.constraint.reads_text else None)
         if not row.greedy:
-            row.chain_depth = self._checked_depth(req)
-        self.waiting.append(row)
+            row.chain_depth = self.shapes.checked_depth(req)
+        self.admitter.add(row)
         return row.result
 
     def _grammar_tokenizer(self):
@@ -205,14 +201,6 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         if tokenizer is None:
             raise ValueError("a constrained row needs the model's tokenizer; this model was loaded without one")
         return grammar_tokenizer(tokenizer, self.model.vocab_size)
-
-    def _checked_depth(self, req: A3BMTPBatchRequest) -> int:
-        depth = self.sampled_depth if req.draft_depth is None else int(req.draft_depth)
-        shallow = [w for w, at in self._lanes_at.items() if max(at) < depth]
-        if req.speculative and shallow:
-            raise ValueError(f"request {req.request_id}: draft_depth={depth} but this lane chains at most "
-                             f"{max(self._lanes_at[shallow[0]])} drafts at width {shallow[0]}")
-        return depth
 
     def insert(self, requests: Iterable[A3BMTPBatchRequest]) -> list:
         """Queue rows (each joins at a cycle boundary when a slot is free); returns their ids."""
@@ -229,8 +217,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._reporting += self._all_rows()
         for row in self._all_rows():
             row.finish(End(CANCELLED))
-        self.waiting.clear()
-        self.admitting.clear()
+        self.admitter.clear()
         self.rows = [None] * len(self.rows)
 
     # -- one cycle boundary and one step ------------------------------------------------------------
@@ -304,12 +291,11 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     def _boundary_idle(self) -> bool:
         """Whether the next boundary would change nothing: rows live, none waiting, prefilling,
         removed or cancelled, and the lane already at the width and depth its rows want."""
-        if not self.live_rows or self.waiting or self.admitting or self._removed or not self.step_chooser.ahead:
+        if not self.live_rows or len(self.admitter) or self._removed or not self.step_chooser.ahead:
             return False
         if any(r is not None and self._gone(r) for r in self.rows):
             return False
-        fit = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
-        return fit == self.width and self._lane_at(self.width) is self.lane and self.proposer.follows_head
+        return self.shapes.fit_width(self.demand) == self.width and self._lane_at(self.width) is self.lane and self.proposer.follows_head
 
     def _mark_rows(self) -> None:
         """Each live row's state now that its step completed: where it resumes if a later step fails."""
@@ -358,14 +344,14 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
 
     def admit_all(self) -> None:
         """Prefill and merge every waiting row that fits, before any cycle (a sealed cohort)."""
-        budget, self.prefill_budget = self.prefill_budget, None
+        budget, self.admitter.budget = self.admitter.budget, None
         self._reporting += self._all_rows()
         try:
             self._drop_cancelled()
             self._resize()
             self._admit()
         finally:
-            self.prefill_budget = budget
+            self.admitter.budget = budget
 
     def _gone(self, row: LaneRow) -> Optional[End]:
         """The End of a row removed or cancelled (None: it goes on)."""
@@ -373,16 +359,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         return end if end is not None else End(CANCELLED) if row.cancelled() else None
 
     def _drop_cancelled(self) -> None:
-        for row in list(self.waiting):
-            end = self._gone(row)
-            if end is not None:
-                self.waiting.remove(row)
-                row.finish(end)
-        for adm in list(self.admitting):
-            end = self._gone(adm.row)
-            if end is not None:
-                self.admitting.remove(adm)
-                adm.row.finish(end)
+        self.admitter.drop(self._gone)
         for b, row in enumerate(self.rows):
             end = None if row is None else self._gone(row)
             if end is not None:
@@ -390,11 +367,116 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                 self.rows[b] = None
         self._removed.clear()
 
+    # -- width and depth ----------------------------------------------------------------------------
+
+    def _lane_at(self, width: int) -> InstalledA3BMTPBatchLane:
+        """The installed lane of this width its rows (live and on their way in) want."""
+        rows = [r for r in self.rows if r is not None] + self.admitter.rows()
+        return self.shapes.lane_at(width, rows, self.lane, self.greedy_acceptance)
+
+    def _resize(self) -> None:
+        """Run at the narrowest installed width that fits the demand: widen at once, narrow after
+        `narrow_after` cycles of low demand (never below the live rows). The depth follows the
+        rows at once (`_lane_at`)."""
+        fit = self._lane_at(self.shapes.fit_width(self.demand))
+        narrower = self.lane is not None and fit.width < self.width and self.live_rows <= fit.width
+        if self.lane is None:
+            self._reshape(fit, [])
+        elif fit.width > self.width:
+            self.counters.widenings += 1
+            self.shapes.demand_held()
+            self._reshape(fit, list(range(self.width)))
+        elif narrower and self.shapes.narrow_due(self.live_rows):
+            self.counters.narrowings += 1
+            self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
+        else:
+            if not narrower:
+                self.shapes.demand_held()
+            here = fit if fit.width == self.width else self._lane_at(self.width)
+            if here is not self.lane:         # same width, another depth
+                self.counters.depth_switches += 1
+                self._reshape(here, list(range(self.width)))
+
+    def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
+        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state.
+        Onto a lane chaining another number of drafts, rows first settle the head history their
+        last cycle left owed (its layout is [W, depth]), as before an AR step."""
+        if self.state.history is not None:
+            if self.lane is not None and lane.depth != self.lane.depth:
+                self.state.history.owe_rows(self.rows)
+                self.state.history.redepth(lane.depth)
+            self.state.history.write(self.model, self.state.mtp_caches)     # its columns are as wide as the old width
+        index = keep + [None] * (lane.width - len(keep))
+        rows = [self.rows[i] if i is not None else None for i in index]
+        if index == list(range(self.width)) and lane.width == self.width:
+            pass                         # every row stays in its slot: the state as it is
+        elif not self.state.empty and any(r is not None for r in rows):
+            self.state.move_rows(index)
+        else:            # nothing live to carry: start from empty layers at the new width
+            self.state.clear()
+        self.lane, self.rows = lane, rows
+        self.forwards = self.state.logits_host = None
+        self._reserve_for_life([r for r in rows if r is not None])
+
+    def _reserve_for_life(self, rows: list) -> None:
+        """A compiled lane's KV buffers sized now for these rows' whole lives, so its graphs are not
+        traced again while they decode."""
+        if not self.lane.compiled or not rows or self.state.empty:
+            return
+        self.state.reserve(max(len(r.req.prompt_ids) + r.req.max_tokens for r in rows) + max(VERIFY_T, HISTORY_FLUSH_AT))
+
+    # -- rows on their way in ----------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        self.admitter.admit(self.width - self.live_rows, lambda: None in self.rows, self._place)
+
+    def _place(self, adm: RowPrefill) -> None:
+        """A finished prefill takes the first free slot; the row's first token comes from it."""
+        if self.state.empty:
+            self.state.start(adm, self.width, self.lane.depth)
+        b = self.rows.index(None)
+        self.state.put(b, adm)
+        self._reserve_for_life([adm.row])
+        logits, hidden = adm.out
+        row = adm.row
+        r = row.result
+        self.rows[b] = row
+        if row.req.resume is None:        # a resumed row's placement stats go on from its first lane
+            r.admitted_at_cycle, r.fixed_width, r.route_id = self.counters.cycles, self.width, self.lane.route_id
+            r.real_width = self.live_rows
+        self.counters.admitted += 1
+        if not mx.isfinite(hidden).all().item():
+            raise RowFailure(row.req.request_id, "its hidden state went non-finite (NaN or inf) in its prefill")
+        if row.req.resume is not None:     # resumed: its last token, emitted before, is fed next (if not fed)
+            row.pending = row.resumed_pending
+            if row.pending is not None:
+                return
+        else:
+            row.decode_started_s = time.perf_counter()
+            try:
+                row.req.on_decode_start()
+            except Exception:
+                row.finish(End(CANCELLED))
+                self.rows[b] = None
+                return
+        # The first token comes from the prefill's logits: emit it now rather than after a cycle
+        # (time to first token); the next cycle feeds it as the row's primary. Same draw, same order.
+        with row_work(row):
+            if row.greedy:
+                first = int(mx.argmax(logits).item())
+                first = first if row.grammar is None else row.constrained_argmax(first, lambda: to_host(logits))
+            else:
+                first = sample(row.dist(to_host(logits), allowed=row.allowed()), row.rng)
+            if row.emit(first, host_logprob(logits, first, row.req.logprobs)):
+                self.rows[b] = None
+            else:
+                row.pending = first
+
     # -- a step's shared parts: primaries, verify, decisions' end, commit ----------------------------
 
     def _forwards(self) -> CycleForwards:
         if self.forwards is None:
-            self.forwards = CycleForwards(self.lane, self.caches, self.mtp_caches, self.counters)
+            self.forwards = CycleForwards(self.lane, self.state.caches, self.state.mtp_caches, self.counters)
         return self.forwards
 
     def _count_step(self) -> None:
@@ -422,16 +504,16 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                            dtype=np.int64)
         if all(r.greedy and (r.grammar is None or r.pending is not None) for r in rows if r is not None):
             x0 = mx.where(mx.array(has_pending), mx.array(pending, dtype=mx.uint32),
-                          mx.argmax(self.logits_last, axis=-1).astype(mx.uint32))
+                          mx.argmax(self.state.logits_last, axis=-1).astype(mx.uint32))
             return Step(active, has_pending, True, x0)
         draw = np.flatnonzero(active & ~has_pending)
-        if len(draw) and self.logits_host is None:
-            self.logits_host = to_host(self.logits_last)
+        if len(draw) and self.state.logits_host is None:
+            self.state.logits_host = to_host(self.state.logits_last)
         t_host = time.perf_counter()
         x0_host = pending.copy()
         for b in draw:
             with row_work(rows[b]) as row:
-                x0_host[b] = sample(row.dist(self.logits_host[b], allowed=row.allowed()), row.rng)
+                x0_host[b] = sample(row.dist(self.state.logits_host[b], allowed=row.allowed()), row.rng)
         self.counters.lane_host_s += time.perf_counter() - t_host
         return Step(active, has_pending, False, mx.array(x0_host, dtype=mx.uint32), x0_host)
 
@@ -493,7 +575,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
     def _emit_primary(self, b: int, row: LaneRow, token: int) -> bool:
         """Emit row b's primary token (not yet emitted: it came from last step's logits); True
         when the row finished on it."""
-        return row.emit(token, host_logprob(self.logits_last[b], token, row.req.logprobs))
+        return row.emit(token, host_logprob(self.state.logits_last[b], token, row.req.logprobs))
 
     def _keep_target(self, step: Step, b: int, row: LaneRow) -> None:
         """A row that did not draft keeps the target's own next token (AR's draws)."""
@@ -526,10 +608,10 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         self._count_step()
         step = self._primaries()
         self._speculate_primaries(step)
-        if self.mtp_caches:
-            may_draft = self.history.owe_rows(self.rows)
+        if self.state.mtp_caches:
+            may_draft = self.state.history.owe_rows(self.rows)
             if may_draft.any():
-                self.history.owe(self.h_last, step.x0, may_draft)
+                self.state.history.owe(self.state.h_last, step.x0, may_draft)
         H, L = self._verify(step, step.x0[:, None], graph="ar")
         t_host = time.perf_counter()
         self._unwind(step)
@@ -540,11 +622,11 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
                     self._keep_target(step, b, row)
         self._end_decisions(step)
         self.counters.lane_host_s += time.perf_counter() - t_host
-        commit_rows(self.caches, 1, step.keep)
-        self.h_last, self.logits_last = H, L[:, 0]
-        self.logits_host = None if step.targets.logits is None else step.targets.logits[:, 0]
-        if self.history.due:
-            self.history.write(self.model, self.mtp_caches)
+        commit_rows(self.state.caches, 1, step.keep)
+        self.state.h_last, self.state.logits_last = H, L[:, 0]
+        self.state.logits_host = None if step.targets.logits is None else step.targets.logits[:, 0]
+        if self.state.history.due:
+            self.state.history.write(self.model, self.state.mtp_caches)
 
     # -- an MTP cycle ----------------------------------------------------------------------------------
 
@@ -559,7 +641,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         owed head-history entries [W]) of a cycle launched before the last one's verify was read,
         its primaries and owed entries on the device (`_launch_ahead`)."""
         self._forwards()
-        self.history.write(self.model, self.mtp_caches)     # what AR steps owed, first
+        self.state.history.write(self.model, self.state.mtp_caches)     # what AR steps owed, first
         drafting = np.array([r is not None and r.wants_draft() for r in self.rows])
         if ahead is None:
             step = self._primaries()
@@ -571,7 +653,7 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
         step.depth = self.proposer.depth_for(self.lane.depth)
         step.row_depth = np.array([min(r.chain_depth or step.depth, step.depth) if drafting[b] else 0
                                    for b, r in enumerate(self.rows)], dtype=np.int64)
-        step.proposal = self.proposer.propose(self.forwards, self.history, self.h_last, step.x0, self.rows,
+        step.proposal = self.proposer.propose(self.forwards, self.state.history, self.state.h_last, step.x0, self.rows,
                                               step.row_depth, owed, step.active, step.greedy, step.depth,
                                               step.allowed)
         return step, self._launch_verify(step, mx.concatenate([step.x0[:, None], step.proposal.drafts], axis=1))
@@ -603,10 +685,10 @@ class RunningLane(LaneShape, LaneAdmission, LaneAhead):
             self._settle(step)
             return
         T = 1 + step.depth
-        self.history.record(H, verify[0][:, 1:])
-        self.h_last, self.logits_last = commit_positions(self.caches, H, L, step.keep, T)
+        self.state.history.record(H, verify[0][:, 1:])
+        self.state.h_last, self.state.logits_last = commit_positions(self.state.caches, H, L, step.keep, T)
         L_host = step.targets.logits
-        self.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
+        self.state.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
 
     def _decide(self, step: Step, b: int, row: LaneRow) -> None:
         """Row b's part of the cycle, with its own RNG in the solo path's order: its primary (if

@@ -1,17 +1,13 @@
 """How a running lane's width and depth follow its rows: the installed lane it runs as (the
-narrowest width that holds the demand, the shallowest depth its drafting rows need), and moving
-its rows' state onto another installed lane."""
+narrowest width that holds the demand, the shallowest depth its drafting rows need;
+`LaneShapes`). Moving the rows' state onto another installed lane is the lane's (`_reshape`)."""
 
 from __future__ import annotations
 
-from itertools import chain
+from typing import Callable, Optional
 
-import mlx.core as mx
-
-from mtplx.engine.commit import HISTORY_FLUSH_AT
-from mtplx.engine.installed import VERIFY_T, InstalledA3BMTPBatchLane, sorted_ladder
-from mtplx.engine.policy import lane_depth
-from mtplx.models.cache import RaggedKVCache
+from mtplx.engine.installed import InstalledA3BMTPBatchLane, sorted_ladder
+from mtplx.engine.policy import NARROW_AFTER_CYCLES, lane_depth
 
 
 def lanes_by_depth(ladder: list, greedy_ladder=None, sampled_ladder=None, depth_ladders=()) -> tuple:
@@ -38,28 +34,46 @@ def lanes_by_depth(ladder: list, greedy_ladder=None, sampled_ladder=None, depth_
     return at, greedy_depths, min(sampled)
 
 
-class LaneShape:
-    """`RunningLane`'s width and depth (its rows, ladders and caches are the lane's own)."""
+class LaneShapes:
+    """The installed lanes a running lane may run as, by width and depth, and which one its rows
+    want: the narrowest width that holds the demand (narrower only after `narrow_after` cycles of
+    low demand), at the shallowest depth its drafting rows need. Greedy rows chain
+    `greedy_depths[width]` drafts (with `depth_by_cost`: the depth their acceptance pays most at
+    there), sampled rows their own depth (`sampled_depth` unless they ask)."""
 
-    def _lane_at(self, width: int) -> InstalledA3BMTPBatchLane:
-        """The installed lane of this width for the rows live or queued: deep enough for every
-        sampled row that drafts in its next cycle, and for greedy rows that draft, their depth
-        here (`greedy_ladder`; with `depth_by_cost`, the sampled rows' depth where any draft, else
-        the depth with the most tokens a second); the shallowest such lane installed (else the
-        deepest). With no row drafting the depth stays (a row that does not draft makes the same
-        draws at any depth)."""
-        at = self._lanes_at[width]
-        rows = [r for r in chain(self.rows, (a.row for a in self.admitting), self.waiting)
-                if r is not None and r.wants_draft()]
+    def __init__(self, ladder, greedy_ladder=None, sampled_ladder=None, depth_ladders: Optional[list] = None,
+                 narrow_after: int = NARROW_AFTER_CYCLES):
+        self.ladder = sorted_ladder(ladder)
+        self.lanes_at, self.greedy_depths, self.sampled_depth = lanes_by_depth(
+            self.ladder, greedy_ladder, sampled_ladder, depth_ladders or ())
+        # greedy rows' depth chosen by cost as the lane runs, at their acceptance here (`lane_depth`)
+        self.depth_by_cost = depth_ladders is not None
+        self.narrow_after = int(narrow_after)
+        self._low_demand = 0          # cycles in a row a narrower width would have held the demand
+
+    def fit_width(self, demand: int) -> int:
+        """The narrowest installed width that holds `demand` rows (else the widest)."""
+        return next((ln.width for ln in self.ladder if ln.width >= demand), self.ladder[-1].width)
+
+    def lane_at(self, width: int, rows: list, current: Optional[InstalledA3BMTPBatchLane],
+                greedy_acceptance: Callable[[], float]) -> InstalledA3BMTPBatchLane:
+        """The installed lane of this width for `rows` (live or queued; the lane runs as
+        `current`): deep enough for every sampled row that drafts in its next cycle, and for
+        greedy rows that draft, their depth here (`_greedy_need`); the shallowest such lane
+        installed (else the deepest). With no row drafting the depth stays (a row that does not
+        draft makes the same draws at any depth)."""
+        at = self.lanes_at[width]
+        rows = [r for r in rows if r.wants_draft()]
         sampled = [r.chain_depth for r in rows if not r.greedy]
         steady = any(r.drafting or not r.req.adaptive for r in rows if not r.greedy)
         greedy_rows = len(rows) - len(sampled)
-        need = self._greedy_need(width, sampled, steady) if greedy_rows else max(sampled, default=0)
+        need = (self._greedy_need(width, sampled, steady, current, greedy_acceptance) if greedy_rows
+                else max(sampled, default=0))
         if not need:
-            need = self.lane.depth if self.lane is not None else self.ladder[0].depth
+            need = current.depth if current is not None else self.ladder[0].depth
         return at[min((d for d in at if d >= need), default=max(at))]
 
-    def _greedy_need(self, width: int, sampled: list, steady: bool) -> int:
+    def _greedy_need(self, width: int, sampled: list, steady: bool, current, greedy_acceptance) -> int:
         """The depth a lane of this width holding drafting greedy rows (and sampled rows chaining
         `sampled`; `steady`: one of them drafts every cycle) runs at. Choosing by cost, a lane
         with steadily drafting sampled rows runs at theirs: a few greedy rows that take it a draft
@@ -72,79 +86,29 @@ class LaneShape:
         if self.depth_by_cost:
             if steady:
                 return max(sampled)
-            current = self.lane.depth if self.lane is not None and self.lane.width == width else None
-            chosen = lane_depth(self._lanes_at[width], current, self.greedy_acceptance)
+            depth = current.depth if current is not None and current.width == width else None
+            chosen = lane_depth(self.lanes_at[width], depth, greedy_acceptance)
             if chosen is not None:
                 return max(sampled + [chosen])
         return max(sampled + [self.greedy_depths[width]])
 
-    def _resize(self) -> None:
-        """Pick the narrowest installed width that fits the demand: widen at once, narrow after
-        `narrow_after` cycles of low demand (never below the live rows). The depth follows the
-        rows at once (`_lane_at`)."""
-        width = next((ln.width for ln in self.ladder if ln.width >= self.demand), self.ladder[-1].width)
-        fit = self._lane_at(width)
-        narrower = self.lane is not None and fit.width < self.width and self.live_rows <= fit.width
-        if self.lane is None:
-            self._reshape(fit, [])
-        elif fit.width > self.width:
-            self.counters.widenings += 1
-            self._low_demand = 0
-            self._reshape(fit, list(range(self.width)))
-        elif narrower and self._narrow_due():
-            self.counters.narrowings += 1
-            self._reshape(fit, [b for b, r in enumerate(self.rows) if r is not None])
-        else:
-            if not narrower:
-                self._low_demand = 0
-            here = fit if fit.width == self.width else self._lane_at(self.width)
-            if here is not self.lane:         # same width, another depth
-                self.counters.depth_switches += 1
-                self._reshape(here, list(range(self.width)))
-
-    def _narrow_due(self) -> bool:
+    def narrow_due(self, live_rows: int) -> bool:
+        """One more cycle of low demand: True when the lane should narrow now."""
         self._low_demand += 1
-        if self._low_demand >= self.narrow_after or not self.live_rows:
+        if self._low_demand >= self.narrow_after or not live_rows:
             self._low_demand = 0
             return True
         return False
 
-    def _reshape(self, lane: InstalledA3BMTPBatchLane, keep: list) -> None:
-        """Run as `lane` from now on; the rows in slots `keep` move to slots 0.. with their state.
-        Onto a lane chaining another number of drafts, rows first settle the head history their
-        last cycle left owed (its layout is [W, depth]), as before an AR step."""
-        if self.history is not None:
-            if self.lane is not None and lane.depth != self.lane.depth:
-                self.history.owe_rows(self.rows)
-                self.history.redepth(lane.depth)
-            self.history.write(self.model, self.mtp_caches)     # its columns are as wide as the old width
-        index = keep + [None] * (lane.width - len(keep))
-        rows = [self.rows[i] if i is not None else None for i in index]
-        if index == list(range(self.width)) and lane.width == self.width:
-            pass                         # every row stays in its slot: the state as it is
-        elif self.caches is not None and any(r is not None for r in rows):
-            self._move_rows(index)
-        else:            # nothing live to carry: start from empty layers at the new width
-            self.caches = self.mtp_caches = self.history = None
-        self.lane, self.rows = lane, rows
-        self.forwards = self.logits_host = None
-        self._reserve_for_life([r for r in rows if r is not None])
+    def demand_held(self) -> None:
+        """The demand needs the current width (or more): low demand starts counting afresh."""
+        self._low_demand = 0
 
-    def _move_rows(self, index: list) -> None:
-        """New slot i takes old slot index[i]'s state (None: an empty slot)."""
-        take = [i if i is not None else 0 for i in index]
-        self.caches = [c.take_rows(index) for c in self.caches]
-        self.mtp_caches = [c.take_rows(index) for c in self.mtp_caches]
-        sel = mx.array(take, dtype=mx.int32)
-        self.logits_last, self.h_last = self.logits_last[sel], self.h_last[sel]
-        self.history.take(take)
-
-    def _reserve_for_life(self, rows: list) -> None:
-        """A compiled lane's KV buffers sized now for these rows' whole lives, so its graphs are not
-        traced again while they decode."""
-        if not self.lane.compiled or not rows or self.caches is None:
-            return
-        need = max(len(r.req.prompt_ids) + r.req.max_tokens for r in rows) + max(VERIFY_T, HISTORY_FLUSH_AT)
-        for layer in self.caches + self.mtp_caches:
-            if isinstance(layer, RaggedKVCache):
-                layer.ensure_capacity(need)
+    def checked_depth(self, req) -> int:
+        """A sampled row's draft depth (its own, else `sampled_depth`), if every width chains it."""
+        depth = self.sampled_depth if req.draft_depth is None else int(req.draft_depth)
+        shallow = [w for w, at in self.lanes_at.items() if max(at) < depth]
+        if req.speculative and shallow:
+            raise ValueError(f"request {req.request_id}: draft_depth={depth} but this lane chains at most "
+                             f"{max(self.lanes_at[shallow[0]])} drafts at width {shallow[0]}")
+        return depth

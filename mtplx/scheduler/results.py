@@ -213,7 +213,7 @@ def lane_snapshot(key, serial: int, running) -> dict:
             "depth": st.depth, "greedy_rows": st.greedy_rows, "depth_switches": st.depth_switches,
             # greedy rows' depth chosen as it runs (`lane_depth`), at their acceptance in this lane
             # (their first drafts kept, as counted here: no model call off the owner thread)
-            "depth_by_cost": running.depth_by_cost,
+            "depth_by_cost": running.shapes.depth_by_cost,
             "greedy_first_drafts_kept": round(st.greedy_first_kept / st.greedy_first_drafts, 4)
             if st.greedy_first_drafts else None,
             "live_rows": st.live_rows, "prefilling_rows": st.prefilling_rows,
