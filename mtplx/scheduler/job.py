@@ -172,21 +172,24 @@ class MTPBatchJob:
             else:
                 self.token_callback([token], [logprob])
         except Exception as exc:  # row-local: the cohort and its peers never see it
-            self.callback_error = exc
-            self.cancel_event.set()
-            self._fail(exc)
+            self.consumer_failed(exc)
 
-    def emit_checkpoint(self, tokens: int, pending: bool, rng_state: Optional[dict], policy: tuple) -> None:
-        """The row's state after its first `tokens` tokens (a lane step's end) to
+    def emit_checkpoint(self, checkpoint: RowCheckpoint) -> None:
+        """The row's state after its first `checkpoint.tokens` tokens (a lane step's end) to
         ``checkpoint_callback``; a no-op once cancelled. A raising callback fails this job alone."""
         if self.checkpoint_callback is None or self.cancel_requested():
             return
         try:
-            self.checkpoint_callback(RowCheckpoint(tokens, pending, rng_state, policy))
+            self.checkpoint_callback(checkpoint)
         except Exception as exc:
-            self.callback_error = exc
-            self.cancel_event.set()
-            self._fail(exc)
+            self.consumer_failed(exc)
+
+    def consumer_failed(self, exc: BaseException) -> None:
+        """Whoever takes this job's tokens (a callback, its cohort's sink) raised `exc`: the job
+        is cancelled and fails with it, alone."""
+        self.callback_error = exc
+        self.cancel_event.set()
+        self._fail(exc)
 
     def emit_prefill(self, event: dict) -> None:
         """Forward a prefill progress event; callback errors are swallowed."""

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mtplx.api.rows import RowCheckpoint
-
 from mtplx.end import CANCELLED, End
 from mtplx.scheduler.job import failsafe
 from mtplx.scheduler.results import build_result, lane_placement, lane_row_stats
@@ -86,11 +85,15 @@ def deliver_event(job, event) -> Optional[RowNews]:
         for i, token in enumerate(event.tokens):
             job.emit_token(token, event.logprobs[i] if event.logprobs else None, at=event.times[i])
         if event.mark is not None:
-            m = event.mark
-            job.emit_checkpoint(m.tokens, m.pending, m.rng_state, m.policy)
+            job.emit_checkpoint(checkpoint_of(event.mark))
     if event.end is not None and event.end.kind == CANCELLED:   # its future fails at once
         job._fail(job._cancel_exception())
     return news
+
+
+def checkpoint_of(mark) -> RowCheckpoint:
+    """The engine's `RowMark` as the plain `RowCheckpoint` a stream carries."""
+    return RowCheckpoint(mark.tokens, mark.pending, mark.rng_state, mark.policy)
 
 
 def _news(job, event) -> Optional[RowNews]:
@@ -101,8 +104,7 @@ def _news(job, event) -> Optional[RowNews]:
     job.tokens.extend(tokens)
     job.token_times.extend(event.times)
     shown = [i for i, t in enumerate(tokens) if t not in job.stop_token_ids]
-    m = event.mark
-    checkpoint = None if m is None else RowCheckpoint(m.tokens, m.pending, m.rng_state, m.policy)
+    checkpoint = None if event.mark is None else checkpoint_of(event.mark)
     if not shown and checkpoint is None:
         return None
     entries = [event.logprobs[i] for i in shown] if job.logprobs is not None and event.logprobs else None

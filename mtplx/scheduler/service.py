@@ -642,9 +642,7 @@ class MTPBatchGenerationService(ModelOwnerThread):
         except Exception as exc:
             self._record_error(exc)
             for n in rows:
-                n.job.callback_error = exc
-                n.job.cancel_event.set()
-                n.job._fail(exc)
+                n.job.consumer_failed(exc)
 
     def _complete_lane_job(self, job: MTPBatchJob, stream) -> None:
         """Resolve one lane row at its own terminal, from its final stream (a result that cannot
