@@ -72,7 +72,7 @@ def ours(model, prompts: list, tokens: int, widths: tuple) -> dict:
     from mtplx.engine.decode import generate_mtpk
     from mtplx.sampling import GREEDY
     from mtplx.scheduler.config import GREEDY_DEPTHS_BY_COST
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
     out = {f"mtp depth {d}": [generate_mtpk(model, ids, max_tokens=tokens, sampler=GREEDY, depth=d).tokens
                               for ids in prompts] for d in (1, 2, 3)}

@@ -12,7 +12,7 @@ from mtplx.api.rows import mtp_batch_compatibility_key
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, MAX_COHORT_ROWS
 from mtplx.scheduler.job import MTPBatchJob
-from mtplx.scheduler.service import MTPBatchGenerationService
+from mtplx.server.mtp_batch import MTPBatchGenerationService
 
 _BENCH_PROMPTS = (
     "def fibonacci(n):\n",

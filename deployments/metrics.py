@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Callable, Dict, Iterable, Optional
 
-from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
+from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
 
 SECONDS_BOUNDARIES = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0]
 TPOT_BOUNDARIES = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0]
@@ -177,7 +177,7 @@ def lane_route_label(ln: dict) -> str:
 # A row's End as its `finish_reason` label, one of FINISH_REASONS: a stop string is a stop, not
 # a cancellation
 FINISH_REASON_OF_END = {EOS: "stop", STOP_TOKEN: "stop", STOP_STRING: "stop", LENGTH: "length",
-                        GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: "cancelled", FAILED: "internal"}
+                        GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: "cancelled"}
 
 
 def finish_reason_label(end: End) -> str:

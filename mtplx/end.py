@@ -18,14 +18,15 @@ LENGTH = "length"                       # its max_tokens ran out
 GRAMMAR_COMPLETE = "grammar_complete"   # its grammar (structured output) allows nothing more
 REPETITION = "repetition"               # the engine's literal-repetition stop (mtplx.engine.repetition)
 CANCELLED = "cancelled"                 # its caller ended it (a cancel, a client gone, a raising callback)
-FAILED = "failed"                       # its own work raised (a row failure)
-KINDS = (EOS, STOP_TOKEN, STOP_STRING, LENGTH, GRAMMAR_COMPLETE, REPETITION, CANCELLED, FAILED)
+KINDS = (EOS, STOP_TOKEN, STOP_STRING, LENGTH, GRAMMAR_COMPLETE, REPETITION, CANCELLED)
+# A row whose own work raised has no End: it fails with an exception, which the replica turns into
+# the client's error event (`deployments.replica`, `_error_class`), in OpenAI's error shape.
 
 # The engine's coarse reason, as `GenerationResult.finish_reason` and a result's "finish_reason"
 # have always said it: every kind of stop is "stop".
 _FINISH_REASON = {EOS: "stop", STOP_TOKEN: "stop", STOP_STRING: "stop", LENGTH: "length",
-                  GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: "cancelled", FAILED: "failed"}
-_OF_FINISH_REASON = {"length": LENGTH, "cancelled": CANCELLED, "failed": FAILED}
+                  GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: "cancelled"}
+_OF_FINISH_REASON = {"stop": STOP_TOKEN, "length": LENGTH, "cancelled": CANCELLED}
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class End:
 
     @property
     def finish_reason(self) -> str:
-        """"stop" | "length" | "cancelled" | "failed": the engine's coarse reason (compatibility)."""
+        """"stop" | "length" | "cancelled": the engine's coarse reason (compatibility)."""
         return _FINISH_REASON[self.kind]
 
     @property
@@ -72,8 +73,12 @@ class End:
 
     @classmethod
     def from_finish_reason(cls, reason: Optional[str]) -> "End":
-        """The End of a caller's own solo runner, which reports only a coarse reason: any stop
-        reads as a stop token (it does not say which), no reason as the budget run out."""
+        """The End of a caller's own solo runner, which reports only a coarse reason: "stop"
+        reads as a stop token (it does not say which), no reason as the budget run out. A runner
+        whose run failed raises instead."""
         if reason is None:
             return cls(LENGTH)
-        return cls(_OF_FINISH_REASON.get(reason, STOP_TOKEN))
+        if reason not in _OF_FINISH_REASON:
+            raise ValueError(f"a solo runner's finish_reason {reason!r} is not one of "
+                             f"{sorted(_OF_FINISH_REASON)}; a runner whose run failed raises")
+        return cls(_OF_FINISH_REASON[reason])

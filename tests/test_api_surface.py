@@ -120,17 +120,18 @@ def test_finish_reasons_are_openais_only():
 def test_overload_refusals_spread_their_retry_after():
     """Clients refused together are told different whole seconds, from the delay to twice it, so
     they do not come back as one burst; a replica that is unavailable gives the delay itself."""
-    from mtplx.api import openai as oa
+    from mtplx.api.errors import overloaded, unavailable
 
-    told = [int(oa.overloaded("full", 1.5, status=429).headers["retry-after"]) for _ in range(200)]
+    told = [int(overloaded("full", 1.5, status=429).headers["retry-after"]) for _ in range(200)]
     assert set(told) == {2, 3, 4}
-    assert oa.unavailable("down", retry_after_s=1.0).headers["retry-after"] == "1"
-    assert "retry-after" not in oa.unavailable("down").headers
+    assert unavailable("down", retry_after_s=1.0).headers["retry-after"] == "1"
+    assert "retry-after" not in unavailable("down").headers
 
 
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 1.3)])
 def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
-    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+    from mtplx.api.errors import OpenAIError
+    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, parse_request
 
     for cls, base in ((ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
                       (CompletionRequest, {"prompt": "x"})):
@@ -142,7 +143,8 @@ def test_fields_the_sampler_cannot_honour_are_refused_by_name(field, value):
 
 
 def test_logprobs_fields_are_validated():
-    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+    from mtplx.api.errors import OpenAIError
+    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, parse_request
 
     chat = {"messages": [{"role": "user", "content": "x"}]}
     cases = [(ChatCompletionRequest, {**chat, "top_logprobs": 3}, "top_logprobs"),        # without logprobs
@@ -182,7 +184,8 @@ def test_logprobs_shapes_carry_each_tokens_exact_bytes(model):
 
 def test_anthropic_request_translates_to_the_chat_path(model):
     from mtplx.api import anthropic
-    from mtplx.api.openai import ChatMessage, OpenAIError, encode_chat, parse_request
+    from mtplx.api.errors import OpenAIError
+    from mtplx.api.openai import ChatMessage, encode_chat, parse_request
 
     body = {"model": MODEL, "max_tokens": 7, "system": [{"type": "text", "text": "Be brief."}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]},
@@ -531,7 +534,7 @@ def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
     rows equal plain greedy AR, sampled rows follow their own seeds whatever their neighbours."""
     import mtplx.engine.admission as admission_mod
     from mtplx.sampling import SamplerConfig
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
     prefills = []
     real_start = admission_mod.start_prefill
@@ -575,7 +578,8 @@ def test_n_rows_share_one_prefill_and_keep_their_own_draws(model, monkeypatch):
 
 
 def test_n_and_best_of_are_validated():
-    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+    from mtplx.api.errors import OpenAIError
+    from mtplx.api.openai import ChatCompletionRequest, CompletionRequest, parse_request
 
     chat = {"messages": [{"role": "user", "content": "x"}]}
     for cls, body, param in [(ChatCompletionRequest, {**chat, "n": 0}, "n"),
@@ -632,7 +636,7 @@ def test_b1_exact_serves_logprobs_in_the_one_row_lane(tmp_path, head):
     (a checkpoint without an MTP head included: its rows decode plain AR)."""
     import mtplx
     from mtplx.sampling import SamplerConfig
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
     from mtplx.synthetic import write_checkpoint
 
     m = mtplx.load_model(write_checkpoint(tmp_path / head, head=head, vocab=4096))

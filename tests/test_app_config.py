@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from deployments.app import AppArgs, build_app
 from deployments.replica import MTPReplica
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS
-from mtplx.scheduler.service import MTPBatchGenerationService
+from mtplx.server.mtp_batch import MTPBatchGenerationService
 
 
 def _replica_kwargs(args: dict) -> dict:

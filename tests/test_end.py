@@ -18,7 +18,6 @@ REASONS = {
     "grammar_complete": ("stop", "end_turn", "completed", "stop"),
     "repetition": ("stop", "end_turn", "completed", "stop"),
     "cancelled": ("abort", "abort", "cancelled", "cancelled"),
-    "failed": ("abort", "abort", "failed", "internal"),
 }
 
 
@@ -85,6 +84,8 @@ def test_the_compatibility_strings_come_from_the_end():
     assert End(EOS).engine_reason == "stop"
     assert End.from_finish_reason("length") == End(LENGTH) and End.from_finish_reason(None) == End(LENGTH)
     assert End.from_finish_reason("stop") == End(STOP_TOKEN)
+    with pytest.raises(ValueError, match="finish_reason 'failed' is not one of"):
+        End.from_finish_reason("failed")
 
 
 def test_an_end_refuses_an_unknown_kind_and_data_its_kind_has_none_of():
@@ -170,7 +171,7 @@ def test_the_services_result_carries_the_engines_end(model, lane, reference):
     from functools import partial
 
     from mtplx.api.text import StopStringWatch
-    from mtplx.scheduler.service import MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob
 
     prompt, ref, k = reference
     t = ref[k]

@@ -11,8 +11,8 @@ import pytest
 import mtplx
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.engine.prefill import CapacityError
-from mtplx.models.loader import (SHIPPED_MODEL, CheckpointShapeError, ModelLoadError,
-                                 ModelNotFoundError, UnsupportedModelError)
+from mtplx.models.errors import CheckpointShapeError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from mtplx.models.loader import SHIPPED_MODEL
 from mtplx.sampling import SamplerConfig
 
 from references import greedy_ar

@@ -18,7 +18,7 @@ from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.lane import RunningLane
 from mtplx.engine.row import RowFailure
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 from mtplx.structured import Constraint, GrammarError, json_schema_grammar
 
 TIMEOUT = 120

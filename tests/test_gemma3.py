@@ -412,7 +412,7 @@ def test_the_service_serves_the_checkpoint_without_a_head_with_prefix_reuse(gemm
     """`MTPBatchGenerationService.for_model` on the checkpoint without a head: a B8 lane of AR
     rows, a prefix bank of its own; a cohort of eight (three sharing a 280-token prefix with an
     earlier request) decodes mlx-lm's text, and the shared prefix is restored."""
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
     m, oracle = gemma["plain"]
     base = _prompts(1, seed=47, lengths=(280,))[0]

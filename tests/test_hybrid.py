@@ -30,7 +30,8 @@ from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
 from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.decode import generate_mtpk
 from mtplx.models import recurrent_cache as rc
-from mtplx.models.loader import SHIPPED_MODEL, CheckpointShapeError, _architectures
+from mtplx.models.errors import CheckpointShapeError
+from mtplx.models.loader import SHIPPED_MODEL, _architectures
 from mtplx.models.mtp_head import MTPHead
 from mtplx.models.recurrent_cache import RecurrentCache
 from mtplx.sampling import GREEDY

@@ -11,6 +11,7 @@ import pytest
 
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError
 from mtplx.api.limits import MAX_STOP_STRING_CHARS, RequestLimits
 from mtplx.sampling import FLOAT32_TINY, TOP_K_MAX, SamplerConfig
 
@@ -25,8 +26,8 @@ def _parse(cls, body):
     return oa.parse_request(cls, raw, LIMITS)
 
 
-def _refused(cls, body, param: str) -> oa.OpenAIError:
-    with pytest.raises(oa.OpenAIError) as exc:
+def _refused(cls, body, param: str) -> OpenAIError:
+    with pytest.raises(OpenAIError) as exc:
         _parse(cls, body)
     named = exc.value.param == param or (exc.value.param or "").startswith(param + ".")    # a list's item
     assert exc.value.status == 400 and named, (body, exc.value.param, exc.value.message)
@@ -131,10 +132,10 @@ def test_valid_edges_are_accepted():
 def test_nested_json_is_a_400_on_tokenize_and_in_a_schema_given_as_a_string():
     """Python's `json` raises RecursionError past ~1000 levels; what a client nests is a 400."""
     deep = "[" * 5000 + "]" * 5000
-    with pytest.raises(oa.OpenAIError) as exc:
+    with pytest.raises(OpenAIError) as exc:
         oa.parse_tokenize_request(b'{"messages": ' + deep.encode() + b"}", LIMITS)
     assert exc.value.status == 400
-    with pytest.raises(oa.OpenAIError) as exc:
+    with pytest.raises(OpenAIError) as exc:
         oa.parse_tokenize_request(b'{"prompt": ' + deep.encode() + b"}", LIMITS)
     assert exc.value.status == 400
     from mtplx.api import output_plan
@@ -142,7 +143,7 @@ def test_nested_json_is_a_400_on_tokenize_and_in_a_schema_given_as_a_string():
     for schema in (deep, '{"type": "object", "properties": {"a": ' * 900 + "{}" + "}}" * 900):
         req = _parse(CHAT, {"messages": USER, "response_format": {"type": "json_schema",
                                                                   "json_schema": {"name": "x", "schema": schema}}})
-        with pytest.raises(oa.OpenAIError) as exc:
+        with pytest.raises(OpenAIError) as exc:
             output_plan.for_chat(req)
         assert exc.value.status == 400 and exc.value.param == "response_format.json_schema.schema", exc.value.message
     from mtplx.api.parsing import ToolCall

@@ -6,7 +6,8 @@ from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.prefill import CapacityError, KVBudgetError
 from mtplx.models.cache import STEP
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob, row_state_bytes
+from mtplx.scheduler.budget import row_state_bytes
+from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 from mtplx.scheduler.session_bank import SessionBank
 
 from references import greedy_ar

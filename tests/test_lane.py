@@ -14,6 +14,7 @@ from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import A3BMTPBatchCapacityError, A3BMTPBatchRequest
 from mtplx.engine.settings import DRAFT_DRAWS, EngineSettings
+from mtplx.engine.step import DecisionLog
 from mtplx.engine.decode import generate_ar
 from mtplx.sampling import SamplerConfig
 
@@ -531,7 +532,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
         for t2, b in zip(p2.ids.tolist(), p2.probs):
             p3 = dist([t1, t2], [t1, t2])
             joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
-    running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), keep_log=True,
+    running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=2), decision_log=DecisionLog(),
                           settings=EngineSettings(draft_draw="host"))
     streams, counts = seeded_outcomes(running, ids, 400, 3, cfg, draft)
     assert running.stats().device_drafts == 0
@@ -539,7 +540,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
     more, more_counts = seeded_outcomes(running, ids, 400, 3, cfg, draft, first_seed=400)
     streams += more
     counts = {k: counts.get(k, 0) + more_counts.get(k, 0) for k in set(counts) | set(more_counts)}
-    chained = [j for *_, j in running.draft_log]
+    chained = [j for *_, j in running.decision_log.drafts]
     assert chained.count(1) > 100 and sum(s.rejected_drafts for s in streams) > 100
     assert running.stats().device_drafts > 100
     p_value, df = chi2_test(counts, joint)
@@ -740,7 +741,7 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
             joint.update({(t1, t2, t3): a * b * c for t3, c in zip(p3.ids.tolist(), p3.probs)})
     ladder, greedy, sampled = _mixed_ladders(model, lanes)
     # device judging on (a GPU's default); on the host instead: a presence penalty
-    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, keep_log=True,
+    running = lane_mod.RunningLane(ladder, greedy_ladder=greedy, sampled_ladder=sampled, decision_log=DecisionLog(),
                                    settings=EngineSettings(device_judging=True))
     neighbours = _prompts(model, 3)
     for i, (s, kw) in enumerate(MIXED[:3]):
@@ -751,13 +752,13 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
             for i, (s, kw) in enumerate(MIXED[3:6])]
     _drain(running)
     seeded = {str(s) for s in range(600)}
-    second = [j for rid, *_, j in running.draft_log if rid in seeded and j == 1]
+    second = [j for rid, *_, j in running.decision_log.drafts if rid in seeded and j == 1]
     assert running.counters.peak_rows == 8 and len(second) > 100 and len(late) == 3
     assert sum(s.rejected_drafts for s in streams) > 100 and {s.mtp_depth for s in streams} == {2}
     judged_seeded = [rid for rid in on_device if rid in seeded]
     drafting_cycles = sum(s.accepted_drafts + s.rejected_drafts for s in streams)   # >= one judged draft a cycle
     assert (len(judged_seeded) > 0) == (judged == "device") and len(judged_seeded) <= drafting_cycles
-    assert judged == "host" or len(judged_seeded) == len([rid for rid, *_, j in running.draft_log
+    assert judged == "host" or len(judged_seeded) == len([rid for rid, *_, j in running.decision_log.drafts
                                                            if rid in seeded and j == 0])
     p_value, df = chi2_test(counts, joint)
     assert df >= 8 and p_value > ALPHA, (p_value, df, counts)

@@ -176,7 +176,7 @@ def test_cohort_monitor_on_a_real_service(model, caplog):
     estimate, cost model) and fall to 0 when the lane ends, and the summary names the lane with its
     occupancy and acceptance."""
     from mtplx.sampling import SamplerConfig
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob, mtp_batch_compatibility_key
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob, mtp_batch_compatibility_key
 
     greedy = SamplerConfig(temperature=0.0)
     key = mtp_batch_compatibility_key(model.model_id)

@@ -64,6 +64,7 @@ def test_the_document_lists_exactly_the_routes(ingress, doc):
 
 def test_every_listed_field_is_accepted_and_no_other(ingress, doc):
     from mtplx.api import openai as oa
+    from mtplx.api.errors import OpenAIError
     from mtplx.api.openapi import body_fields
     from mtplx.api.responses import ResponsesRequest
 
@@ -88,9 +89,9 @@ def test_every_listed_field_is_accepted_and_no_other(ingress, doc):
                     continue
                 try:        # the field at its default: never refused as unknown (other checks may refuse)
                     oa.parse_request(model, json.dumps({**base, name: spec["default"]}).encode())
-                except oa.OpenAIError as exc:
+                except OpenAIError as exc:
                     assert exc.code != "unknown_parameter", (model, name, exc.message)
-            with pytest.raises(oa.OpenAIError) as exc:
+            with pytest.raises(OpenAIError) as exc:
                 oa.parse_request(model, json.dumps({**base, "not_a_field_anywhere": 1}).encode())
             assert exc.value.code == "unknown_parameter" and exc.value.param == "not_a_field_anywhere"
             seen.add(model.__name__)

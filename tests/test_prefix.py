@@ -154,7 +154,7 @@ def test_bank_fits_in_the_room_rows_leave_it(model):
 def test_service_reuses_prefixes_for_jobs_without_hooks(model):
     """for_model gives the service a bank: a second job sharing a long prefix reports cached
     tokens and the same greedy output as a cold run."""
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
     service = MTPBatchGenerationService.for_model(model, widths=(3,))
     try:

@@ -100,7 +100,7 @@ def test_repetition_stop_through_the_service(models):
     when its output repeats (the tied test model repeats one token): its result drops the repeats
     after the first copy and says so; with it off the same row runs to its budget."""
     from mtplx.engine.repetition import RepetitionLimits
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
     m = models["qwen3_bf16_tied"]
     ids = _prompts(m, 1)[0]
@@ -127,7 +127,7 @@ def test_repetition_stop_through_the_service(models):
 def test_a_checkpoint_without_a_head_serves_plain_ar(models):
     """No MTP head: the service starts with lanes of plain AR rows, every request (whatever its
     generation_mode) decodes exactly as generate_ar, and the snapshot and each result say why."""
-    from mtplx.scheduler.service import MTPBatchGenerationService, MTPBatchJob
+    from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
     m = models["qwen3_bf16_nohead"]
     service = MTPBatchGenerationService.for_model(m, widths=(3,), batch_wait_s=0.05)

@@ -17,8 +17,8 @@ from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.settings import ENVIRONMENT, EngineSettings
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
-from mtplx.scheduler.service import (MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob,
-                                    MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
+from mtplx.server.mtp_batch import (MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob,
+                                  MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
 
 from references import greedy_ar
 

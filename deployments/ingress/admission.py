@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from mtplx.api import openai as oa
+from mtplx.api.errors import overloaded
 
 from .pending import PendingRow
 
@@ -26,7 +26,7 @@ class WaitingBound:
         rows are not waiting yet, fill the bound."""
         waiting = self.waiting_rows + self.admitting
         if waiting >= self.max_waiting_rows:
-            raise oa.overloaded(f"The server is overloaded ({waiting} requests waiting); retry after "
+            raise overloaded(f"The server is overloaded ({waiting} requests waiting); retry after "
                                 f"{self.retry_after_s:g} s", self.retry_after_s, status=self.overload_status)
 
     def admit(self) -> "Admission":

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 
-from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, unauthorized
 
 # names a loopback server always answers to (besides any 127.0.0.0/8 or ::1 address)
 LOOPBACK_NAMES = ("localhost",)
@@ -84,13 +84,13 @@ def authorize(request: Request, keys: List[bytes]) -> Optional[bytes]:
     if not auth and request.headers.get("x-api-key"):
         scheme, token = "bearer", request.headers["x-api-key"]
     elif not auth:
-        raise oa.unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+        raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
                               "(or 'x-api-key: <key>').")
     if scheme.lower() != "bearer" or not token.strip():
-        raise oa.unauthorized("The Authorization header must be 'Bearer <key>'.")
+        raise unauthorized("The Authorization header must be 'Bearer <key>'.")
     key = key_matches(token.strip().encode(), keys)
     if key is None:
-        raise oa.unauthorized("Incorrect API key provided.")
+        raise unauthorized("Incorrect API key provided.")
     return key
 
 
@@ -134,7 +134,7 @@ class BrowserGuard:
         server = request.scope.get("server")
         if server and _is_loopback(str(server[0])):
             if host is not None and not self._allowed(_hostname(host)):
-                raise oa.OpenAIError(
+                raise OpenAIError(
                     f"The Host header {host[:100]!r} is not a name this server answers to on loopback (DNS "
                     f"rebinding guard); add it to the app's allowed_hosts to serve it", status=403,
                     param="host", code="host_not_allowed")
@@ -143,7 +143,7 @@ class BrowserGuard:
             return
         page = _hostname(origin)
         if not self._allowed(page) and (host is None or page != _hostname(host)):     # not same-origin
-            raise oa.OpenAIError(
+            raise OpenAIError(
                 f"Requests from the web origin {origin[:100]!r} are refused: with no API key set only "
                 f"this server's own pages, the loopback's and allowed_hosts' may call it", status=403,
                 param="origin", code="origin_not_allowed")

@@ -9,16 +9,16 @@ import asyncio
 import logging
 from typing import Optional
 
-from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api.output_plan import OutputPlan
 from mtplx.structured import ConstraintError, check_constraint, grammar_tokenizer
 
 log = logging.getLogger("ray.serve")
 
 
-def _refusal(exc: Exception, param: Optional[str], schema) -> oa.OpenAIError:
+def _refusal(exc: Exception, param: Optional[str], schema) -> OpenAIError:
     message = str(exc) if isinstance(exc, ConstraintError) else f"the constraint cannot be enforced: {exc}"
-    return oa.invalid_request(message, param=param, code="invalid_schema" if schema is not None else "invalid_value")
+    return invalid_request(message, param=param, code="invalid_schema" if schema is not None else "invalid_value")
 
 
 def check_plan(plan: OutputPlan, tokenizer) -> None:
@@ -62,7 +62,7 @@ class ConstraintChecker:
             return
         llg_tokenizer = await self._grammar_tokenizer(tokenizer, vocab_size)
         if llg_tokenizer is None:
-            raise oa.invalid_request(f"structured output is not available for this model: the grammar engine "
+            raise invalid_request(f"structured output is not available for this model: the grammar engine "
                                      f"cannot read its tokenizer ({self._unavailable})", param=plan.param,
                                      code="unsupported_value")
         await asyncio.get_running_loop().run_in_executor(None, check_plan, plan, llg_tokenizer)

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError
 from mtplx.api.parsing import OutputParser, openai_delta, openai_message_fields
 from mtplx.api.tools import new_call_id
 
@@ -88,7 +89,7 @@ class _OpenAIFormat:
                     delta, logprobs = self._text_delta(text), self.logprobs()
                     if delta is not None or logprobs is not None:
                         yield self._chunk(delta if delta is not None else {}, logprobs=logprobs)
-            except oa.OpenAIError as exc:
+            except OpenAIError as exc:
                 yield exc.body()
                 return
             result = self.run.result()
@@ -234,7 +235,7 @@ class AnthropicFormat:
                     out = events.text(text) if parser is None else events.events(parser.push(text))
                     if out:
                         yield out
-            except oa.OpenAIError as exc:
+            except OpenAIError as exc:
                 yield events.error(exc)
                 return
             r = run.result()

@@ -8,6 +8,7 @@ import logging
 from typing import List, Optional
 
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError
 from mtplx.api import responses
 from mtplx.api.output_plan import THINK_END
 from mtplx.api.parsing import OutputParser
@@ -89,7 +90,7 @@ class ResponsesFormat:
                                       self._logprobs())
                     if out:
                         yield _frames(out)
-            except oa.OpenAIError as exc:
+            except OpenAIError as exc:
                 yield responses.sse(events.error(exc))
                 return
             r = run.result()

@@ -14,6 +14,7 @@ from starlette.routing import Match, Route, Router
 
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, invalid_request, route_not_found
 from mtplx.api.openapi import Operation
 
 REQUEST_ID_HEADER = "x-mtplx-request-id"                # the server's id; a client's own goes in it too
@@ -78,9 +79,9 @@ class RouteMatch:
             return self.route
         if self.wrong_method is not None:
             allowed = " or ".join(sorted(self.wrong_method.methods))
-            raise oa.OpenAIError(f"Method {method} is not allowed on {path}; use {allowed}", status=405,
+            raise OpenAIError(f"Method {method} is not allowed on {path}; use {allowed}", status=405,
                                  code="method_not_allowed")
-        raise oa.route_not_found(method, path)
+        raise route_not_found(method, path)
 
 
 def match(router: Router, method: str, path: str) -> RouteMatch:
@@ -128,7 +129,7 @@ class RequestContext:
         if value is None:
             return
         if not _CLIENT_ID_OK.match(value):
-            raise oa.invalid_request(f"The {REQUEST_ID_HEADER} header must be 1-128 printable ASCII characters "
+            raise invalid_request(f"The {REQUEST_ID_HEADER} header must be 1-128 printable ASCII characters "
                                      f"without spaces", param=REQUEST_ID_HEADER)
         self.client_id = value
 
@@ -138,7 +139,7 @@ class RequestContext:
         if value is None:
             return
         if not _CLIENT_ID_OK.match(value):
-            raise oa.invalid_request(f"The {header} header must be 1-128 printable ASCII characters without spaces",
+            raise invalid_request(f"The {header} header must be 1-128 printable ASCII characters without spaces",
                                      param=header)
         self.session = value
 
@@ -150,7 +151,7 @@ class RequestContext:
             out[anthropic.REQUEST_ID_HEADER] = self.rid
         return out
 
-    def error_response(self, exc: oa.OpenAIError) -> JSONResponse:
+    def error_response(self, exc: OpenAIError) -> JSONResponse:
         body = anthropic.error_body(exc) if self.anthropic else exc.body()
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, internal_error, invalid_request, overloaded, unavailable
 from mtplx.api.output_plan import PLAIN, OutputPlan
 from mtplx.api.text import IncrementalDetokenizer, StopStringMatcher
 from mtplx.end import CANCELLED, STOP_STRING, End
@@ -118,7 +119,7 @@ class RowStream:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             log.error("mtplx ingress: the batch of request %s failed", self.rid, exc_info=item)
-            raise oa.internal_error(self.rid)
+            raise internal_error(self.rid)
         return item
 
     # -- text --------------------------------------------------------------------------------------
@@ -158,7 +159,7 @@ class RowStream:
                 update = await self._next_update()
             except StopAsyncIteration:
                 log.error("mtplx ingress: the batch of request %s ended without a result for it", self.rid)
-                raise oa.internal_error(self.rid) from None
+                raise internal_error(self.rid) from None
             for event in update:
                 if self.finished:
                     break
@@ -187,7 +188,7 @@ class RowStream:
             # a bug of ours, never a short answer
             log.error("mtplx ingress: request %s asked for logprobs; the replica sent %s entries for %d tokens",
                       self.rid, None if entries is None else len(entries), len(tokens))
-            raise oa.internal_error(self.rid)
+            raise internal_error(self.rid)
         if not self.stops.stops:      # nothing can end the row mid-message: one detokenizer pass
             self._returned(tokens, entries)
             return self.detok.push(tokens)
@@ -214,20 +215,20 @@ class RowStream:
         self._lp_tokens, self._lp_entries = [], []
         return out
 
-    def _row_error(self, payload: dict) -> oa.OpenAIError:
+    def _row_error(self, payload: dict) -> OpenAIError:
         """A row's error event (from the replica or the cohort driver) as the client's error. Only
         messages written for clients pass through; an internal failure says only that it was one."""
         kind, msg = payload.get("kind"), payload.get("message", "")
         if kind == "capacity":
-            return oa.invalid_request(msg, param=self.req.max_tokens_param, code="context_length_exceeded")
+            return invalid_request(msg, param=self.req.max_tokens_param, code="context_length_exceeded")
         if kind == "overloaded":
-            return oa.overloaded(msg, payload.get("retry_after_s") or self.ing.bound.retry_after_s,
+            return overloaded(msg, payload.get("retry_after_s") or self.ing.bound.retry_after_s,
                                  status=self.ing.bound.overload_status)
         if kind in ("unavailable", "cancelled"):
-            return oa.unavailable(msg or "the model replica is unavailable; retry",
+            return unavailable(msg or "the model replica is unavailable; retry",
                                   retry_after_s=payload.get("retry_after_s") or self.ing.bound.retry_after_s)
         log.error("mtplx ingress: request %s failed at the replica (the replica log has the details)", self.rid)
-        return oa.internal_error(self.rid)
+        return internal_error(self.rid)
 
     def _mark_text(self) -> None:
         if self.first_text_s is None:

@@ -25,6 +25,7 @@ from starlette.routing import Router
 import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, context_length_exceeded, internal_error, invalid_request, model_not_found, unavailable
 from mtplx.api import output_plan, responses
 from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS, RequestLimits
 from mtplx.api.openapi import document as openapi_document
@@ -205,7 +206,7 @@ class OpenAIIngress:
                 files = await call(self._replica.model_files, timeout_s=120)
             except Exception:
                 log.exception("mtplx ingress: fetching the tokenizer from a replica failed")
-                raise oa.unavailable("no model replica is ready yet; retry shortly",
+                raise unavailable("no model replica is ready yet; retry shortly",
                                      retry_after_s=self.bound.retry_after_s) from None
             local = Path(tempfile.mkdtemp(prefix="mtplx-tokenizer-"))
             for name, data in files.items():
@@ -228,7 +229,7 @@ class OpenAIIngress:
                              params=found.params)
         try:
             resp = await self._handle(request, found, ctx)
-        except oa.OpenAIError as exc:
+        except OpenAIError as exc:
             resp = ctx.error_response(exc)
             if exc.status == 401:
                 self._stats["rejected_unauthorized"] += 1
@@ -237,7 +238,7 @@ class OpenAIIngress:
         except Exception:  # a bug of ours: 500 in the route's shape, details only in the log; keep serving
             log.exception("mtplx ingress: unhandled error on %s %s (request id %s)", method, path, ctx.rid)
             self._stats["errors"] += 1
-            resp = ctx.error_response(oa.internal_error(ctx.rid))
+            resp = ctx.error_response(internal_error(ctx.rid))
         for name, value in ctx.headers().items():
             resp.headers.setdefault(name, value)
         self._metric("requests", 1, {"route": found.tag, "status": str(resp.status_code)})
@@ -250,7 +251,7 @@ class OpenAIIngress:
         if found.open:     # served without a key; a valid one still says who calls (/health's details)
             try:
                 ctx.caller, ctx.authenticated = caller_digest(authorize(request, self._api_keys)), True
-            except oa.OpenAIError:
+            except OpenAIError:
                 pass
         else:
             ctx.caller, ctx.authenticated = caller_digest(authorize(request, self._api_keys)), True
@@ -268,7 +269,7 @@ class OpenAIIngress:
         if content_type is not None:
             media = content_type.split(";", 1)[0].strip().lower()
             if media not in CONTENT_TYPES and not media.endswith("+json"):
-                raise oa.OpenAIError(f"Content-Type {content_type[:100]!r} is not supported; send the body as "
+                raise OpenAIError(f"Content-Type {content_type[:100]!r} is not supported; send the body as "
                                      f"JSON with Content-Type: application/json", status=415,
                                      param="content-type", code="unsupported_media_type")
         length = request.headers.get("content-length")
@@ -282,13 +283,13 @@ class OpenAIIngress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _too_large(self) -> oa.OpenAIError:
-        return oa.OpenAIError(f"The request body exceeds the {self.max_body_bytes}-byte limit; send a smaller "
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(f"The request body exceeds the {self.max_body_bytes}-byte limit; send a smaller "
                               f"prompt", status=413, code="request_too_large")
 
     def _check_model(self, model: Optional[str]) -> None:
         if model and model not in self.model_aliases:
-            raise oa.model_not_found(model, [self.served_model])
+            raise model_not_found(model, [self.served_model])
 
     async def _admitted_body(self, request: Request) -> bytes:
         self.bound.check()      # before the body is read
@@ -322,7 +323,7 @@ class OpenAIIngress:
             prompt_ids = await self._off_loop(len(prompt), oa.encode_prompt, self.tokenizer, prompt,
                                               req.add_special_tokens)
             if not prompt_ids:
-                raise oa.invalid_request("prompt encodes to zero tokens", param="prompt")
+                raise invalid_request("prompt encodes to zero tokens", param="prompt")
             return await self._generate(CompletionFormat, req, prompt_ids, t0, ctx, place, plan=plan)
 
     async def _messages(self, request: Request, ctx: RequestContext) -> Response:
@@ -362,19 +363,19 @@ class OpenAIIngress:
         if response_id is None:
             return None
         if self.responses_store is None:
-            raise oa.invalid_request("previous_response_id needs the responses store, which this server runs "
+            raise invalid_request("previous_response_id needs the responses store, which this server runs "
                                      "without (responses_store_path is null)", param="previous_response_id",
                                      code="unsupported_value")
         found = await self.responses_store.get(ctx.caller or "", response_id)
         if found is None:
-            raise oa.OpenAIError(f"Previous response with id {response_id!r} not found.", status=404,
+            raise OpenAIError(f"Previous response with id {response_id!r} not found.", status=404,
                                  param="previous_response_id", code="previous_response_not_found")
         return found
 
     def _stored(self, ctx: RequestContext) -> str:
         response_id = ctx.params["response_id"]
         if self.responses_store is None:
-            raise oa.OpenAIError("This server stores no responses (responses_store_path is null)", status=404,
+            raise OpenAIError("This server stores no responses (responses_store_path is null)", status=404,
                                  param="response_id", code="not_found")
         return response_id
 
@@ -402,7 +403,7 @@ class OpenAIIngress:
         it is refused without that work."""
         at_least = math.ceil(chars / self.longest_token_chars)
         if at_least >= self.meta["max_context"]:
-            raise oa.OpenAIError(
+            raise OpenAIError(
                 f"This model's maximum context length is {self.meta['max_context']} tokens; the prompt's "
                 f"{chars} characters are at least {at_least} tokens. Please reduce the prompt.",
                 status=400, param=param, code="context_length_exceeded")
@@ -444,7 +445,7 @@ class OpenAIIngress:
         seed = req.seed if req.seed is not None else secrets.randbits(63)
         max_tokens, min_tokens = self._max_tokens(req, len(prompt_ids)), getattr(req, "min_tokens", 0)
         if min_tokens > max_tokens:
-            raise oa.invalid_request(f"min_tokens={min_tokens} is above this request's max_tokens={max_tokens}; "
+            raise invalid_request(f"min_tokens={min_tokens} is above this request's max_tokens={max_tokens}; "
                                      f"ask for at most {max_tokens}", param="min_tokens")
         return RowSpec(
             request_id=ctx.rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
@@ -464,16 +465,16 @@ class OpenAIIngress:
         the default that fits."""
         max_context, limit = self.meta["max_context"], self.max_tokens_limit
         if n_prompt >= max_context:
-            raise oa.context_length_exceeded(n_prompt, 1, max_context, param=req.prompt_param)
+            raise context_length_exceeded(n_prompt, 1, max_context, param=req.prompt_param)
         max_tokens = req.requested_max_tokens
         if max_tokens is None:
             return int(min(self.default_max_tokens, max_context - n_prompt, limit or max_context))
         if limit is not None and max_tokens > limit:
-            raise oa.invalid_request(f"{req.max_tokens_param}={max_tokens} is above this server's limit of "
+            raise invalid_request(f"{req.max_tokens_param}={max_tokens} is above this server's limit of "
                                      f"{limit} tokens per completion; ask for at most {limit}",
                                      param=req.max_tokens_param, code="invalid_value")
         if n_prompt + max_tokens > max_context:
-            raise oa.context_length_exceeded(n_prompt, max_tokens, max_context, param=req.max_tokens_param)
+            raise context_length_exceeded(n_prompt, max_tokens, max_context, param=req.max_tokens_param)
         return int(max_tokens)
 
     @property
@@ -551,7 +552,7 @@ class OpenAIIngress:
     async def _model(self, request: Request, ctx: RequestContext) -> Response:
         name = ctx.params["model"]
         if name not in self.model_aliases:
-            raise oa.model_not_found(name, [self.served_model])
+            raise model_not_found(name, [self.served_model])
         return JSONResponse(oa.models_list([self.served_model], self.created, self.meta["max_context"])["data"][0])
 
     async def _openapi(self, request: Request, ctx: RequestContext) -> Response:
@@ -578,7 +579,7 @@ class OpenAIIngress:
             replicas = await self._replica_health()
         except Exception as exc:
             log.warning("mtplx ingress: health: no model replica answered: %s: %s", type(exc).__name__, exc)
-            err = oa.unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s)
+            err = unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s)
             return JSONResponse({**err.body(), "status": "unavailable"}, status_code=503, headers=err.headers)
         ok = self._liveness[1]
         ingress = {"mlx_imported": "mlx.core" in sys.modules or "mlx" in sys.modules,
@@ -623,7 +624,7 @@ class OpenAIIngress:
             replicas = await self.dispatch.fan_out("snapshot", timeout_s=10)
         except Exception as exc:
             log.warning("mtplx ingress: snapshot: no model replica answered: %s: %s", type(exc).__name__, exc)
-            raise oa.unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s) from None
+            raise unavailable("no model replica answered", retry_after_s=self.bound.retry_after_s) from None
         # time: the server's clock when it answered, so rates between two snapshots need no client clock
         return JSONResponse({"model": self.served_model, "time": time.time(), "ingress": self.ingress_snapshot(),
                              "replicas": replicas})
@@ -643,14 +644,14 @@ class OpenAIIngress:
         rid = ctx.params["rid"]
         n = await self.dispatch.cancel_request(rid, owner=ctx.caller)     # another key's request: not found
         if not n:
-            raise oa.OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
+            raise OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
                                  param="request_id", code="request_not_found")
         return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
 
 
-def _response_not_found(response_id: str) -> oa.OpenAIError:
+def _response_not_found(response_id: str) -> OpenAIError:
     """Another key's response is not found either (the store is partitioned by caller)."""
-    return oa.OpenAIError(f"Response with id {response_id!r} not found.", status=404, type="invalid_request_error",
+    return OpenAIError(f"Response with id {response_id!r} not found.", status=404, type="invalid_request_error",
                           param="response_id", code="response_not_found")
 
 

@@ -17,10 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from mtplx.api import limits
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api import output_plan
 from mtplx.api.parsing import ParsedAnswer
 from mtplx.api.tools import anthropic_tool_choice, anthropic_tools
-from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
+from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
 
 # Anthropic error types by HTTP status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -36,7 +37,7 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def error_body(exc: oa.OpenAIError) -> dict:
+def error_body(exc: OpenAIError) -> dict:
     """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}; a refused
     field is named at the start of the message ("tools.0.input_schema: ..."), as Anthropic does."""
     message = exc.message
@@ -67,7 +68,7 @@ def _blocks_text(content: Union[str, List[ContentBlock]], param: str, allowed=("
     pieces = []
     for j, block in enumerate(content):
         if block.type not in allowed or (block.type == "text" and block.text is None):
-            raise oa.invalid_request(f"Content block type {block.type!r} is not supported here (text, and tool_use "
+            raise invalid_request(f"Content block type {block.type!r} is not supported here (text, and tool_use "
                                      f"/ thinking in assistant turns, tool_result in user turns; no images or "
                                      f"documents)", param=f"{param}.{j}.type", code="unsupported_content")
         if block.type == "text":
@@ -78,7 +79,7 @@ def _blocks_text(content: Union[str, List[ContentBlock]], param: str, allowed=("
 def _field(block: ContentBlock, name: str, kind, param: str):
     value = (block.model_extra or {}).get(name)
     if not isinstance(value, kind):
-        raise oa.invalid_request(f"a {block.type} block needs {name}", param=f"{param}.{name}")
+        raise invalid_request(f"a {block.type} block needs {name}", param=f"{param}.{name}")
     return value
 
 
@@ -88,10 +89,10 @@ def _tool_result_text(block: ContentBlock, param: str) -> str:
         try:
             content = [ContentBlock.model_validate(b) for b in content]
         except Exception:
-            raise oa.invalid_request("tool_result content must be a string or text blocks",
+            raise invalid_request("tool_result content must be a string or text blocks",
                                      param=f"{param}.content") from None
     elif not isinstance(content, str):
-        raise oa.invalid_request("tool_result content must be a string or text blocks", param=f"{param}.content")
+        raise invalid_request("tool_result content must be a string or text blocks", param=f"{param}.content")
     text = _blocks_text(content, f"{param}.content")
     return f"Error: {text}" if (block.model_extra or {}).get("is_error") else text
 
@@ -162,21 +163,21 @@ class _MessagesPrompt(limits.BoundedRequest):
             return False, None
         kind = t.get("type")
         if kind not in ("enabled", "adaptive", "disabled") or set(t) - {"type", "budget_tokens", "display"}:
-            raise oa.invalid_request("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
+            raise invalid_request("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
                                      "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", param="thinking")
         if kind != "enabled":
             return kind == "adaptive", None
         budget = t.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-            raise oa.invalid_request("thinking.budget_tokens must be a non-negative integer",
+            raise invalid_request("thinking.budget_tokens must be a non-negative integer",
                                      param="thinking.budget_tokens")
         try:
             limits.check_token_count(budget, "thinking.budget_tokens", self._limits)
         except ValueError as exc:
-            raise oa.invalid_request(str(exc), param="thinking.budget_tokens", code="invalid_value") from None
+            raise invalid_request(str(exc), param="thinking.budget_tokens", code="invalid_value") from None
         max_tokens = getattr(self, "max_tokens", None)
         if max_tokens is not None and budget >= max_tokens:
-            raise oa.invalid_request(f"thinking.budget_tokens ({budget}) must be below max_tokens ({max_tokens})",
+            raise invalid_request(f"thinking.budget_tokens ({budget}) must be below max_tokens ({max_tokens})",
                                      param="thinking.budget_tokens")
         return True, budget
 
@@ -188,7 +189,7 @@ class _MessagesPrompt(limits.BoundedRequest):
             choice = anthropic_tool_choice(self.tool_choice, tools, self._limits.tool_calls)
             thinking, budget = self._thinking()
             if thinking and self.continues_final_message:
-                raise oa.invalid_request("thinking cannot be combined with a final assistant turn (a prefill): the "
+                raise invalid_request("thinking cannot be combined with a final assistant turn (a prefill): the "
                                          "answer would start inside it, not in a thinking section", param="thinking")
             structured = output_plan.output_config_constraint(self.output_config)
             self._plan = output_plan.assemble(thinking, budget, tools, choice, structured)
@@ -288,7 +289,7 @@ class MessagesRequest(_MessagesPrompt):
 # A row's End as Anthropic's stop_reason. A row that did not finish (cancelled through the cancel
 # route) keeps vLLM's "abort": Anthropic has no word for it.
 STOP_REASON_OF_END = {EOS: "end_turn", STOP_TOKEN: "end_turn", STOP_STRING: "stop_sequence", LENGTH: "max_tokens",
-                      GRAMMAR_COMPLETE: "end_turn", REPETITION: "end_turn", CANCELLED: oa.ABORT, FAILED: oa.ABORT}
+                      GRAMMAR_COMPLETE: "end_turn", REPETITION: "end_turn", CANCELLED: oa.ABORT}
 
 
 def stop_reason(end: End, tool_use: bool = False) -> str:
@@ -411,5 +412,5 @@ class MessageStream:
                 + sse_event("message_stop", {"type": "message_stop"}))
 
     @staticmethod
-    def error(exc: oa.OpenAIError) -> bytes:
+    def error(exc: OpenAIError) -> bytes:
         return sse_event("error", error_body(exc))

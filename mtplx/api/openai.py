@@ -17,16 +17,13 @@ from typing import Annotated, Any, Iterable, List, Literal, Optional, Sequence, 
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-# the errors are re-exported: the ingress and the other protocol modules raise them as `oa.<name>`
-from mtplx.api.errors import (OpenAIError, client_json, context_length_exceeded, error_body,  # noqa: F401
-                              from_validation_error, internal_error, invalid_request, model_not_found, overloaded,
-                              route_not_found, unauthorized, unavailable)
+from mtplx.api.errors import from_validation_error, invalid_request
 from mtplx.api.limits import (MAX_TOP_LOGPROBS, NO_LIMITS, BoundedRequest, RequestLimits, check_rows,
                               check_stop_strings, check_token_count, check_token_ids, check_top_k, check_top_p,
                               request_limits)
 from mtplx.api.text import TokenBytes
-from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
-from mtplx.sampling import SamplerConfig, shown_value
+from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
+from mtplx.sampling import SamplerConfig
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,7 +525,7 @@ ABORT = "abort"
 # A row's End as OpenAI's finish_reason: every kind of stop is "stop" (a stop token or string, a
 # grammar complete, a literal-repetition stop); a row that did not finish is "abort".
 FINISH_REASON_OF_END = {EOS: "stop", STOP_TOKEN: "stop", STOP_STRING: "stop", LENGTH: "length",
-                        GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: ABORT, FAILED: ABORT}
+                        GRAMMAR_COMPLETE: "stop", REPETITION: "stop", CANCELLED: ABORT}
 
 
 def vllm_stop_reason(end: End) -> Union[int, str, None]:

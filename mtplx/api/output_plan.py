@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 from mtplx.api import openai as oa
+from mtplx.api.errors import client_json, invalid_request
 from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS
 from mtplx.api.tools import ToolChoice, ToolSpec, openai_tool_choice, openai_tools, tool_call_constraint
 from mtplx.structured import (Constraint, ConstraintError, choice_grammar, json_object_grammar, json_schema_grammar,
@@ -84,19 +85,19 @@ def _built(builder, value, param: str, kind: str, schema=None) -> tuple:
     try:
         return Constraint(builder(value), kind), param, schema
     except ConstraintError as exc:
-        raise oa.invalid_request(str(exc), param=param, code="invalid_schema" if schema is not None else
+        raise invalid_request(str(exc), param=param, code="invalid_schema" if schema is not None else
                                  "invalid_value") from None
     except Exception as exc:     # llguidance's own refusal of what it was given
-        raise oa.invalid_request(f"{kind} cannot be enforced: {exc}", param=param, code="invalid_value") from None
+        raise invalid_request(f"{kind} cannot be enforced: {exc}", param=param, code="invalid_value") from None
 
 
 def _schema_value(value, param: str):
     if isinstance(value, str):
-        value = oa.client_json(value, param, what="the JSON schema", code="invalid_schema")
+        value = client_json(value, param, what="the JSON schema", code="invalid_schema")
     if value is True:
         value = {}
     if not isinstance(value, dict):
-        raise oa.invalid_request("a JSON schema must be an object", param=param, code="invalid_schema")
+        raise invalid_request("a JSON schema must be an object", param=param, code="invalid_schema")
     return value
 
 
@@ -114,16 +115,16 @@ def response_format_constraint(rf: dict, param: str = "response_format") -> Opti
     kind = rf.get("type")
     if kind in (None, "text"):
         if kind is None:
-            raise oa.invalid_request("response_format needs a type", param=f"{param}.type")
+            raise invalid_request("response_format needs a type", param=f"{param}.type")
         return None
     if kind == "json_object":
         return _built(lambda _: json_object_grammar(), None, param, "json_object")
     if kind != "json_schema":
-        raise oa.invalid_request(f"response_format type {kind!r} is not supported (text, json_object, "
+        raise invalid_request(f"response_format type {kind!r} is not supported (text, json_object, "
                                  f"json_schema)", param=f"{param}.type", code="unsupported_value")
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
-        raise oa.invalid_request("response_format of type json_schema needs \"json_schema\": {\"name\", "
+        raise invalid_request("response_format of type json_schema needs \"json_schema\": {\"name\", "
                                  "\"schema\"}", param=f"{param}.json_schema")
     where = f"{param}.json_schema.schema"
     schema = _schema_value(spec.get("schema", {}), where)
@@ -133,15 +134,15 @@ def response_format_constraint(rf: dict, param: str = "response_format") -> Opti
 def structured_outputs_constraint(so) -> tuple:
     """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
     if not isinstance(so, dict):
-        raise oa.invalid_request("structured_outputs must be an object", param="structured_outputs")
+        raise invalid_request("structured_outputs must be an object", param="structured_outputs")
     unknown = sorted(set(so) - set(STRUCTURED_OUTPUT_KINDS))
     if unknown:
-        raise oa.invalid_request(f"structured_outputs.{unknown[0]} is not supported; send one of "
+        raise invalid_request(f"structured_outputs.{unknown[0]} is not supported; send one of "
                                  f"{list(STRUCTURED_OUTPUT_KINDS)}", param=f"structured_outputs.{unknown[0]}",
                                  code="unsupported_value")
     given = [k for k in STRUCTURED_OUTPUT_KINDS if so.get(k) not in (None, False)]
     if len(given) != 1:
-        raise oa.invalid_request(f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, got "
+        raise invalid_request(f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, got "
                                  f"{given or 'none'}", param="structured_outputs")
     kind = given[0]
     value, param = so[kind], f"structured_outputs.{kind}"
@@ -153,7 +154,7 @@ def structured_outputs_constraint(so) -> tuple:
     if kind == "choice":
         return _built(choice_grammar, value, param, "choice")
     if not isinstance(value, str) or not value:
-        raise oa.invalid_request(f"{param} must be a non-empty string", param=param)
+        raise invalid_request(f"{param} must be a non-empty string", param=param)
     return _built(regex_grammar if kind == "regex" else _grammar_text, value, param,
                   "regex" if kind == "regex" else "grammar")
 
@@ -163,23 +164,23 @@ def text_format_constraint(fmt, param: str = "text.format") -> Optional[tuple]:
     {"type": "json_schema", "name", "schema", "strict", "description"} (flat, not nested under
     "json_schema" as chat's response_format is)."""
     if not isinstance(fmt, dict):
-        raise oa.invalid_request("text.format must be an object with a type", param=param)
+        raise invalid_request("text.format must be an object with a type", param=param)
     kind = fmt.get("type")
     known = {"text": {"type"}, "json_object": {"type"},
              "json_schema": {"type", "name", "schema", "strict", "description"}}
     if kind not in known:
-        raise oa.invalid_request(f"text.format type {kind!r} is not supported (text, json_object, json_schema)",
+        raise invalid_request(f"text.format type {kind!r} is not supported (text, json_object, json_schema)",
                                  param=f"{param}.type", code="unsupported_value")
     extra = sorted(set(fmt) - known[kind])
     if extra:
-        raise oa.invalid_request(f"Unrecognized text.format field: {extra[0]}", param=f"{param}.{extra[0]}",
+        raise invalid_request(f"Unrecognized text.format field: {extra[0]}", param=f"{param}.{extra[0]}",
                                  code="unknown_parameter")
     if kind == "text":
         return None
     if kind == "json_object":
         return _built(lambda _: json_object_grammar(), None, param, "json_object")
     if "schema" not in fmt:
-        raise oa.invalid_request("text.format of type json_schema needs a schema", param=f"{param}.schema",
+        raise invalid_request("text.format of type json_schema needs a schema", param=f"{param}.schema",
                                  code="missing_required_parameter")
     schema = _schema_value(fmt["schema"], f"{param}.schema")
     return _built(json_schema_grammar, schema, f"{param}.schema", "json_schema", schema)
@@ -195,23 +196,23 @@ def output_config_constraint(oc) -> Optional[tuple]:
     if oc is None:
         return None
     if not isinstance(oc, dict):
-        raise oa.invalid_request("output_config must be an object", param="output_config")
+        raise invalid_request("output_config must be an object", param="output_config")
     unknown = sorted(set(oc) - {"format", "effort"})
     if unknown:
-        raise oa.invalid_request(f"output_config.{unknown[0]} is not supported", param=f"output_config.{unknown[0]}",
+        raise invalid_request(f"output_config.{unknown[0]} is not supported", param=f"output_config.{unknown[0]}",
                                  code="unsupported_value")
     if oc.get("effort") is not None and oc["effort"] not in ANTHROPIC_EFFORTS:
-        raise oa.invalid_request(f"output_config.effort must be one of {list(ANTHROPIC_EFFORTS)}",
+        raise invalid_request(f"output_config.effort must be one of {list(ANTHROPIC_EFFORTS)}",
                                  param="output_config.effort")
     fmt = oc.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise oa.invalid_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+        raise invalid_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
                                  param="output_config.format.type", code="unsupported_value")
     where = "output_config.format.schema"
     if "schema" not in fmt:
-        raise oa.invalid_request("output_config.format needs a schema", param=where)
+        raise invalid_request("output_config.format needs a schema", param=where)
     schema = _schema_value(fmt["schema"], where)
     return _built(json_schema_grammar, schema, where, "json_schema", schema)
 
@@ -220,7 +221,7 @@ def refuse_guided_fields(req) -> None:
     """vLLM's guided_* fields are gone (vLLM deprecated them): a 400 naming the replacement."""
     for name, replacement in GUIDED_FIELDS.items():
         if getattr(req, name, None) is not None:
-            raise oa.invalid_request(f"{name} is not supported (vLLM deprecated the guided_* fields); use "
+            raise invalid_request(f"{name} is not supported (vLLM deprecated the guided_* fields); use "
                                      f"{replacement}", param=name, code="unsupported_value")
 
 
@@ -229,7 +230,7 @@ def structured_constraint(req) -> Optional[tuple]:
     refuse_guided_fields(req)
     rf, so = req.response_format, req.structured_outputs
     if so is not None and rf is not None and rf.get("type", "text") != "text":
-        raise oa.invalid_request("response_format and structured_outputs both constrain the answer; send one",
+        raise invalid_request("response_format and structured_outputs both constrain the answer; send one",
                                  param="structured_outputs")
     if so is not None:
         return structured_outputs_constraint(so)
@@ -243,12 +244,12 @@ def chat_thinking(req) -> Tuple[bool, Optional[int]]:
     kwargs = req.chat_template_kwargs or {}
     unknown = sorted(set(kwargs) - {"enable_thinking", "thinking"})
     if unknown:
-        raise oa.invalid_request(f"chat_template_kwargs.{unknown[0]} is not used by this model's chat template "
+        raise invalid_request(f"chat_template_kwargs.{unknown[0]} is not used by this model's chat template "
                                  f"(it takes enable_thinking)", param=f"chat_template_kwargs.{unknown[0]}",
                                  code="unsupported_value")
     flag = kwargs.get("enable_thinking", kwargs.get("thinking"))
     if flag is not None and not isinstance(flag, bool):
-        raise oa.invalid_request("chat_template_kwargs.enable_thinking must be true or false",
+        raise invalid_request("chat_template_kwargs.enable_thinking must be true or false",
                                  param="chat_template_kwargs.enable_thinking")
     effort = getattr(req, "reasoning_effort", None)
     if flag is None and effort is not None:
@@ -256,7 +257,7 @@ def chat_thinking(req) -> Tuple[bool, Optional[int]]:
     budget = getattr(req, "thinking_budget", None)
     if budget is not None:
         if flag is False:
-            raise oa.invalid_request("thinking_budget needs thinking; it is turned off by this request",
+            raise invalid_request("thinking_budget needs thinking; it is turned off by this request",
                                      param="thinking_budget")
         flag = True
     return bool(flag), budget
@@ -271,7 +272,7 @@ def assemble(thinking: bool, budget: Optional[int], tools: Sequence[ToolSpec], c
     constraint, param, schema, parts = None, None, None, ()
     if choice.forced:
         if structured is not None:
-            raise oa.invalid_request("a forced tool call and a structured response format cannot both constrain "
+            raise invalid_request("a forced tool call and a structured response format cannot both constrain "
                                      "the answer; send one", param="tool_choice")
         constraint, parts = tool_call_constraint(tools, choice, after_thinking=thinking)
         param = "tools"

@@ -19,11 +19,12 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mtplx.api import openai as oa
+from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api import output_plan
 from mtplx.api.limits import MAX_TOP_LOGPROBS, check_token_count, request_limits
 from mtplx.api.parsing import ParsedAnswer
 from mtplx.api.tools import responses_tool_choice, responses_tools
-from mtplx.end import CANCELLED, EOS, FAILED, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN
+from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # what `include` may ask for: the output text's log-probabilities, and reasoning's encrypted
@@ -108,32 +109,32 @@ class ResponsesRequest(oa.SamplingFields):
         for name, (served, why) in _REFUSED.items():
             value = getattr(self, name)
             if value is not None and value not in served:
-                raise oa.invalid_request(f"{name}={value!r} is not supported: {why}", param=name,
+                raise invalid_request(f"{name}={value!r} is not supported: {why}", param=name,
                                          code="unsupported_value")
         if self.stream_options is not None and not self.stream:
-            raise oa.invalid_request("stream_options is only allowed when stream is true", param="stream_options")
+            raise invalid_request("stream_options is only allowed when stream is true", param="stream_options")
         for i, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
-                raise oa.invalid_request(f"include {value!r} is not supported (only {list(INCLUDABLE)})",
+                raise invalid_request(f"include {value!r} is not supported (only {list(INCLUDABLE)})",
                                          param=f"include.{i}", code="unsupported_value")
         self._check_metadata()
         bound = self._limits.tool_calls
         if self.max_tool_calls is not None and self.max_tool_calls > bound:
-            raise oa.invalid_request(f"max_tool_calls={self.max_tool_calls} is above this server's limit of {bound} "
+            raise invalid_request(f"max_tool_calls={self.max_tool_calls} is above this server's limit of {bound} "
                                      f"calls per answer", param="max_tool_calls", code="invalid_value")
         self.input_items()        # every item checked here, at parse
         plan = self.output_plan()
         if self.requested_logprobs is not None and plan.parses:
-            raise oa.invalid_request("log-probabilities are returned for plain text answers only (no tools, no "
+            raise invalid_request("log-probabilities are returned for plain text answers only (no tools, no "
                                      "reasoning)", param="include", code="unsupported_value")
 
     def _check_metadata(self) -> None:
         meta = self.metadata or {}
         if len(meta) > MAX_METADATA_PAIRS:
-            raise oa.invalid_request(f"metadata holds at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+            raise invalid_request(f"metadata holds at most {MAX_METADATA_PAIRS} pairs", param="metadata")
         for key, value in meta.items():
             if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-                raise oa.invalid_request(f"metadata keys are at most {MAX_METADATA_KEY} characters and values at "
+                raise invalid_request(f"metadata keys are at most {MAX_METADATA_KEY} characters and values at "
                                          f"most {MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}")
 
     # -- what it asks for ---------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def _field(item: dict, key: str, kind, param: str, required: bool = True):
         return None
     if not isinstance(value, kind):
         what = "a string" if kind is str else f"{kind}"
-        raise oa.invalid_request(f"{item.get('type', 'an item')} item needs {key} ({what})", param=f"{param}.{key}",
+        raise invalid_request(f"{item.get('type', 'an item')} item needs {key} ({what})", param=f"{param}.{key}",
                                  code="missing_required_parameter" if value is None else "invalid_value")
     return value
 
@@ -241,7 +242,7 @@ def _parts_text(content, param: str, kinds=("input_text", "output_text")) -> str
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise oa.invalid_request("content must be a string or a list of text parts", param=param)
+        raise invalid_request("content must be a string or a list of text parts", param=param)
     pieces = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -249,7 +250,7 @@ def _parts_text(content, param: str, kinds=("input_text", "output_text")) -> str
             pieces.append(part["refusal"])
             continue
         if kind not in kinds or not isinstance(part.get("text"), str):
-            raise oa.invalid_request(f"content part type {kind!r} is not supported (text only; no images, files or "
+            raise invalid_request(f"content part type {kind!r} is not supported (text only; no images, files or "
                                      f"audio)", param=f"{param}.{j}.type", code="unsupported_content")
         pieces.append(part["text"])
     return "".join(pieces)
@@ -258,10 +259,10 @@ def _parts_text(content, param: str, kinds=("input_text", "output_text")) -> str
 def _message(item: dict, param: str) -> dict:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
-        raise oa.invalid_request(f"a message's role must be user, system, developer or assistant, got {role!r}",
+        raise invalid_request(f"a message's role must be user, system, developer or assistant, got {role!r}",
                                  param=f"{param}.role")
     if "content" not in item:
-        raise oa.invalid_request("a message needs content", param=f"{param}.content",
+        raise invalid_request("a message needs content", param=f"{param}.content",
                                  code="missing_required_parameter")
     text = _parts_text(item["content"], f"{param}.content")
     kind = "output_text" if role == "assistant" else "input_text"
@@ -273,7 +274,7 @@ def _function_call(item: dict, param: str) -> dict:
     if isinstance(arguments, dict):
         arguments = json.dumps(arguments, ensure_ascii=False)
     if not isinstance(arguments, str):
-        raise oa.invalid_request("a function_call's arguments must be a JSON string", param=f"{param}.arguments")
+        raise invalid_request("a function_call's arguments must be a JSON string", param=f"{param}.arguments")
     return {"type": "function_call", "call_id": _field(item, "call_id", str, param),
             "name": _field(item, "name", str, param), "arguments": arguments}
 
@@ -281,7 +282,7 @@ def _function_call(item: dict, param: str) -> dict:
 def _function_call_output(item: dict, param: str) -> dict:
     output = item.get("output")
     if output is None:
-        raise oa.invalid_request("a function_call_output needs output", param=f"{param}.output",
+        raise invalid_request("a function_call_output needs output", param=f"{param}.output",
                                  code="missing_required_parameter")
     return {"type": "function_call_output", "call_id": _field(item, "call_id", str, param),
             "output": _parts_text(output, f"{param}.output", ("input_text", "output_text"))}
@@ -290,7 +291,7 @@ def _function_call_output(item: dict, param: str) -> dict:
 def _reasoning(item: dict, param: str) -> dict:
     content = item.get("content") or []
     if not isinstance(content, list):
-        raise oa.invalid_request("a reasoning item's content must be a list", param=f"{param}.content")
+        raise invalid_request("a reasoning item's content must be a list", param=f"{param}.content")
     text = _parts_text(content, f"{param}.content", ("reasoning_text",))
     return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
@@ -305,11 +306,11 @@ def normalize_item(item, param: str) -> dict:
     output}, or a reasoning item {content: [reasoning_text]}; its id kept or made. Item fields
     other than these (status, annotations, ...) are read past; other item types are refused."""
     if not isinstance(item, dict):
-        raise oa.invalid_request("an input item must be an object", param=param)
+        raise invalid_request("an input item must be an object", param=param)
     kind = item.get("type", "message" if "role" in item else None)
     reader = _ITEM_READERS.get(kind)
     if reader is None:
-        raise oa.invalid_request(f"input item type {kind!r} is not supported (message, function_call, "
+        raise invalid_request(f"input item type {kind!r} is not supported (message, function_call, "
                                  f"function_call_output, reasoning)", param=f"{param}.type", code="unsupported_value")
     out = reader(item, param)
     item_id = item.get("id")
@@ -365,7 +366,7 @@ class Turn:
     def messages(self) -> List[oa.ChatMessage]:
         messages = chat_messages(self.request.instructions, self.context)
         if not messages:
-            raise oa.invalid_request("input is empty and there are no instructions", param="input")
+            raise invalid_request("input is empty and there are no instructions", param="input")
         return messages
 
 
@@ -390,9 +391,9 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_t
 
 
 # A row's End as a response's status: completed, incomplete (its budget ran out, for the reason
-# INCOMPLETE_REASON gives), cancelled (through the cancel route) or failed
+# INCOMPLETE_REASON gives) or cancelled (through the cancel route); a row that fails is an error event
 STATUS_OF_END = {EOS: "completed", STOP_TOKEN: "completed", STOP_STRING: "completed", LENGTH: "incomplete",
-                 GRAMMAR_COMPLETE: "completed", REPETITION: "completed", CANCELLED: "cancelled", FAILED: "failed"}
+                 GRAMMAR_COMPLETE: "completed", REPETITION: "completed", CANCELLED: "cancelled"}
 INCOMPLETE_REASON = {LENGTH: "max_output_tokens"}
 
 
@@ -540,7 +541,7 @@ class ResponseEvents:
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return self._event(kind, response=response)
 
-    def error(self, exc: oa.OpenAIError) -> dict:
+    def error(self, exc: OpenAIError) -> dict:
         return self._event("error", code=exc.code, message=exc.message, param=exc.param)
 
 

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from mtplx.api import openai as oa
+from mtplx.api.errors import invalid_request
 from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS
 from mtplx.structured import Constraint, ConstraintError, json_schema_grammar, lark_grammar
 
@@ -81,11 +81,11 @@ class ToolChoice:
 
 def _check_name(name, param: str, seen: set) -> str:
     if not isinstance(name, str) or not name.strip():
-        raise oa.invalid_request("a tool needs a name (a non-empty string)", param=param)
+        raise invalid_request("a tool needs a name (a non-empty string)", param=param)
     if len(name) > MAX_TOOL_NAME:
-        raise oa.invalid_request(f"tool name is longer than {MAX_TOOL_NAME} characters", param=param)
+        raise invalid_request(f"tool name is longer than {MAX_TOOL_NAME} characters", param=param)
     if name in seen:
-        raise oa.invalid_request(f"two tools are named {name!r}; tool names must be unique", param=param)
+        raise invalid_request(f"two tools are named {name!r}; tool names must be unique", param=param)
     seen.add(name)
     return name
 
@@ -94,7 +94,7 @@ def _check_schema(schema, param: str) -> dict:
     if schema is None:
         return dict(EMPTY_PARAMETERS)
     if not isinstance(schema, dict):
-        raise oa.invalid_request("a tool's parameters must be a JSON schema object", param=param)
+        raise invalid_request("a tool's parameters must be a JSON schema object", param=param)
     return schema
 
 
@@ -102,9 +102,9 @@ def _check_list(raw, param: str) -> list:
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise oa.invalid_request("tools must be a list", param=param)
+        raise invalid_request("tools must be a list", param=param)
     if len(raw) > MAX_TOOLS:
-        raise oa.invalid_request(f"at most {MAX_TOOLS} tools are allowed, got {len(raw)}", param=param)
+        raise invalid_request(f"at most {MAX_TOOLS} tools are allowed, got {len(raw)}", param=param)
     return raw
 
 
@@ -118,20 +118,20 @@ def openai_tools(raw) -> List[ToolSpec]:
     for i, tool in enumerate(_check_list(raw, "tools")):
         where = f"tools.{i}"
         if not isinstance(tool, dict):
-            raise oa.invalid_request("a tool must be an object", param=where)
+            raise invalid_request("a tool must be an object", param=where)
         if tool.get("type") != "function":
-            raise oa.invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
+            raise invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
                                      param=f"{where}.type", code="unsupported_value")
         extra = sorted(set(tool) - {"type", "function"})
         if extra:
-            raise oa.invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
+            raise invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise oa.invalid_request("Missing required parameter: a function tool needs \"function\"",
+            raise invalid_request("Missing required parameter: a function tool needs \"function\"",
                                      param=f"{where}.function", code="missing_required_parameter")
         extra = sorted(set(fn) - _OPENAI_FUNCTION_KEYS)
         if extra:
-            raise oa.invalid_request(f"Unrecognized function field: {extra[0]}", param=f"{where}.function.{extra[0]}")
+            raise invalid_request(f"Unrecognized function field: {extra[0]}", param=f"{where}.function.{extra[0]}")
         out.append(_function_spec(fn, f"{where}.function", seen))
     return out
 
@@ -142,7 +142,7 @@ def _function_spec(fn: dict, where: str, seen: set) -> ToolSpec:
     name = _check_name(fn.get("name"), f"{where}.name", seen)
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
-        raise oa.invalid_request("a tool's description must be a string", param=f"{where}.description")
+        raise invalid_request("a tool's description must be a string", param=f"{where}.description")
     params = _check_schema(fn.get("parameters"), f"{where}.parameters")
     return ToolSpec(name, description, params, f"{where}.parameters")
 
@@ -150,10 +150,10 @@ def _function_spec(fn: dict, where: str, seen: set) -> ToolSpec:
 def _mode_choice(raw: str, tools: Sequence[ToolSpec], parallel: bool, max_calls: int) -> ToolChoice:
     """A tool_choice given as a string (OpenAI's chat and Responses alike)."""
     if raw not in ("none", "auto", "required"):
-        raise oa.invalid_request(f"tool_choice {raw!r} is not one of 'none', 'auto', 'required' or a named "
+        raise invalid_request(f"tool_choice {raw!r} is not one of 'none', 'auto', 'required' or a named "
                                  f"function", param="tool_choice")
     if raw == "required" and not tools:
-        raise oa.invalid_request("tool_choice 'required' needs tools", param="tool_choice")
+        raise invalid_request("tool_choice 'required' needs tools", param="tool_choice")
     return ToolChoice(raw if tools else "none", parallel=parallel, max_calls=max_calls)
 
 
@@ -170,7 +170,7 @@ def openai_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[bool],
     fn = raw.get("function") if isinstance(raw, dict) and raw.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise oa.invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+        raise invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                                  "\"function\": {\"name\": ...}}", param="tool_choice")
     return ToolChoice("named", _known(name, tools, "tool_choice"), parallel, max_calls)
 
@@ -186,13 +186,13 @@ def responses_tools(raw) -> List[ToolSpec]:
     for i, tool in enumerate(_check_list(raw, "tools")):
         where = f"tools.{i}"
         if not isinstance(tool, dict):
-            raise oa.invalid_request("a tool must be an object", param=where)
+            raise invalid_request("a tool must be an object", param=where)
         if tool.get("type") != "function":
-            raise oa.invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
+            raise invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
                                      param=f"{where}.type", code="unsupported_value")
         extra = sorted(set(tool) - _RESPONSES_FUNCTION_KEYS)
         if extra:
-            raise oa.invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
+            raise invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
         out.append(_function_spec(tool, where, seen))
     return out
 
@@ -207,14 +207,14 @@ def responses_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[boo
         return _mode_choice(raw, tools, parallel, max_calls)
     if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("name"), str) \
             or set(raw) - {"type", "name"}:
-        raise oa.invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+        raise invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                                  "\"name\": ...} (function tools only)", param="tool_choice")
     return ToolChoice("named", _known(raw["name"], tools, "tool_choice.name"), parallel, max_calls)
 
 
 def _known(name: str, tools: Sequence[ToolSpec], param: str) -> str:
     if name not in {t.name for t in tools}:
-        raise oa.invalid_request(f"tool_choice names the tool {name!r}, which is not among the request's tools "
+        raise invalid_request(f"tool_choice names the tool {name!r}, which is not among the request's tools "
                                  f"{[t.name for t in tools]}", param=param)
     return name
 
@@ -229,21 +229,21 @@ def anthropic_tools(raw) -> List[ToolSpec]:
     for i, tool in enumerate(_check_list(raw, "tools")):
         where = f"tools.{i}"
         if not isinstance(tool, dict):
-            raise oa.invalid_request("a tool must be an object", param=where)
+            raise invalid_request("a tool must be an object", param=where)
         if tool.get("type") not in (None, "custom"):
-            raise oa.invalid_request(f"tool type {tool.get('type')!r} is not supported; only client tools "
+            raise invalid_request(f"tool type {tool.get('type')!r} is not supported; only client tools "
                                      f"(name, description, input_schema) are", param=f"{where}.type",
                                      code="unsupported_value")
         extra = sorted(set(tool) - _ANTHROPIC_TOOL_KEYS)
         if extra:
-            raise oa.invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
+            raise invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
         name = _check_name(tool.get("name"), f"{where}.name", seen)
         if "input_schema" not in tool:
-            raise oa.invalid_request("Missing required parameter: a tool needs input_schema",
+            raise invalid_request("Missing required parameter: a tool needs input_schema",
                                      param=f"{where}.input_schema", code="missing_required_parameter")
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
-            raise oa.invalid_request("a tool's description must be a string", param=f"{where}.description")
+            raise invalid_request("a tool's description must be a string", param=f"{where}.description")
         params = _check_schema(tool["input_schema"], f"{where}.input_schema")
         out.append(ToolSpec(name, description, params, f"{where}.input_schema"))
     return out
@@ -255,19 +255,19 @@ def anthropic_tool_choice(raw, tools: Sequence[ToolSpec], max_calls: int = DEFAU
     if raw is None:
         return ToolChoice("auto" if tools else "none", max_calls=max_calls)
     if not isinstance(raw, dict):
-        raise oa.invalid_request("tool_choice must be an object with a type", param="tool_choice")
+        raise invalid_request("tool_choice must be an object with a type", param="tool_choice")
     kind, parallel = raw.get("type"), not raw.get("disable_parallel_tool_use", False)
     extra = sorted(set(raw) - {"type", "name", "disable_parallel_tool_use"})
     if extra:
-        raise oa.invalid_request(f"Unrecognized tool_choice field: {extra[0]}", param=f"tool_choice.{extra[0]}")
+        raise invalid_request(f"Unrecognized tool_choice field: {extra[0]}", param=f"tool_choice.{extra[0]}")
     if kind not in ("auto", "any", "tool", "none"):
-        raise oa.invalid_request(f"tool_choice.type {kind!r} is not one of 'auto', 'any', 'tool', 'none'",
+        raise invalid_request(f"tool_choice.type {kind!r} is not one of 'auto', 'any', 'tool', 'none'",
                                  param="tool_choice.type")
     if kind in ("any", "tool") and not tools:
-        raise oa.invalid_request(f"tool_choice {kind!r} needs tools", param="tool_choice")
+        raise invalid_request(f"tool_choice {kind!r} needs tools", param="tool_choice")
     if kind == "tool":
         if not isinstance(raw.get("name"), str):
-            raise oa.invalid_request("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+            raise invalid_request("tool_choice of type 'tool' needs a name", param="tool_choice.name")
         return ToolChoice("named", _known(raw["name"], tools, "tool_choice.name"), parallel, max_calls)
     mode = {"auto": "auto", "any": "required", "none": "none"}[kind]
     return ToolChoice(mode if tools else "none", parallel=parallel, max_calls=max_calls)
@@ -325,12 +325,12 @@ def tool_call_constraint(tools: Sequence[ToolSpec], choice: ToolChoice, after_th
         try:
             parts.append((Constraint(json_schema_grammar(tool.parameters), "json_schema"), tool.param, tool.parameters))
         except ConstraintError as exc:
-            raise oa.invalid_request(str(exc), param=tool.param, code="invalid_schema") from None
+            raise invalid_request(str(exc), param=tool.param, code="invalid_schema") from None
         except Exception as exc:      # llguidance's own refusal of the schema
-            raise oa.invalid_request(f"json_schema cannot be enforced: {exc}", param=tool.param,
+            raise invalid_request(f"json_schema cannot be enforced: {exc}", param=tool.param,
                                      code="invalid_schema") from None
     try:
         grammar = lark_grammar(tool_call_lark(allowed, choice.calls_allowed, after_thinking))
     except Exception as exc:
-        raise oa.invalid_request(f"the tool-call grammar cannot be built: {exc}", param="tools") from None
+        raise invalid_request(f"the tool-call grammar cannot be built: {exc}", param="tools") from None
     return Constraint(grammar, "tool_call"), parts

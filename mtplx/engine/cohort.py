@@ -10,17 +10,20 @@ from mtplx.engine.lane import RunningLane
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.row import A3BMTPBatchResult
 from mtplx.engine.settings import EngineSettings
+from mtplx.engine.step import DecisionLog
 
 def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_draw: Optional[str] = None,
-                           _keep_log: bool = False, proposer: Optional[Proposer] = None) -> A3BMTPBatchResult:
+                           decision_log: Optional[DecisionLog] = None,
+                           proposer: Optional[Proposer] = None) -> A3BMTPBatchResult:
     """Decode 2..width requests as one sealed cohort of this lane (every row prefilled before the
     first cycle; no row joins later). Rows are returned in request order. `draft_draw`: where
     sampled rows draw their drafts ("device" | "host"; None: `EngineSettings`' default);
-    `proposer`: the drafts' source (None: the model's head; the self-check's `ScriptedProposer`)."""
+    `proposer`: the drafts' source (None: the model's head; the self-check's `ScriptedProposer`);
+    `decision_log`: where the lane records its decisions (the self-check reads them)."""
     requests = list(requests)
     validate_cohort(lane, requests)
     settings = EngineSettings() if draft_draw is None else EngineSettings(draft_draw=draft_draw)
-    running = RunningLane(lane, keep_log=_keep_log, settings=settings, proposer=proposer)
+    running = RunningLane(lane, decision_log=decision_log, settings=settings, proposer=proposer)
     streams = [running.add(r) for r in requests]
     t_prefill = time.perf_counter()
     running.admit_all()
@@ -37,6 +40,4 @@ def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_dr
         rejected_drafts=stats.rejected, route_id=lane.route_id, width_histogram={lane.width: stats.cycles},
         real_width=len(requests), fixed_width=lane.width, prefill_s=t_decode - t_prefill,
         decode_s=t_end - t_decode, host_s=stats.host_s)
-    if _keep_log:
-        result.keep_log = running.keep_log
     return result

@@ -16,6 +16,7 @@ from mtplx.engine.installed import (DEPTH, DEPTHS, MAX_WIDTH, MIN_WIDTH, NUMERIC
 from mtplx.engine.lane import RunningLane, draft_acceptance_prior
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import A3BMTPBatchRequest
+from mtplx.engine.step import DecisionLog
 from mtplx.models.cache import RaggedKVCache, commit_rows
 from mtplx.sampling import GREEDY
 
@@ -138,7 +139,7 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
     budgets = [3 + (5 * b) % 9 for b in range(W)]       # mixed: rows go inert at different cycles
     failures, tolerated = [], []
 
-    def cohort(ps, refs):
+    def cohort(ps, refs, log=None):
         def inject(b, position):           # the draft for output `position` of row b
             ref = refs[b]
             if position >= len(ref):
@@ -147,7 +148,7 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
 
         reqs = [A3BMTPBatchRequest(request_id=str(b), prompt_ids=p, sampler=GREEDY, max_tokens=m)
                 for b, (p, m) in enumerate(zip(ps, budgets))]
-        return generate_a3b_mtp_batch(lane, reqs, _keep_log=True, proposer=ScriptedProposer(vocab, inject))
+        return generate_a3b_mtp_batch(lane, reqs, decision_log=log, proposer=ScriptedProposer(vocab, inject))
 
     def parity(b, prompt, got, ref):
         if got == ref:
@@ -162,7 +163,8 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
         failures.append(f"greedy_parity: row {b}: batched greedy {got} != solo {ref}")
 
     refs = [_solo_reference(model, p, m) for p, m in zip(prompts, budgets)]
-    first = cohort(prompts, refs)
+    decisions = DecisionLog()
+    first = cohort(prompts, refs, decisions)
     for b in range(W):
         parity(b, prompts[b], first.streams[b].tokens, refs[b])
     swapped = [tuple(int(t) for t in rng.integers(3, vocab, size=5))] + prompts[1:]
@@ -170,7 +172,7 @@ def run_selfcheck(lane: InstalledA3BMTPBatchLane) -> dict:
     for b in range(1, W):
         if second.streams[b].tokens != first.streams[b].tokens:
             failures.append(f"row_isolation: row {b} changed when row 0's prompt changed")
-    keeps = sorted(set(first.keep_log))
+    keeps = sorted(set(decisions.keeps))
     if keeps != [0, 1, 2]:
         failures.append(f"commit_keeps: injected drafts should have produced commits of 0, 1 and 2 (saw {keeps})")
     failures.extend(f"commit_math: {f}" for f in _check_commit_math())

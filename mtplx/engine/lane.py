@@ -25,7 +25,7 @@ import numpy as np
 from mtplx.end import CANCELLED, End
 from mtplx.engine.acceptor import DeviceVerdicts, Targets, accept_chain
 from mtplx.engine.admission import Admitter, RowPrefill
-from mtplx.engine.ahead import LaneAhead
+from mtplx.engine.ahead import NextStep, check_ahead_primaries, commit_on_device, rows_may_run_ahead, settle
 from mtplx.engine.commit import HISTORY_FLUSH_AT, commit_positions
 from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import DEPTH, VERIFY_T, InstalledA3BMTPBatchLane, solo_lane
@@ -38,7 +38,7 @@ from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
                               RowFailure, check_finite, host_logprob, row_work, validate_request)
 from mtplx.engine.shape import LaneShapes
-from mtplx.engine.step import Step
+from mtplx.engine.step import NO_DECISION_LOG, DecisionLog, Step
 from mtplx.models.cache import commit_rows
 from mtplx.sampling import sample, to_host
 from mtplx.structured import grammar_tokenizer
@@ -48,7 +48,7 @@ PRIOR_TOKENS = 48
 ACCEPTANCE_PRIOR_WEIGHT = 32     # drafts' worth of the prior in a lane's greedy acceptance
 
 
-class RunningLane(LaneAhead):
+class RunningLane:
     """A fixed-width lane that keeps running while rows come and go (continuous admission),
     shaped after mlx-lm's `BatchGenerator`: `insert` rows, `step()` returns what each row did
     (`RowEvent`s), `remove` rows. `ladder` is the installed lanes it may run as: when more rows
@@ -71,17 +71,17 @@ class RunningLane(LaneAhead):
     whose next boundary has nothing to do launches the next MTP cycle before returning its
     events (`decode`). With `run_ahead`, a lane of greedy rows launches each MTP cycle before the
     host reads the last one's verify, from that verify's outcome computed on the device
-    (`_launch_ahead`): the device never waits for the host's decisions.
+    (`ahead.commit_on_device`): the device never waits for the host's decisions.
 
     Its parts: `rows` (slot -> `LaneRow`), `state` (`LaneState`: caches, last logits and hidden
     states, the head's history), `admitter` (`Admitter`: rows queued and prefilling), `shapes`
     (`LaneShapes`: the installed lanes it may run as, and which one its rows want), `proposer`,
-    `step_chooser` and the step policies with their cost meter, `counters` (published as
-    `stats()`). Cycles launched early (`LaneAhead`, in `ahead.py`) are still methods over those.
+    `step_chooser` and the step policies with their cost meter, `next` (`NextStep`: the next
+    step's kind, or its cycle, when settled early), `counters` (published as `stats()`).
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
-                 narrow_after: int = NARROW_AFTER_CYCLES, keep_log: bool = False,
+                 narrow_after: int = NARROW_AFTER_CYCLES, decision_log: Optional[DecisionLog] = None,
                  greedy_ladder=None, sampled_ladder=None, depth_ladders: Optional[list] = None,
                  settings: Optional[EngineSettings] = None, proposer: Optional[Proposer] = None,
                  step_chooser: Optional[StepChooser] = None):
@@ -107,16 +107,12 @@ class RunningLane(LaneAhead):
         # rows on their way in: queued, prefilling (`prefill_budget` prompt tokens a step; None: all)
         self.admitter = Admitter(self.model, self.shapes.ladder[0].prefill_chunk, prefill_budget, self.counters)
         self._stats = LaneStats()
-        self.keep_log = [] if keep_log else None
-        self.draft_log = [] if keep_log else None      # (request id, output position, draft, index in its chain)
+        self.decision_log = decision_log or NO_DECISION_LOG     # what it decided, for a reader given it
         self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)
         self.last_step: Optional[str] = None
-        # overlapped cycles: the next MTP cycle, launched at a step's end (step, verify), its
-        # launch's host time, or the kind chosen for the next step when it was not launched
+        # overlapped cycles: the next MTP cycle launched at a step's end, or the next step's kind
         self.overlap = settings.lane_overlap()
-        self._launched: Optional[tuple] = None
-        self._launch_s = 0.0
-        self._next_kind: Optional[str] = None
+        self.next = NextStep()
         self.run_ahead = settings.run_ahead
         self.device_judging = settings.lane_device_judging()   # sampled chains judged on the device
         self._step_costs = StepCostMeter()
@@ -212,8 +208,7 @@ class RunningLane(LaneAhead):
         self._removed.update((rid, end) for rid in request_ids)
 
     def cancel_all(self) -> None:
-        self._launched = self._next_kind = None
-        self._launch_s = 0.0                # the dropped cycle's launch is no step's cost
+        self.next.clear()
         self._reporting += self._all_rows()
         for row in self._all_rows():
             row.finish(End(CANCELLED))
@@ -233,20 +228,20 @@ class RunningLane(LaneAhead):
         its prefill). Its events can reach clients before the cycle runs (time to first token).
         While a launched cycle computes (`overlap`) it waits: `decode` runs it after that cycle."""
         self._reporting += self._all_rows()
-        if self._launched is None:
+        if self.next.launched is None:
             self._boundary()
             self._mark_rows()
         return self.drain_events()
 
     def _boundary(self) -> None:
-        shape = (self.lane, [id(r) for r in self.rows]) if self._next_kind is not None else None
+        shape = (self.lane, [id(r) for r in self.rows]) if self.next.kind is not None else None
         self._drop_cancelled()
         self._resize()
         t0 = time.perf_counter()
         self._admit()
         self.counters.prefill_s += time.perf_counter() - t0
         if shape is not None and shape != (self.lane, [id(r) for r in self.rows]):
-            self._next_kind = None          # chosen for other rows
+            self.next.kind = None           # chosen for other rows
 
     def decode(self) -> list[RowEvent]:
         """One MTP cycle or plain AR step for the live rows (the one launched at the last step's
@@ -256,22 +251,21 @@ class RunningLane(LaneAhead):
         do, the next MTP cycle is launched before this step's events go out: the device computes
         it while the caller streams them."""
         self._reporting += self._all_rows()
-        if self._launched is not None:
-            launched, self._launched = self._launched, None
-            t1, previous, launch_s = time.perf_counter(), self.last_step, self._launch_s
+        if self.next.launched is not None:
+            t1, previous = time.perf_counter(), self.last_step
+            launched, launch_s = self.next.take()
             self.counters.mtp_cycles += 1
             self.counters.overlapped_cycles += 1
             self._finish_launched(launched, self._ahead_ok())
             # a step's time is all it did (the next cycle's launch ahead included: it waits for
             # this one's verify) and the launch `_launch_next` did between steps
             self._observe_step(previous, time.perf_counter() - t1 + launch_s)
-            self._launch_s = 0.0
-            if self._launched is None and not self._boundary_idle():
+            if self.next.launched is None and not self._boundary_idle():
                 self._boundary()
         elif self.live_rows:
             t1 = time.perf_counter()
-            kind, previous = self._next_kind or self._choose_step(), self.last_step
-            self._next_kind = None
+            kind, previous = self.next.kind or self._choose_step(), self.last_step
+            self.next.kind = None
             if kind == "mtp" and self._ahead_ok():
                 self.counters.mtp_cycles += 1
                 self._finish_launched(self._launch_cycle(), True)
@@ -279,9 +273,35 @@ class RunningLane(LaneAhead):
                 self._run_step(kind)
             self._observe_step(previous, time.perf_counter() - t1)
         self._mark_rows()           # before a launch: its primaries' draws belong to the next step
-        if self.overlap and self._launched is None and self._boundary_idle():
+        if self.overlap and self.next.launched is None and self._boundary_idle():
             self._launch_next()
         return self.drain_events()
+
+    def _launch_next(self) -> None:
+        """The next step's kind, chosen now, and if it is an MTP cycle its launch."""
+        kind = self._choose_step()
+        if kind != "mtp" or not any(r is not None and r.wants_draft() for r in self.rows):
+            self.next.kind = kind
+            return
+        t0 = time.perf_counter()
+        self.next.launched = self._launch_cycle()
+        self.next.launch_s = time.perf_counter() - t0
+
+    def _finish_launched(self, launched: tuple, ahead: bool) -> None:
+        """Finish a launched MTP cycle, first launching the next from it when it runs `ahead`
+        (`_ahead_ok`)."""
+        if ahead:
+            self.counters.ahead_cycles += 1
+            self.next.launched = self._launch_cycle(commit_on_device(self.state, launched))
+        self._finish_cycle(launched)
+        self.last_step = "mtp"
+
+    def _ahead_ok(self) -> bool:
+        """Whether the next MTP cycle may launch before the host reads this one's verify: with
+        `run_ahead`, rows whose keep follows from the verify alone (`rows_may_run_ahead`), the
+        boundary idle and an MTP cycle next."""
+        return (self.run_ahead and rows_may_run_ahead(self.rows, self.state) and self._boundary_idle()
+                and self._choose_step() == "mtp")
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
         self.counters.cycle_s += dt
@@ -595,8 +615,7 @@ class RunningLane(LaneAhead):
             if step.active[b] and not row.live:
                 step.keep[b] = 0
                 self.rows[b] = None
-        if self.keep_log is not None:
-            self.keep_log.extend(int(k) for k, a in zip(step.keep, step.active) if a)
+        self.decision_log.step(step)
 
     # -- a plain AR step -----------------------------------------------------------------------------
 
@@ -639,7 +658,7 @@ class RunningLane(LaneAhead):
     def _launch_cycle(self, ahead: Optional[tuple] = None) -> tuple:
         """A cycle up to its verify, set computing: (step, verify). `ahead`: (the step, its rows'
         owed head-history entries [W]) of a cycle launched before the last one's verify was read,
-        its primaries and owed entries on the device (`_launch_ahead`)."""
+        its primaries and owed entries on the device (`ahead.commit_on_device`)."""
         self._forwards()
         self.state.history.write(self.model, self.state.mtp_caches)     # what AR steps owed, first
         drafting = np.array([r is not None and r.wants_draft() for r in self.rows])
@@ -664,7 +683,7 @@ class RunningLane(LaneAhead):
         self._count_step()
         H, L = self._read_verify(step, *verify)
         if step.ahead:
-            self._ahead_primaries(step)
+            check_ahead_primaries(step, self.rows)
         self.proposer.settle(step.proposal, step.d_host)
         t_host = time.perf_counter()
         for b, masks in (step.allowed or {}).items():    # a sampled constrained row's bonus position
@@ -682,7 +701,7 @@ class RunningLane(LaneAhead):
         self.policy.observe(step.drafted, step.accepted)
         self.counters.lane_host_s += time.perf_counter() - t_host
         if step.device_keep is not None:      # the next cycle, launched ahead, committed this one
-            self._settle(step)
+            settle(self.state, self.rows, step)
             return
         T = 1 + step.depth
         self.state.history.record(H, verify[0][:, 1:])
@@ -728,8 +747,7 @@ class RunningLane(LaneAhead):
             r.mtp_depth = max(r.mtp_depth, int(step.row_depth[b]))
             c.draft_proposals += 1
             c.draft_tokens += int(step.row_depth[b])
-        if self.draft_log is not None:
-            self.draft_log.append((row.req.request_id, len(r.tokens), draft, j))
+        self.decision_log.judged(row.req.request_id, len(r.tokens), draft, j)
         if kept:
             c.accepted += 1
             c.accepted_at[j] += 1

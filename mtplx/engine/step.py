@@ -35,7 +35,7 @@ class Step:
     allowed: Optional[dict] = None
     drafted: int = 0                   # rows that drafted, drafts they kept (the StepPolicy's acceptance)
     accepted: int = 0
-    # a step launched before the host read the last one's verify (`RunningLane._launch_ahead`)
+    # a step launched before the host read the last one's verify (`ahead.commit_on_device`)
     ahead: bool = False
     # this step's commit made on the device when the next step launched ahead: each row's keep [W]
     device_keep: Optional[mx.array] = None
@@ -44,3 +44,31 @@ class Step:
         """Row b's log-probability entry for `token` at verify position j (None: not asked for)."""
         k = row.req.logprobs
         return None if k is None else logprob_entry(self.lp_host[b, j], token, k)
+
+
+class DecisionLog:
+    """A lane's decisions, recorded for whoever reads them back (the install self-check, tests):
+    each live row's kept positions at each step (`keeps`), and each draft judged (`drafts`:
+    request id, output position, draft, index in its chain). A lane given none records nothing
+    (`NO_DECISION_LOG`)."""
+
+    def __init__(self):
+        self.keeps: list = []
+        self.drafts: list = []
+
+    def step(self, step: "Step") -> None:
+        self.keeps.extend(int(k) for k, a in zip(step.keep, step.active) if a)
+
+    def judged(self, request_id: str, position: int, draft: int, j: int) -> None:
+        self.drafts.append((request_id, position, draft, j))
+
+
+class _NoDecisionLog(DecisionLog):
+    def step(self, step: "Step") -> None:
+        pass
+
+    def judged(self, request_id: str, position: int, draft: int, j: int) -> None:
+        pass
+
+
+NO_DECISION_LOG = _NoDecisionLog()

@@ -20,7 +20,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 from . import registry
 from .errors import ModelLoadError

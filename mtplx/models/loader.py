@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from .cpu_ops import column_major_weights
 from .draft_head import DraftVocab, build_draft_vocab, read_head
-from .errors import CheckpointShapeError, ModelLoadError, ModelNotFoundError, UnsupportedModelError  # noqa: F401
+from .errors import CheckpointShapeError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from .mtp_head import MTPHead
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "assets" / "mtplx-tiny-py"

@@ -11,9 +11,11 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
-from . import hybrid
+from . import hybrid, qwen3
+
 # Same text-model layout as qwen3: post-norm hidden from `target.model`, tied or separate head.
-from .qwen3 import embed, hidden_size, hidden_states, logits, rms_norm_eps, text_model  # noqa: F401
+embed, hidden_size, hidden_states, logits = qwen3.embed, qwen3.hidden_size, qwen3.hidden_states, qwen3.logits
+rms_norm_eps, text_model = qwen3.rms_norm_eps, qwen3.text_model
 
 MODEL_TYPES = ("qwen3_next",)
 MTP_PREFIXES = ("mtp.", "model.mtp.")

@@ -59,12 +59,10 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional
 
-from mtplx.api.rows import mtp_batch_compatibility_key  # noqa: F401  (the seed imports it from here)
-from mtplx.scheduler.budget import KVBudget, row_need, row_state_bytes  # noqa: F401
+from mtplx.scheduler.budget import KVBudget, row_need
 from mtplx.engine.settings import EngineSettings
 from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, IDLE_HEAP_RELEASE_S, NUMERICS
-from mtplx.scheduler.job import (MTPBatchCancelled, MTPBatchJob, MTPBatchOwnerFinalizeError,  # noqa: F401
-                                 MTPBatchServiceClosed)
+from mtplx.scheduler.job import MTPBatchJob, MTPBatchOwnerFinalizeError, MTPBatchServiceClosed
 from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
 from mtplx.scheduler.lane_rows import deliver_event, lane_request, lane_result, remove_cancelled
@@ -726,8 +724,4 @@ class MTPBatchGenerationService(ModelOwnerThread):
             }
 
 
-__all__ = [
-    "MTPBatchJob", "MTPBatchGenerationService", "MTPBatchCancelled", "MTPBatchServiceClosed",
-    "MTPBatchOwnerFinalizeError", "mtp_batch_compatibility_key", "row_state_bytes",
-    "IDLE_HEAP_RELEASE_S",
-]
+__all__ = ["MTPBatchGenerationService", "IDLE_HEAP_RELEASE_S"]
