@@ -88,8 +88,8 @@ def test_history_owed_by_ar_steps_is_what_mtp_cycles_would_have_written(model, l
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
     base, _ = _run([lane3], reqs, lambda i: "mtp", join_at={3: 12})
     mixed, _ = _run([lane3], reqs, PLANS["blocks"], join_at={3: 12})
-    want = {(rid, pos): d for rid, pos, d, _ in base.decision_log.drafts}
-    got = {(rid, pos): d for rid, pos, d, _ in mixed.decision_log.drafts}
+    want = {(rid, pos): d for rid, pos, d, _ in base.decisions.log.drafts}
+    got = {(rid, pos): d for rid, pos, d, _ in mixed.decisions.log.drafts}
     common = sorted(set(want) & set(got))
     assert len(common) >= 40 and {rid for rid, _ in common} == {"0", "1", "2", "3"}
     assert [got[k] for k in common] == [want[k] for k in common]
@@ -130,7 +130,7 @@ def test_row_stops_drafting_while_neighbours_speculate_and_resumes_on_a_probe(mo
         assert s.tokens == ref
     bad, good = streams[0], streams[1:]
     assert all(s.spec_cycles == s.cycles and s.drafts_skipped == 0 for s in good)
-    drafted_at = sorted(pos for rid, pos, _, _ in running.decision_log.drafts if rid == "0")
+    drafted_at = sorted(pos for rid, pos, _, _ in running.decisions.log.drafts if rid == "0")
     early = [p for p in drafted_at if p < 40]
     # from the model's prior (1.0 on its fixed text) fourteen rejections stop it; a probe 16 cycles on fails
     assert draft_acceptance_prior(model) == 1.0
@@ -145,7 +145,7 @@ def test_rows_of_a_head_that_never_agrees_start_stopped(model, lane3, monkeypatc
     running, streams = _run(lane3, reqs, inject=_wrong_until(10 ** 6), costs=COSTS)
     for r, s in zip(reqs, streams):
         assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
-    first = min(pos for _, pos, _, _ in running.decision_log.drafts)
+    first = min(pos for _, pos, _, _ in running.decisions.log.drafts)
     assert first > ROW_PROBE_FIRST and running.counters.mtp_cycles <= 2    # no drafts until their first probe
 
 
@@ -378,8 +378,8 @@ def test_chained_drafts_equal_plain_ar_whichever_steps_run(model, chained, chain
     running, streams = _run([chained[depth]], reqs, step_plan, join_at={3: 12})
     for i, (s, ref) in enumerate(zip(streams, refs)):
         assert s.tokens == ref, f"row {i}"
-    assert max(running.decision_log.keeps) == 1 + depth                     # a whole chain accepted, and its bonus
-    assert {j for *_, j in running.decision_log.drafts} == set(range(depth))
+    assert max(running.decisions.log.keeps) == 1 + depth                     # a whole chain accepted, and its bonus
+    assert {j for *_, j in running.decisions.log.drafts} == set(range(depth))
     assert running.counters.accepted > running.counters.rejected > 0 and running.counters.graph_retraces == 0
 
 
@@ -390,8 +390,8 @@ def test_history_owed_after_chained_drafts_is_what_mtp_cycles_would_have_written
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
     base, _ = _run([chained[2]], reqs, lambda i: "mtp", join_at={3: 12})
     mixed, _ = _run([chained[2]], reqs, PLANS["alternate"], join_at={3: 12})
-    want = {(rid, pos, j): d for rid, pos, d, j in base.decision_log.drafts}
-    got = {(rid, pos, j): d for rid, pos, d, j in mixed.decision_log.drafts}
+    want = {(rid, pos, j): d for rid, pos, d, j in base.decisions.log.drafts}
+    got = {(rid, pos, j): d for rid, pos, d, j in mixed.decisions.log.drafts}
     common = sorted(set(want) & set(got))
     assert len(common) >= 40 and {rid for rid, *_ in common} == {"0", "1", "2", "3"}
     assert {j for *_, j in common} == {0, 1}
@@ -413,7 +413,7 @@ def test_a_sampled_row_chaining_drafts_depends_only_on_its_seed(model, chained):
     assert beside_streams[2].tokens == alone[0].tokens == solo.tokens
     for r, s in zip(greedy, beside_streams):
         assert s.tokens == greedy_ar(model, r.prompt_ids, r.max_tokens)
-    assert [j for rid, _, _, j in beside.decision_log.drafts if rid == "2"].count(1) > 3
+    assert [j for rid, _, _, j in beside.decisions.log.drafts if rid == "2"].count(1) > 3
 
 
 def test_chain_depth_is_checked_at_install_and_a_ladder_needs_distinct_widths(model, chained, lane3):

@@ -540,7 +540,7 @@ def test_chained_sampled_drafts_keep_the_target_joint_distribution(model):
     more, more_counts = seeded_outcomes(running, ids, 400, 3, cfg, draft, first_seed=400)
     streams += more
     counts = {k: counts.get(k, 0) + more_counts.get(k, 0) for k in set(counts) | set(more_counts)}
-    chained = [j for *_, j in running.decision_log.drafts]
+    chained = [j for *_, j in running.decisions.log.drafts]
     assert chained.count(1) > 100 and sum(s.rejected_drafts for s in streams) > 100
     assert running.stats().device_drafts > 100
     p_value, df = chi2_test(counts, joint)
@@ -752,13 +752,13 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
             for i, (s, kw) in enumerate(MIXED[3:6])]
     _drain(running)
     seeded = {str(s) for s in range(600)}
-    second = [j for rid, *_, j in running.decision_log.drafts if rid in seeded and j == 1]
+    second = [j for rid, *_, j in running.decisions.log.drafts if rid in seeded and j == 1]
     assert running.counters.peak_rows == 8 and len(second) > 100 and len(late) == 3
     assert sum(s.rejected_drafts for s in streams) > 100 and {s.mtp_depth for s in streams} == {2}
     judged_seeded = [rid for rid in on_device if rid in seeded]
     drafting_cycles = sum(s.accepted_drafts + s.rejected_drafts for s in streams)   # >= one judged draft a cycle
     assert (len(judged_seeded) > 0) == (judged == "device") and len(judged_seeded) <= drafting_cycles
-    assert judged == "host" or len(judged_seeded) == len([rid for rid, *_, j in running.decision_log.drafts
+    assert judged == "host" or len(judged_seeded) == len([rid for rid, *_, j in running.decisions.log.drafts
                                                            if rid in seeded and j == 0])
     p_value, df = chi2_test(counts, joint)
     assert df >= 8 and p_value > ALPHA, (p_value, df, counts)

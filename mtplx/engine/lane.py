@@ -6,10 +6,11 @@ Each step, for all rows at once: rows whose prefill is done take free slots, the
 where no row drafts or drafting does not pay (`StepPolicy`), one plain AR step. The lane name
 and route ids follow MTPLX's A3B lane; the lane here is architecture-neutral.
 
-Why one file: a cycle's parts (primaries, the proposer's call, the verify, each row's decisions,
+Why one file: a cycle's parts (primaries, the proposer's call, the verify, the decisions' end,
 the commit) read and write one set of per-cycle state (the rows, their slots, the last logits and
 hidden states), in an order that exactness depends on; read top to bottom, a cycle is here. A
-reshape (another width or depth) and a row's placement move that same state.
+reshape (another width or depth) and a row's placement move that same state. Each row's own
+decisions read only the step's record of it (`decisions.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx.end import CANCELLED, End
-from mtplx.engine.acceptor import DeviceVerdicts, Targets, accept_chain
+from mtplx.engine.acceptor import DeviceVerdicts, Targets
 from mtplx.engine.admission import Admitter, RowPrefill
 from mtplx.engine.ahead import NextStep, check_ahead_primaries, commit_on_device, rows_may_run_ahead, settle
 from mtplx.engine.commit import HISTORY_FLUSH_AT, commit_positions
+from mtplx.engine.decisions import RowDecisions
 from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import DEPTH, VERIFY_T, InstalledA3BMTPBatchLane, solo_lane
 from mtplx.engine.lane_state import LaneState
@@ -76,8 +78,9 @@ class RunningLane:
     Its parts: `rows` (slot -> `LaneRow`), `state` (`LaneState`: caches, last logits and hidden
     states, the head's history), `admitter` (`Admitter`: rows queued and prefilling), `shapes`
     (`LaneShapes`: the installed lanes it may run as, and which one its rows want), `proposer`,
-    `step_chooser` and the step policies with their cost meter, `next` (`NextStep`: the next
-    step's kind, or its cycle, when settled early), `counters` (published as `stats()`).
+    `decisions` (`RowDecisions`: what each row keeps of a verified step), `step_chooser` and the
+    step policies with their cost meter, `next` (`NextStep`: the next step's kind, or its cycle,
+    when settled early), `counters` (published as `stats()`).
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
@@ -107,7 +110,8 @@ class RunningLane:
         # rows on their way in: queued, prefilling (`prefill_budget` prompt tokens a step; None: all)
         self.admitter = Admitter(self.model, self.shapes.ladder[0].prefill_chunk, prefill_budget, self.counters)
         self._stats = LaneStats()
-        self.decision_log = decision_log or NO_DECISION_LOG     # what it decided, for a reader given it
+        # each row's decisions after a verify, recorded where `decision_log` says (a reader's, or none)
+        self.decisions = RowDecisions(self.counters, decision_log or NO_DECISION_LOG)
         self._policies: dict = {}   # depth -> StepPolicy (a chain's acceptance is its own)
         self.last_step: Optional[str] = None
         # overlapped cycles: the next MTP cycle launched at a step's end, or the next step's kind
@@ -592,19 +596,6 @@ class RunningLane:
                 with row_work(row):
                     row.grammar.unwind()
 
-    def _emit_primary(self, b: int, row: LaneRow, token: int) -> bool:
-        """Emit row b's primary token (not yet emitted: it came from last step's logits); True
-        when the row finished on it."""
-        return row.emit(token, host_logprob(self.state.logits_last[b], token, row.req.logprobs))
-
-    def _keep_target(self, step: Step, b: int, row: LaneRow) -> None:
-        """A row that did not draft keeps the target's own next token (AR's draws)."""
-        row.skipped()
-        tok = step.targets.token(row, b, 0)
-        row.pending, row.owed, step.keep[b] = None, 0, 1
-        if not row.emit(tok, step.entry(row, b, 0, tok)):
-            row.pending = tok
-
     def _end_decisions(self, step: Step) -> None:
         """After every row's decision: the repetition stop, and finished rows leave their slots
         (their state frozen: keep 0)."""
@@ -615,7 +606,7 @@ class RunningLane:
             if step.active[b] and not row.live:
                 step.keep[b] = 0
                 self.rows[b] = None
-        self.decision_log.step(step)
+        self.decisions.log.step(step)
 
     # -- a plain AR step -----------------------------------------------------------------------------
 
@@ -637,8 +628,7 @@ class RunningLane:
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):
             with row_work(self.rows[b]) as row:
-                if step.has_pending[b] or not self._emit_primary(b, row, int(step.x0_host[b])):
-                    self._keep_target(step, b, row)
+                self.decisions.ar(step, b, row, self.state.logits_last)
         self._end_decisions(step)
         self.counters.lane_host_s += time.perf_counter() - t_host
         commit_rows(self.state.caches, 1, step.keep)
@@ -696,7 +686,7 @@ class RunningLane:
         step.keep = np.zeros(self.width, dtype=np.int64)
         for b in np.flatnonzero(step.active):
             with row_work(self.rows[b]) as row:
-                self._decide(step, b, row)
+                self.decisions.cycle(step, b, row, self.state.logits_last)
         self._end_decisions(step)
         self.policy.observe(step.drafted, step.accepted)
         self.counters.lane_host_s += time.perf_counter() - t_host
@@ -708,63 +698,6 @@ class RunningLane:
         self.state.h_last, self.state.logits_last = commit_positions(self.state.caches, H, L, step.keep, T)
         L_host = step.targets.logits
         self.state.logits_host = None if L_host is None else L_host[np.arange(self.width), np.maximum(step.keep - 1, 0)]
-
-    def _decide(self, step: Step, b: int, row: LaneRow) -> None:
-        """Row b's part of the cycle, with its own RNG in the solo path's order: its primary (if
-        not yet emitted), then its drafts judged left to right, the residual at the first
-        rejection, or the bonus when every draft is kept."""
-        if not step.has_pending[b] and self._emit_primary(b, row, int(step.x0_host[b])):
-            return
-        if not step.drafting[b]:
-            self._keep_target(step, b, row)
-            return
-        row.pending = None
-        step.drafted += 1
-        depth = int(step.row_depth[b])
-        kept, residual = accept_chain(
-            step.d_host[b, :depth], lambda j, draft: self._judge(step, b, row, j, draft),
-            lambda j, tok: row.emit(tok, step.entry(row, b, j, tok)))
-        step.accepted += kept
-        if not row.live:
-            return
-        if residual is not None:
-            step.keep[b], row.pending = 1 + kept, residual
-        else:
-            step.keep[b] = 1 + depth
-            self._bonus(step, b, row, depth)
-        row.owed = kept                  # entries (H[j], draft j) for its accepted drafts
-
-    def _judge(self, step: Step, b: int, row: LaneRow, j: int, draft: int) -> tuple:
-        """The acceptor's verdict on row b's j-th draft, counted for the lane, the row and its
-        drafting policy."""
-        kept, token = step.targets.judge(row, b, j, draft, step.proposal.q_of(b, j))
-        r, c = row.result, self.counters
-        if j == 0:
-            row.drafted(kept)           # its policy reads its first draft's outcome
-            if row.greedy:
-                c.greedy_first_drafts += 1
-                c.greedy_first_kept += int(kept)
-            r.mtp_depth = max(r.mtp_depth, int(step.row_depth[b]))
-            c.draft_proposals += 1
-            c.draft_tokens += int(step.row_depth[b])
-        self.decision_log.judged(row.req.request_id, len(r.tokens), draft, j)
-        if kept:
-            c.accepted += 1
-            c.accepted_at[j] += 1
-            r.accepted_drafts += 1
-        else:
-            c.rejected += 1
-            r.rejected_drafts += 1
-        return kept, token
-
-    def _bonus(self, step: Step, b: int, row: LaneRow, depth: int) -> None:
-        """Every draft of its chain kept: the verify's position after them gives one more token
-        (unless the row omits it)."""
-        if row.req.omit_speculative_bonus or len(row.result.tokens) >= row.req.max_tokens:
-            return
-        bonus = step.targets.token(row, b, depth)
-        if not row.emit(bonus, step.entry(row, b, depth, bonus)):
-            row.pending = bonus
 
 
 def draft_acceptance_prior(model) -> float:
