@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-
+from mtplx.engine.commit import HISTORY_FLUSH_AT
 from mtplx.engine.prefill import PREFILL_CHUNK
 from mtplx.engine.row import validate_request
 
@@ -15,6 +15,15 @@ DEPTHS = (1, 2, 3)
 VERIFY_T = 2
 MIN_WIDTH, MAX_WIDTH = 2, 32
 NUMERICS_PROFILES = ("throughput", "b1-exact")
+# KV positions a row's caches may hold past its prompt and budget: a verify's positions past its
+# last kept token, or the head's history owed by plain AR steps until it is written
+ROW_SLACK = max(1 + max(DEPTHS), HISTORY_FLUSH_AT)
+
+
+def row_positions(prompt_tokens: int, max_tokens: int) -> int:
+    """KV positions one row may hold in its whole life (what a lane reserves for it, what the
+    memory budget counts)."""
+    return prompt_tokens + max_tokens + ROW_SLACK
 
 
 @dataclass(frozen=True)

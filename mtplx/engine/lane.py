@@ -27,10 +27,10 @@ from mtplx.end import CANCELLED, End
 from mtplx.engine.acceptor import DeviceVerdicts, Targets
 from mtplx.engine.admission import Admitter, RowPrefill
 from mtplx.engine.ahead import NextStep, check_ahead_primaries, commit_on_device, rows_may_run_ahead, settle
-from mtplx.engine.commit import HISTORY_FLUSH_AT, commit_positions
+from mtplx.engine.commit import commit_positions
 from mtplx.engine.decisions import RowDecisions
 from mtplx.engine.forwards import CycleForwards
-from mtplx.engine.installed import DEPTH, VERIFY_T, InstalledA3BMTPBatchLane, solo_lane
+from mtplx.engine.installed import DEPTH, InstalledA3BMTPBatchLane, row_positions, solo_lane
 from mtplx.engine.lane_state import LaneState
 from mtplx.engine.lane_stats import LaneCounters, LaneStats
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, CostSteps, StepCostMeter, StepChooser, StepPolicy
@@ -447,7 +447,7 @@ class RunningLane:
         traced again while they decode."""
         if not self.lane.compiled or not rows or self.state.empty:
             return
-        self.state.reserve(max(len(r.req.prompt_ids) + r.req.max_tokens for r in rows) + max(VERIFY_T, HISTORY_FLUSH_AT))
+        self.state.reserve(max(row_positions(len(r.req.prompt_ids), r.req.max_tokens) for r in rows))
 
     # -- rows on their way in ----------------------------------------------------------------------
 

@@ -27,10 +27,10 @@ def row_state_bytes(model) -> tuple:
 
 
 def row_need(job) -> int:
-    """KV positions one row may hold: prompt, budget, and a verify's positions at most."""
-    from mtplx.engine.installed import DEPTHS
+    """KV positions one row may hold: what its lane reserves for it (`row_positions`)."""
+    from mtplx.engine.installed import row_positions
 
-    return len(job.prompt_ids) + job.max_tokens + 1 + max(DEPTHS)
+    return row_positions(len(job.prompt_ids), job.max_tokens)
 
 
 class KVBudget:
