@@ -160,7 +160,7 @@ def bench_http(model_path: Optional[str] = None, n_rows: int = 8, max_tokens: in
     import mtplx
     from mtplx.runtime import set_blas_threads
     from mtplx.sampling import SamplerConfig
-    from mtplx.scheduler import service as mtp_batch
+    from mtplx.server import mtp_batch
     from mtplx.api.openai import ChatMessage, encode_chat
 
     model = mtplx.load_model(model_path)

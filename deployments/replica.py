@@ -257,7 +257,7 @@ class MTPReplica:
         from mtplx.engine.repetition import RepetitionLimits
         from mtplx.engine.settings import EngineSettings
         from mtplx.runtime import set_blas_threads
-        from mtplx.scheduler import service as mtp_batch
+        from mtplx.server import mtp_batch
 
         self._mtplx = mtplx
         self.blas_threads = set_blas_threads(int(blas_threads) if blas_threads else 1)

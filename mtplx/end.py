@@ -19,8 +19,9 @@ GRAMMAR_COMPLETE = "grammar_complete"   # its grammar (structured output) allows
 REPETITION = "repetition"               # the engine's literal-repetition stop (mtplx.engine.repetition)
 CANCELLED = "cancelled"                 # its caller ended it (a cancel, a client gone, a raising callback)
 KINDS = (EOS, STOP_TOKEN, STOP_STRING, LENGTH, GRAMMAR_COMPLETE, REPETITION, CANCELLED)
-# A row whose own work raised has no End: it fails with an exception, which the replica turns into
-# the client's error event (`deployments.replica`, `_error_class`), in OpenAI's error shape.
+# A row whose own work raised has no End: it fails with an exception, which the replica reports as
+# an error of a kind (`deployments.replica`, `_error_class`) and the ingress turns into the
+# client's error in its API's shape.
 
 # The engine's coarse reason, as `GenerationResult.finish_reason` and a result's "finish_reason"
 # have always said it: every kind of stop is "stop".

@@ -15,7 +15,7 @@ from mtplx.engine.lane import RunningLane, draft_acceptance_prior
 from mtplx.engine.policy import ScriptedSteps, StepPolicy
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import ROW_PROBE_FIRST, A3BMTPBatchRequest
-from mtplx.engine.step import DecisionLog
+from mtplx.engine.decisions import DecisionLog
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 

@@ -7,8 +7,8 @@ from mtplx.engine.prefill import CapacityError, KVBudgetError
 from mtplx.models.cache import STEP
 from mtplx.sampling import SamplerConfig
 from mtplx.scheduler.budget import row_state_bytes
-from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 from mtplx.scheduler.session_bank import SessionBank
+from mtplx.server.mtp_batch import MTPBatchGenerationService, MTPBatchJob
 
 from references import greedy_ar
 

@@ -14,7 +14,7 @@ from mtplx.engine.install import LaneSelfCheckError, install_a3b_mtp_batch_lane
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import A3BMTPBatchCapacityError, A3BMTPBatchRequest
 from mtplx.engine.settings import DRAFT_DRAWS, EngineSettings
-from mtplx.engine.step import DecisionLog
+from mtplx.engine.decisions import DecisionLog
 from mtplx.engine.decode import generate_ar
 from mtplx.sampling import SamplerConfig
 
@@ -759,7 +759,7 @@ def test_chained_sampled_rows_of_mixed_settings_lanes_keep_the_target_joint_dist
     drafting_cycles = sum(s.accepted_drafts + s.rejected_drafts for s in streams)   # >= one judged draft a cycle
     assert (len(judged_seeded) > 0) == (judged == "device") and len(judged_seeded) <= drafting_cycles
     assert judged == "host" or len(judged_seeded) == len([rid for rid, *_, j in running.decisions.log.drafts
-                                                           if rid in seeded and j == 0])
+                                                          if rid in seeded and j == 0])
     p_value, df = chi2_test(counts, joint)
     assert df >= 8 and p_value > ALPHA, (p_value, df, counts)
     # power: under "accept every draft", t2 ~ the head's draft distribution given t1

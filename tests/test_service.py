@@ -18,7 +18,7 @@ from mtplx.engine.settings import ENVIRONMENT, EngineSettings
 from mtplx.engine.decode import generate_ar, generate_mtpk
 from mtplx.sampling import SamplerConfig
 from mtplx.server.mtp_batch import (MTPBatchCancelled, MTPBatchGenerationService, MTPBatchJob,
-                                  MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
+                                    MTPBatchOwnerFinalizeError, MTPBatchServiceClosed)
 
 from references import greedy_ar
 

@@ -23,7 +23,7 @@ from benchmarks.soak.summary import (MEMORY_BOUND, REFUSAL_BOUND_S, STEADY_AFTER
                                      rss_trend, server_refusals, summarize_overload, summarize_probe, summarize_soak,
                                      wait_idle)
 from mtplx.models.registry import check_installed
-from mtplx.scheduler.service import IDLE_HEAP_RELEASE_S
+from mtplx.scheduler.config import IDLE_HEAP_RELEASE_S
 
 
 def bench_soak(model_dir: Optional[str] = None, requests: int = REQUESTS, clients: int = CLIENTS,

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from benchmarks.load.summary import percentile
 from benchmarks.servers import snapshot
-from mtplx.scheduler.service import IDLE_HEAP_RELEASE_S
+from mtplx.scheduler.config import IDLE_HEAP_RELEASE_S
 
 REFUSAL_BOUND_S = 0.100
 STEADY_AFTER_S = 10.0     # overload refusals of requests sent after this: past the opening burst

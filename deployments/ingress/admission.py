@@ -27,7 +27,7 @@ class WaitingBound:
         waiting = self.waiting_rows + self.admitting
         if waiting >= self.max_waiting_rows:
             raise overloaded(f"The server is overloaded ({waiting} requests waiting); retry after "
-                                f"{self.retry_after_s:g} s", self.retry_after_s, status=self.overload_status)
+                             f"{self.retry_after_s:g} s", self.retry_after_s, status=self.overload_status)
 
     def admit(self) -> "Admission":
         """`check`, then hold a place in the bound until this request's rows wait. Taken once the

@@ -85,7 +85,7 @@ def authorize(request: Request, keys: List[bytes]) -> Optional[bytes]:
         scheme, token = "bearer", request.headers["x-api-key"]
     elif not auth:
         raise unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
-                              "(or 'x-api-key: <key>').")
+                           "(or 'x-api-key: <key>').")
     if scheme.lower() != "bearer" or not token.strip():
         raise unauthorized("The Authorization header must be 'Bearer <key>'.")
     key = key_matches(token.strip().encode(), keys)

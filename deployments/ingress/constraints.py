@@ -63,6 +63,6 @@ class ConstraintChecker:
         llg_tokenizer = await self._grammar_tokenizer(tokenizer, vocab_size)
         if llg_tokenizer is None:
             raise invalid_request(f"structured output is not available for this model: the grammar engine "
-                                     f"cannot read its tokenizer ({self._unavailable})", param=plan.param,
-                                     code="unsupported_value")
+                                  f"cannot read its tokenizer ({self._unavailable})", param=plan.param,
+                                  code="unsupported_value")
         await asyncio.get_running_loop().run_in_executor(None, check_plan, plan, llg_tokenizer)

@@ -8,8 +8,8 @@ import logging
 from typing import List, Optional
 
 from mtplx.api import openai as oa
-from mtplx.api.errors import OpenAIError
 from mtplx.api import responses
+from mtplx.api.errors import OpenAIError
 from mtplx.api.output_plan import THINK_END
 from mtplx.api.parsing import OutputParser
 from mtplx.api.text import tokens_through

@@ -80,7 +80,7 @@ class RouteMatch:
         if self.wrong_method is not None:
             allowed = " or ".join(sorted(self.wrong_method.methods))
             raise OpenAIError(f"Method {method} is not allowed on {path}; use {allowed}", status=405,
-                                 code="method_not_allowed")
+                              code="method_not_allowed")
         raise route_not_found(method, path)
 
 
@@ -130,7 +130,7 @@ class RequestContext:
             return
         if not _CLIENT_ID_OK.match(value):
             raise invalid_request(f"The {REQUEST_ID_HEADER} header must be 1-128 printable ASCII characters "
-                                     f"without spaces", param=REQUEST_ID_HEADER)
+                                  f"without spaces", param=REQUEST_ID_HEADER)
         self.client_id = value
 
     def read_session(self, request: Request, header: str) -> None:
@@ -140,7 +140,7 @@ class RequestContext:
             return
         if not _CLIENT_ID_OK.match(value):
             raise invalid_request(f"The {header} header must be 1-128 printable ASCII characters without spaces",
-                                     param=header)
+                                  param=header)
         self.session = value
 
     def headers(self) -> Dict[str, str]:

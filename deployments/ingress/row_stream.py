@@ -223,10 +223,10 @@ class RowStream:
             return invalid_request(msg, param=self.req.max_tokens_param, code="context_length_exceeded")
         if kind == "overloaded":
             return overloaded(msg, payload.get("retry_after_s") or self.ing.bound.retry_after_s,
-                                 status=self.ing.bound.overload_status)
+                              status=self.ing.bound.overload_status)
         if kind in ("unavailable", "cancelled"):
             return unavailable(msg or "the model replica is unavailable; retry",
-                                  retry_after_s=payload.get("retry_after_s") or self.ing.bound.retry_after_s)
+                               retry_after_s=payload.get("retry_after_s") or self.ing.bound.retry_after_s)
         log.error("mtplx ingress: request %s failed at the replica (the replica log has the details)", self.rid)
         return internal_error(self.rid)
 

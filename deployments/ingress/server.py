@@ -25,8 +25,9 @@ from starlette.routing import Router
 import mtplx
 from mtplx.api import anthropic
 from mtplx.api import openai as oa
-from mtplx.api.errors import OpenAIError, context_length_exceeded, internal_error, invalid_request, model_not_found, unavailable
 from mtplx.api import output_plan, responses
+from mtplx.api.errors import (OpenAIError, context_length_exceeded, internal_error, invalid_request, model_not_found,
+                              unavailable)
 from mtplx.api.limits import DEFAULT_MAX_TOOL_CALLS, RequestLimits
 from mtplx.api.openapi import document as openapi_document
 from mtplx.api.output_plan import PLAIN, OutputPlan
@@ -207,7 +208,7 @@ class OpenAIIngress:
             except Exception:
                 log.exception("mtplx ingress: fetching the tokenizer from a replica failed")
                 raise unavailable("no model replica is ready yet; retry shortly",
-                                     retry_after_s=self.bound.retry_after_s) from None
+                                  retry_after_s=self.bound.retry_after_s) from None
             local = Path(tempfile.mkdtemp(prefix="mtplx-tokenizer-"))
             for name, data in files.items():
                 (local / Path(name).name).write_bytes(data)
@@ -270,8 +271,8 @@ class OpenAIIngress:
             media = content_type.split(";", 1)[0].strip().lower()
             if media not in CONTENT_TYPES and not media.endswith("+json"):
                 raise OpenAIError(f"Content-Type {content_type[:100]!r} is not supported; send the body as "
-                                     f"JSON with Content-Type: application/json", status=415,
-                                     param="content-type", code="unsupported_media_type")
+                                  f"JSON with Content-Type: application/json", status=415,
+                                  param="content-type", code="unsupported_media_type")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
             raise self._too_large()
@@ -285,7 +286,7 @@ class OpenAIIngress:
 
     def _too_large(self) -> OpenAIError:
         return OpenAIError(f"The request body exceeds the {self.max_body_bytes}-byte limit; send a smaller "
-                              f"prompt", status=413, code="request_too_large")
+                           f"prompt", status=413, code="request_too_large")
 
     def _check_model(self, model: Optional[str]) -> None:
         if model and model not in self.model_aliases:
@@ -364,19 +365,19 @@ class OpenAIIngress:
             return None
         if self.responses_store is None:
             raise invalid_request("previous_response_id needs the responses store, which this server runs "
-                                     "without (responses_store_path is null)", param="previous_response_id",
-                                     code="unsupported_value")
+                                  "without (responses_store_path is null)", param="previous_response_id",
+                                  code="unsupported_value")
         found = await self.responses_store.get(ctx.caller or "", response_id)
         if found is None:
             raise OpenAIError(f"Previous response with id {response_id!r} not found.", status=404,
-                                 param="previous_response_id", code="previous_response_not_found")
+                              param="previous_response_id", code="previous_response_not_found")
         return found
 
     def _stored(self, ctx: RequestContext) -> str:
         response_id = ctx.params["response_id"]
         if self.responses_store is None:
             raise OpenAIError("This server stores no responses (responses_store_path is null)", status=404,
-                                 param="response_id", code="not_found")
+                              param="response_id", code="not_found")
         return response_id
 
     async def _stored_response(self, request: Request, ctx: RequestContext) -> Response:
@@ -446,7 +447,7 @@ class OpenAIIngress:
         max_tokens, min_tokens = self._max_tokens(req, len(prompt_ids)), getattr(req, "min_tokens", 0)
         if min_tokens > max_tokens:
             raise invalid_request(f"min_tokens={min_tokens} is above this request's max_tokens={max_tokens}; "
-                                     f"ask for at most {max_tokens}", param="min_tokens")
+                                  f"ask for at most {max_tokens}", param="min_tokens")
         return RowSpec(
             request_id=ctx.rid, model=self.served_model, prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens, min_tokens=min_tokens,
@@ -471,8 +472,8 @@ class OpenAIIngress:
             return int(min(self.default_max_tokens, max_context - n_prompt, limit or max_context))
         if limit is not None and max_tokens > limit:
             raise invalid_request(f"{req.max_tokens_param}={max_tokens} is above this server's limit of "
-                                     f"{limit} tokens per completion; ask for at most {limit}",
-                                     param=req.max_tokens_param, code="invalid_value")
+                                  f"{limit} tokens per completion; ask for at most {limit}",
+                                  param=req.max_tokens_param, code="invalid_value")
         if n_prompt + max_tokens > max_context:
             raise context_length_exceeded(n_prompt, max_tokens, max_context, param=req.max_tokens_param)
         return int(max_tokens)
@@ -645,14 +646,14 @@ class OpenAIIngress:
         n = await self.dispatch.cancel_request(rid, owner=ctx.caller)     # another key's request: not found
         if not n:
             raise OpenAIError(f"No request {rid!r} is in flight", status=404, type="not_found_error",
-                                 param="request_id", code="request_not_found")
+                              param="request_id", code="request_not_found")
         return JSONResponse({"request_id": rid, "cancelled": True, "rows": n})
 
 
 def _response_not_found(response_id: str) -> OpenAIError:
     """Another key's response is not found either (the store is partitioned by caller)."""
     return OpenAIError(f"Response with id {response_id!r} not found.", status=404, type="invalid_request_error",
-                          param="response_id", code="response_not_found")
+                       param="response_id", code="response_not_found")
 
 
 def _messages_chars(messages) -> int:

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from mtplx.api import limits
 from mtplx.api import openai as oa
-from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api import output_plan
+from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api.parsing import ParsedAnswer
 from mtplx.api.tools import anthropic_tool_choice, anthropic_tools
 from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
@@ -69,8 +69,8 @@ def _blocks_text(content: Union[str, List[ContentBlock]], param: str, allowed=("
     for j, block in enumerate(content):
         if block.type not in allowed or (block.type == "text" and block.text is None):
             raise invalid_request(f"Content block type {block.type!r} is not supported here (text, and tool_use "
-                                     f"/ thinking in assistant turns, tool_result in user turns; no images or "
-                                     f"documents)", param=f"{param}.{j}.type", code="unsupported_content")
+                                  f"/ thinking in assistant turns, tool_result in user turns; no images or "
+                                  f"documents)", param=f"{param}.{j}.type", code="unsupported_content")
         if block.type == "text":
             pieces.append(block.text)
     return "".join(pieces)
@@ -90,7 +90,7 @@ def _tool_result_text(block: ContentBlock, param: str) -> str:
             content = [ContentBlock.model_validate(b) for b in content]
         except Exception:
             raise invalid_request("tool_result content must be a string or text blocks",
-                                     param=f"{param}.content") from None
+                                  param=f"{param}.content") from None
     elif not isinstance(content, str):
         raise invalid_request("tool_result content must be a string or text blocks", param=f"{param}.content")
     text = _blocks_text(content, f"{param}.content")
@@ -164,13 +164,13 @@ class _MessagesPrompt(limits.BoundedRequest):
         kind = t.get("type")
         if kind not in ("enabled", "adaptive", "disabled") or set(t) - {"type", "budget_tokens", "display"}:
             raise invalid_request("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
-                                     "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", param="thinking")
+                                  "{\"type\": \"adaptive\"} or {\"type\": \"disabled\"}", param="thinking")
         if kind != "enabled":
             return kind == "adaptive", None
         budget = t.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise invalid_request("thinking.budget_tokens must be a non-negative integer",
-                                     param="thinking.budget_tokens")
+                                  param="thinking.budget_tokens")
         try:
             limits.check_token_count(budget, "thinking.budget_tokens", self._limits)
         except ValueError as exc:
@@ -178,7 +178,7 @@ class _MessagesPrompt(limits.BoundedRequest):
         max_tokens = getattr(self, "max_tokens", None)
         if max_tokens is not None and budget >= max_tokens:
             raise invalid_request(f"thinking.budget_tokens ({budget}) must be below max_tokens ({max_tokens})",
-                                     param="thinking.budget_tokens")
+                                  param="thinking.budget_tokens")
         return True, budget
 
     def output_plan(self) -> output_plan.OutputPlan:
@@ -190,7 +190,7 @@ class _MessagesPrompt(limits.BoundedRequest):
             thinking, budget = self._thinking()
             if thinking and self.continues_final_message:
                 raise invalid_request("thinking cannot be combined with a final assistant turn (a prefill): the "
-                                         "answer would start inside it, not in a thinking section", param="thinking")
+                                      "answer would start inside it, not in a thinking section", param="thinking")
             structured = output_plan.output_config_constraint(self.output_config)
             self._plan = output_plan.assemble(thinking, budget, tools, choice, structured)
         return self._plan

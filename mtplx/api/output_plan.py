@@ -86,7 +86,7 @@ def _built(builder, value, param: str, kind: str, schema=None) -> tuple:
         return Constraint(builder(value), kind), param, schema
     except ConstraintError as exc:
         raise invalid_request(str(exc), param=param, code="invalid_schema" if schema is not None else
-                                 "invalid_value") from None
+                              "invalid_value") from None
     except Exception as exc:     # llguidance's own refusal of what it was given
         raise invalid_request(f"{kind} cannot be enforced: {exc}", param=param, code="invalid_value") from None
 
@@ -121,11 +121,11 @@ def response_format_constraint(rf: dict, param: str = "response_format") -> Opti
         return _built(lambda _: json_object_grammar(), None, param, "json_object")
     if kind != "json_schema":
         raise invalid_request(f"response_format type {kind!r} is not supported (text, json_object, "
-                                 f"json_schema)", param=f"{param}.type", code="unsupported_value")
+                              f"json_schema)", param=f"{param}.type", code="unsupported_value")
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise invalid_request("response_format of type json_schema needs \"json_schema\": {\"name\", "
-                                 "\"schema\"}", param=f"{param}.json_schema")
+                              "\"schema\"}", param=f"{param}.json_schema")
     where = f"{param}.json_schema.schema"
     schema = _schema_value(spec.get("schema", {}), where)
     return _built(json_schema_grammar, schema, where, "json_schema", schema)
@@ -138,12 +138,12 @@ def structured_outputs_constraint(so) -> tuple:
     unknown = sorted(set(so) - set(STRUCTURED_OUTPUT_KINDS))
     if unknown:
         raise invalid_request(f"structured_outputs.{unknown[0]} is not supported; send one of "
-                                 f"{list(STRUCTURED_OUTPUT_KINDS)}", param=f"structured_outputs.{unknown[0]}",
-                                 code="unsupported_value")
+                              f"{list(STRUCTURED_OUTPUT_KINDS)}", param=f"structured_outputs.{unknown[0]}",
+                              code="unsupported_value")
     given = [k for k in STRUCTURED_OUTPUT_KINDS if so.get(k) not in (None, False)]
     if len(given) != 1:
         raise invalid_request(f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, got "
-                                 f"{given or 'none'}", param="structured_outputs")
+                              f"{given or 'none'}", param="structured_outputs")
     kind = given[0]
     value, param = so[kind], f"structured_outputs.{kind}"
     if kind == "json":
@@ -170,18 +170,18 @@ def text_format_constraint(fmt, param: str = "text.format") -> Optional[tuple]:
              "json_schema": {"type", "name", "schema", "strict", "description"}}
     if kind not in known:
         raise invalid_request(f"text.format type {kind!r} is not supported (text, json_object, json_schema)",
-                                 param=f"{param}.type", code="unsupported_value")
+                              param=f"{param}.type", code="unsupported_value")
     extra = sorted(set(fmt) - known[kind])
     if extra:
         raise invalid_request(f"Unrecognized text.format field: {extra[0]}", param=f"{param}.{extra[0]}",
-                                 code="unknown_parameter")
+                              code="unknown_parameter")
     if kind == "text":
         return None
     if kind == "json_object":
         return _built(lambda _: json_object_grammar(), None, param, "json_object")
     if "schema" not in fmt:
         raise invalid_request("text.format of type json_schema needs a schema", param=f"{param}.schema",
-                                 code="missing_required_parameter")
+                              code="missing_required_parameter")
     schema = _schema_value(fmt["schema"], f"{param}.schema")
     return _built(json_schema_grammar, schema, f"{param}.schema", "json_schema", schema)
 
@@ -200,16 +200,16 @@ def output_config_constraint(oc) -> Optional[tuple]:
     unknown = sorted(set(oc) - {"format", "effort"})
     if unknown:
         raise invalid_request(f"output_config.{unknown[0]} is not supported", param=f"output_config.{unknown[0]}",
-                                 code="unsupported_value")
+                              code="unsupported_value")
     if oc.get("effort") is not None and oc["effort"] not in ANTHROPIC_EFFORTS:
         raise invalid_request(f"output_config.effort must be one of {list(ANTHROPIC_EFFORTS)}",
-                                 param="output_config.effort")
+                              param="output_config.effort")
     fmt = oc.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         raise invalid_request("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                                 param="output_config.format.type", code="unsupported_value")
+                              param="output_config.format.type", code="unsupported_value")
     where = "output_config.format.schema"
     if "schema" not in fmt:
         raise invalid_request("output_config.format needs a schema", param=where)
@@ -222,7 +222,7 @@ def refuse_guided_fields(req) -> None:
     for name, replacement in GUIDED_FIELDS.items():
         if getattr(req, name, None) is not None:
             raise invalid_request(f"{name} is not supported (vLLM deprecated the guided_* fields); use "
-                                     f"{replacement}", param=name, code="unsupported_value")
+                                  f"{replacement}", param=name, code="unsupported_value")
 
 
 def structured_constraint(req) -> Optional[tuple]:
@@ -231,7 +231,7 @@ def structured_constraint(req) -> Optional[tuple]:
     rf, so = req.response_format, req.structured_outputs
     if so is not None and rf is not None and rf.get("type", "text") != "text":
         raise invalid_request("response_format and structured_outputs both constrain the answer; send one",
-                                 param="structured_outputs")
+                              param="structured_outputs")
     if so is not None:
         return structured_outputs_constraint(so)
     return response_format_constraint(rf) if rf is not None else None
@@ -245,12 +245,12 @@ def chat_thinking(req) -> Tuple[bool, Optional[int]]:
     unknown = sorted(set(kwargs) - {"enable_thinking", "thinking"})
     if unknown:
         raise invalid_request(f"chat_template_kwargs.{unknown[0]} is not used by this model's chat template "
-                                 f"(it takes enable_thinking)", param=f"chat_template_kwargs.{unknown[0]}",
-                                 code="unsupported_value")
+                              f"(it takes enable_thinking)", param=f"chat_template_kwargs.{unknown[0]}",
+                              code="unsupported_value")
     flag = kwargs.get("enable_thinking", kwargs.get("thinking"))
     if flag is not None and not isinstance(flag, bool):
         raise invalid_request("chat_template_kwargs.enable_thinking must be true or false",
-                                 param="chat_template_kwargs.enable_thinking")
+                              param="chat_template_kwargs.enable_thinking")
     effort = getattr(req, "reasoning_effort", None)
     if flag is None and effort is not None:
         flag = effort not in THINKING_OFF_EFFORTS
@@ -258,7 +258,7 @@ def chat_thinking(req) -> Tuple[bool, Optional[int]]:
     if budget is not None:
         if flag is False:
             raise invalid_request("thinking_budget needs thinking; it is turned off by this request",
-                                     param="thinking_budget")
+                                  param="thinking_budget")
         flag = True
     return bool(flag), budget
 
@@ -273,7 +273,7 @@ def assemble(thinking: bool, budget: Optional[int], tools: Sequence[ToolSpec], c
     if choice.forced:
         if structured is not None:
             raise invalid_request("a forced tool call and a structured response format cannot both constrain "
-                                     "the answer; send one", param="tool_choice")
+                                  "the answer; send one", param="tool_choice")
         constraint, parts = tool_call_constraint(tools, choice, after_thinking=thinking)
         param = "tools"
     elif structured is not None:

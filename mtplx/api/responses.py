@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mtplx.api import openai as oa
-from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api import output_plan
+from mtplx.api.errors import OpenAIError, invalid_request
 from mtplx.api.limits import MAX_TOP_LOGPROBS, check_token_count, request_limits
 from mtplx.api.parsing import ParsedAnswer
 from mtplx.api.tools import responses_tool_choice, responses_tools
@@ -110,23 +110,23 @@ class ResponsesRequest(oa.SamplingFields):
             value = getattr(self, name)
             if value is not None and value not in served:
                 raise invalid_request(f"{name}={value!r} is not supported: {why}", param=name,
-                                         code="unsupported_value")
+                                      code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", param="stream_options")
         for i, value in enumerate(self.include or ()):
             if value not in INCLUDABLE:
                 raise invalid_request(f"include {value!r} is not supported (only {list(INCLUDABLE)})",
-                                         param=f"include.{i}", code="unsupported_value")
+                                      param=f"include.{i}", code="unsupported_value")
         self._check_metadata()
         bound = self._limits.tool_calls
         if self.max_tool_calls is not None and self.max_tool_calls > bound:
             raise invalid_request(f"max_tool_calls={self.max_tool_calls} is above this server's limit of {bound} "
-                                     f"calls per answer", param="max_tool_calls", code="invalid_value")
+                                  f"calls per answer", param="max_tool_calls", code="invalid_value")
         self.input_items()        # every item checked here, at parse
         plan = self.output_plan()
         if self.requested_logprobs is not None and plan.parses:
             raise invalid_request("log-probabilities are returned for plain text answers only (no tools, no "
-                                     "reasoning)", param="include", code="unsupported_value")
+                                  "reasoning)", param="include", code="unsupported_value")
 
     def _check_metadata(self) -> None:
         meta = self.metadata or {}
@@ -135,7 +135,7 @@ class ResponsesRequest(oa.SamplingFields):
         for key, value in meta.items():
             if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
                 raise invalid_request(f"metadata keys are at most {MAX_METADATA_KEY} characters and values at "
-                                         f"most {MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}")
+                                      f"most {MAX_METADATA_VALUE}", param=f"metadata.{key[:MAX_METADATA_KEY]}")
 
     # -- what it asks for ---------------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ def _field(item: dict, key: str, kind, param: str, required: bool = True):
     if not isinstance(value, kind):
         what = "a string" if kind is str else f"{kind}"
         raise invalid_request(f"{item.get('type', 'an item')} item needs {key} ({what})", param=f"{param}.{key}",
-                                 code="missing_required_parameter" if value is None else "invalid_value")
+                              code="missing_required_parameter" if value is None else "invalid_value")
     return value
 
 
@@ -251,7 +251,7 @@ def _parts_text(content, param: str, kinds=("input_text", "output_text")) -> str
             continue
         if kind not in kinds or not isinstance(part.get("text"), str):
             raise invalid_request(f"content part type {kind!r} is not supported (text only; no images, files or "
-                                     f"audio)", param=f"{param}.{j}.type", code="unsupported_content")
+                                  f"audio)", param=f"{param}.{j}.type", code="unsupported_content")
         pieces.append(part["text"])
     return "".join(pieces)
 
@@ -260,10 +260,10 @@ def _message(item: dict, param: str) -> dict:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise invalid_request(f"a message's role must be user, system, developer or assistant, got {role!r}",
-                                 param=f"{param}.role")
+                              param=f"{param}.role")
     if "content" not in item:
         raise invalid_request("a message needs content", param=f"{param}.content",
-                                 code="missing_required_parameter")
+                              code="missing_required_parameter")
     text = _parts_text(item["content"], f"{param}.content")
     kind = "output_text" if role == "assistant" else "input_text"
     return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
@@ -283,7 +283,7 @@ def _function_call_output(item: dict, param: str) -> dict:
     output = item.get("output")
     if output is None:
         raise invalid_request("a function_call_output needs output", param=f"{param}.output",
-                                 code="missing_required_parameter")
+                              code="missing_required_parameter")
     return {"type": "function_call_output", "call_id": _field(item, "call_id", str, param),
             "output": _parts_text(output, f"{param}.output", ("input_text", "output_text"))}
 
@@ -311,7 +311,7 @@ def normalize_item(item, param: str) -> dict:
     reader = _ITEM_READERS.get(kind)
     if reader is None:
         raise invalid_request(f"input item type {kind!r} is not supported (message, function_call, "
-                                 f"function_call_output, reasoning)", param=f"{param}.type", code="unsupported_value")
+                              f"function_call_output, reasoning)", param=f"{param}.type", code="unsupported_value")
     out = reader(item, param)
     item_id = item.get("id")
     out["id"] = item_id if isinstance(item_id, str) and item_id else new_item_id(kind)

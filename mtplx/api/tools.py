@@ -121,14 +121,14 @@ def openai_tools(raw) -> List[ToolSpec]:
             raise invalid_request("a tool must be an object", param=where)
         if tool.get("type") != "function":
             raise invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
-                                     param=f"{where}.type", code="unsupported_value")
+                                  param=f"{where}.type", code="unsupported_value")
         extra = sorted(set(tool) - {"type", "function"})
         if extra:
             raise invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise invalid_request("Missing required parameter: a function tool needs \"function\"",
-                                     param=f"{where}.function", code="missing_required_parameter")
+                                  param=f"{where}.function", code="missing_required_parameter")
         extra = sorted(set(fn) - _OPENAI_FUNCTION_KEYS)
         if extra:
             raise invalid_request(f"Unrecognized function field: {extra[0]}", param=f"{where}.function.{extra[0]}")
@@ -151,7 +151,7 @@ def _mode_choice(raw: str, tools: Sequence[ToolSpec], parallel: bool, max_calls:
     """A tool_choice given as a string (OpenAI's chat and Responses alike)."""
     if raw not in ("none", "auto", "required"):
         raise invalid_request(f"tool_choice {raw!r} is not one of 'none', 'auto', 'required' or a named "
-                                 f"function", param="tool_choice")
+                              f"function", param="tool_choice")
     if raw == "required" and not tools:
         raise invalid_request("tool_choice 'required' needs tools", param="tool_choice")
     return ToolChoice(raw if tools else "none", parallel=parallel, max_calls=max_calls)
@@ -171,7 +171,7 @@ def openai_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[bool],
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                                 "\"function\": {\"name\": ...}}", param="tool_choice")
+                              "\"function\": {\"name\": ...}}", param="tool_choice")
     return ToolChoice("named", _known(name, tools, "tool_choice"), parallel, max_calls)
 
 
@@ -189,7 +189,7 @@ def responses_tools(raw) -> List[ToolSpec]:
             raise invalid_request("a tool must be an object", param=where)
         if tool.get("type") != "function":
             raise invalid_request(f"tool type {tool.get('type')!r} is not supported; only \"function\" tools are",
-                                     param=f"{where}.type", code="unsupported_value")
+                                  param=f"{where}.type", code="unsupported_value")
         extra = sorted(set(tool) - _RESPONSES_FUNCTION_KEYS)
         if extra:
             raise invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
@@ -208,14 +208,14 @@ def responses_tool_choice(raw, tools: Sequence[ToolSpec], parallel: Optional[boo
     if not isinstance(raw, dict) or raw.get("type") != "function" or not isinstance(raw.get("name"), str) \
             or set(raw) - {"type", "name"}:
         raise invalid_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                                 "\"name\": ...} (function tools only)", param="tool_choice")
+                              "\"name\": ...} (function tools only)", param="tool_choice")
     return ToolChoice("named", _known(raw["name"], tools, "tool_choice.name"), parallel, max_calls)
 
 
 def _known(name: str, tools: Sequence[ToolSpec], param: str) -> str:
     if name not in {t.name for t in tools}:
         raise invalid_request(f"tool_choice names the tool {name!r}, which is not among the request's tools "
-                                 f"{[t.name for t in tools]}", param=param)
+                              f"{[t.name for t in tools]}", param=param)
     return name
 
 
@@ -232,15 +232,15 @@ def anthropic_tools(raw) -> List[ToolSpec]:
             raise invalid_request("a tool must be an object", param=where)
         if tool.get("type") not in (None, "custom"):
             raise invalid_request(f"tool type {tool.get('type')!r} is not supported; only client tools "
-                                     f"(name, description, input_schema) are", param=f"{where}.type",
-                                     code="unsupported_value")
+                                  f"(name, description, input_schema) are", param=f"{where}.type",
+                                  code="unsupported_value")
         extra = sorted(set(tool) - _ANTHROPIC_TOOL_KEYS)
         if extra:
             raise invalid_request(f"Unrecognized tool field: {extra[0]}", param=f"{where}.{extra[0]}")
         name = _check_name(tool.get("name"), f"{where}.name", seen)
         if "input_schema" not in tool:
             raise invalid_request("Missing required parameter: a tool needs input_schema",
-                                     param=f"{where}.input_schema", code="missing_required_parameter")
+                                  param=f"{where}.input_schema", code="missing_required_parameter")
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
             raise invalid_request("a tool's description must be a string", param=f"{where}.description")
@@ -262,7 +262,7 @@ def anthropic_tool_choice(raw, tools: Sequence[ToolSpec], max_calls: int = DEFAU
         raise invalid_request(f"Unrecognized tool_choice field: {extra[0]}", param=f"tool_choice.{extra[0]}")
     if kind not in ("auto", "any", "tool", "none"):
         raise invalid_request(f"tool_choice.type {kind!r} is not one of 'auto', 'any', 'tool', 'none'",
-                                 param="tool_choice.type")
+                              param="tool_choice.type")
     if kind in ("any", "tool") and not tools:
         raise invalid_request(f"tool_choice {kind!r} needs tools", param="tool_choice")
     if kind == "tool":
@@ -328,7 +328,7 @@ def tool_call_constraint(tools: Sequence[ToolSpec], choice: ToolChoice, after_th
             raise invalid_request(str(exc), param=tool.param, code="invalid_schema") from None
         except Exception as exc:      # llguidance's own refusal of the schema
             raise invalid_request(f"json_schema cannot be enforced: {exc}", param=tool.param,
-                                     code="invalid_schema") from None
+                                  code="invalid_schema") from None
     try:
         grammar = lark_grammar(tool_call_lark(allowed, choice.calls_allowed, after_thinking))
     except Exception as exc:

@@ -4,7 +4,7 @@ greedy rows launches each MTP cycle from the last one's verify before the host r
 greedy, unconstrained row keeps follows from the verify alone, so the device computes it (the
 accept test), the next primaries and the commit (`commit_on_device`); the host, reading the verify
 a cycle later, makes its decisions as before, checks them against the device's keep and settles
-its cache lengths (upper bounds meanwhile: `settle`).
+its cache lengths (upper bounds meanwhile: `settle_ahead`).
 
 The lane owns the cycles and their rows; this module holds what a step decided or launched early
 (`NextStep`) and the functions over the lane's state that running ahead adds."""
@@ -33,7 +33,7 @@ class NextStep:
     launch_s: float = 0.0
 
     def clear(self) -> None:
-        """Forget it (its rows changed, or were cancelled); a dropped launch is no step's cost."""
+        """Forget it (the lane's rows were all cancelled); a dropped launch is no step's cost."""
         self.kind = self.launched = None
         self.launch_s = 0.0
 
@@ -60,7 +60,7 @@ def commit_on_device(state: LaneState, launched: tuple) -> tuple:
     Its rows are all greedy, so what each keeps follows from the verify alone: its drafts' longest
     prefix equal to the target's argmax, then the target's token there (its next primary). The
     device commits that keep (the caches' offsets, the last hidden and logits, the head's history
-    and the entries rows owe it); the host later checks its own decisions against it (`settle`)."""
+    and the entries rows owe it); the host later checks its own decisions against it (`settle_ahead`)."""
     step, (tokens, H, L, read) = launched
     ids, depth = read[1], step.depth
     drafts = tokens[:, 1:]
@@ -76,7 +76,7 @@ def commit_on_device(state: LaneState, launched: tuple) -> tuple:
     return Step(step.active.copy(), step.active.copy(), True, x0, ahead=True), kept
 
 
-def settle(state: LaneState, rows: list, step: Step) -> None:
+def settle_ahead(step: Step, rows: list, state: LaneState) -> None:
     """A step committed on the device (`commit_on_device`), read: each live row's decisions kept
     what the device did (a row that finished on the way kept its positions there, unread), and
     the host lengths follow the device's keep: the target's caches for this step's verify, the

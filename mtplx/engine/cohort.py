@@ -10,7 +10,7 @@ from mtplx.engine.lane import RunningLane
 from mtplx.engine.proposer import Proposer
 from mtplx.engine.row import A3BMTPBatchResult
 from mtplx.engine.settings import EngineSettings
-from mtplx.engine.step import DecisionLog
+from mtplx.engine.decisions import DecisionLog
 
 def generate_a3b_mtp_batch(lane: InstalledA3BMTPBatchLane, requests, *, draft_draw: Optional[str] = None,
                            decision_log: Optional[DecisionLog] = None,

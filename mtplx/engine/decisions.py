@@ -1,8 +1,10 @@
 """What each row keeps of a verified step, decided on the host after the step's one wait: its
 primary (if not yet emitted), then its drafts judged left to right by the acceptor, the residual
 at the first rejection or the bonus when every draft is kept; a row that did not draft keeps the
-target's own next token. A row's decisions read only its own positions in the `Step` and draw
-only from its own RNG, in the solo path's order, so no row's tokens depend on its neighbours'.
+target's own next token. A row's decisions read only its own positions (in the `Step`, and its
+row of the last logits for its primary's log-probability) and draw only from its own RNG, in the
+solo path's order, so no row's tokens depend on its neighbours'. `DecisionLog` records them for
+a reader that asks.
 
 The lane runs the step and moves its state (`RunningLane`); this module is the per-row part
 between the verify and the commit, as vLLM keeps its rejection sampler apart from its scheduler."""
@@ -14,7 +16,40 @@ import mlx.core as mx
 from mtplx.engine.acceptor import accept_chain
 from mtplx.engine.lane_stats import LaneCounters
 from mtplx.engine.row import LaneRow, host_logprob
-from mtplx.engine.step import DecisionLog, Step
+from mtplx.engine.step import Step
+
+
+class DecisionLog:
+    """A lane's decisions, recorded for whoever reads them back (the install self-check, tests):
+    each live row's kept positions at each step (`keeps`), and each draft judged (`drafts`:
+    request id, output position, draft, index in its chain). A lane given none records nothing
+    (`NO_DECISION_LOG`, which has no `keeps` or `drafts` to read)."""
+
+    def __init__(self):
+        self.keeps: list = []
+        self.drafts: list = []
+
+    def step(self, step: Step) -> None:
+        self.keeps.extend(int(k) for k, a in zip(step.keep, step.active) if a)
+
+    def judged(self, request_id: str, position: int, draft: int, j: int) -> None:
+        self.drafts.append((request_id, position, draft, j))
+
+
+class _NoDecisionLog(DecisionLog):
+    """Records nothing, and has nothing to read back: a reader must give the lane its own log."""
+
+    def __init__(self):
+        pass
+
+    def step(self, step: Step) -> None:
+        pass
+
+    def judged(self, request_id: str, position: int, draft: int, j: int) -> None:
+        pass
+
+
+NO_DECISION_LOG = _NoDecisionLog()
 
 
 class RowDecisions:
@@ -24,6 +59,10 @@ class RowDecisions:
     def __init__(self, counters: LaneCounters, log: DecisionLog):
         self.counters = counters
         self.log = log
+
+    def ended(self, step: Step) -> None:
+        """The step's decisions are all made (its rows' keeps final)."""
+        self.log.step(step)
 
     def ar(self, step: Step, b: int, row: LaneRow, logits_last: mx.array) -> None:
         """Row b's part of a plain AR step: its primary (if not yet emitted), then the target's

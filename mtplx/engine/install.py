@@ -16,7 +16,7 @@ from mtplx.engine.installed import (DEPTH, DEPTHS, MAX_WIDTH, MIN_WIDTH, NUMERIC
 from mtplx.engine.lane import RunningLane, draft_acceptance_prior
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import A3BMTPBatchRequest
-from mtplx.engine.step import DecisionLog
+from mtplx.engine.decisions import DecisionLog
 from mtplx.models.cache import RaggedKVCache, commit_rows
 from mtplx.sampling import GREEDY
 

@@ -6,11 +6,13 @@ Each step, for all rows at once: rows whose prefill is done take free slots, the
 where no row drafts or drafting does not pay (`StepPolicy`), one plain AR step. The lane name
 and route ids follow MTPLX's A3B lane; the lane here is architecture-neutral.
 
-Why one file: a cycle's parts (primaries, the proposer's call, the verify, the decisions' end,
-the commit) read and write one set of per-cycle state (the rows, their slots, the last logits and
-hidden states), in an order that exactness depends on; read top to bottom, a cycle is here. A
-reshape (another width or depth) and a row's placement move that same state. Each row's own
-decisions read only the step's record of it (`decisions.py`).
+Why one file: a cycle's steps (primaries, the proposer's call, the verify, each row's decisions,
+their end, the commit) read and write one set of per-cycle state (the rows, their slots, the last
+logits and hidden states), in an order that exactness depends on; read top to bottom, the order
+of a cycle is here, and each of its parts is a call: a row's own decisions (`decisions.py`, which
+read only that row's part of the step), the commit (`commit.py`), a cycle committed on the device
+ahead of the host (`ahead.py`). A reshape (another width or depth) and a row's placement move
+that same state.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import numpy as np
 from mtplx.end import CANCELLED, End
 from mtplx.engine.acceptor import DeviceVerdicts, Targets
 from mtplx.engine.admission import Admitter, RowPrefill
-from mtplx.engine.ahead import NextStep, check_ahead_primaries, commit_on_device, rows_may_run_ahead, settle
+from mtplx.engine.ahead import NextStep, check_ahead_primaries, commit_on_device, rows_may_run_ahead, settle_ahead
 from mtplx.engine.commit import commit_positions
-from mtplx.engine.decisions import RowDecisions
+from mtplx.engine.decisions import NO_DECISION_LOG, DecisionLog, RowDecisions
 from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import DEPTH, InstalledA3BMTPBatchLane, row_positions, solo_lane
 from mtplx.engine.lane_state import LaneState
@@ -40,7 +42,7 @@ from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
                               RowFailure, check_finite, host_logprob, row_work, validate_request)
 from mtplx.engine.shape import LaneShapes
-from mtplx.engine.step import NO_DECISION_LOG, DecisionLog, Step
+from mtplx.engine.step import Step
 from mtplx.models.cache import commit_rows
 from mtplx.sampling import sample, to_host
 from mtplx.structured import grammar_tokenizer
@@ -79,8 +81,8 @@ class RunningLane:
     states, the head's history), `admitter` (`Admitter`: rows queued and prefilling), `shapes`
     (`LaneShapes`: the installed lanes it may run as, and which one its rows want), `proposer`,
     `decisions` (`RowDecisions`: what each row keeps of a verified step), `step_chooser` and the
-    step policies with their cost meter, `next` (`NextStep`: the next step's kind, or its cycle,
-    when settled early), `counters` (published as `stats()`).
+    step policies with their cost meter, `next_step` (`NextStep`: the next step's kind, or its
+    cycle, when settled early), `counters` (published as `stats()`).
     """
 
     def __init__(self, ladder, prefill_budget: Optional[int] = PREFILL_CHUNK,
@@ -116,7 +118,7 @@ class RunningLane:
         self.last_step: Optional[str] = None
         # overlapped cycles: the next MTP cycle launched at a step's end, or the next step's kind
         self.overlap = settings.lane_overlap()
-        self.next = NextStep()
+        self.next_step = NextStep()
         self.run_ahead = settings.run_ahead
         self.device_judging = settings.lane_device_judging()   # sampled chains judged on the device
         self._step_costs = StepCostMeter()
@@ -212,7 +214,7 @@ class RunningLane:
         self._removed.update((rid, end) for rid in request_ids)
 
     def cancel_all(self) -> None:
-        self.next.clear()
+        self.next_step.clear()
         self._reporting += self._all_rows()
         for row in self._all_rows():
             row.finish(End(CANCELLED))
@@ -232,20 +234,20 @@ class RunningLane:
         its prefill). Its events can reach clients before the cycle runs (time to first token).
         While a launched cycle computes (`overlap`) it waits: `decode` runs it after that cycle."""
         self._reporting += self._all_rows()
-        if self.next.launched is None:
+        if self.next_step.launched is None:
             self._boundary()
             self._mark_rows()
         return self.drain_events()
 
     def _boundary(self) -> None:
-        shape = (self.lane, [id(r) for r in self.rows]) if self.next.kind is not None else None
+        shape = (self.lane, [id(r) for r in self.rows]) if self.next_step.kind is not None else None
         self._drop_cancelled()
         self._resize()
         t0 = time.perf_counter()
         self._admit()
         self.counters.prefill_s += time.perf_counter() - t0
         if shape is not None and shape != (self.lane, [id(r) for r in self.rows]):
-            self.next.kind = None           # chosen for other rows
+            self.next_step.kind = None           # chosen for other rows
 
     def decode(self) -> list[RowEvent]:
         """One MTP cycle or plain AR step for the live rows (the one launched at the last step's
@@ -255,21 +257,21 @@ class RunningLane:
         do, the next MTP cycle is launched before this step's events go out: the device computes
         it while the caller streams them."""
         self._reporting += self._all_rows()
-        if self.next.launched is not None:
+        if self.next_step.launched is not None:
             t1, previous = time.perf_counter(), self.last_step
-            launched, launch_s = self.next.take()
+            launched, launch_s = self.next_step.take()
             self.counters.mtp_cycles += 1
             self.counters.overlapped_cycles += 1
             self._finish_launched(launched, self._ahead_ok())
             # a step's time is all it did (the next cycle's launch ahead included: it waits for
             # this one's verify) and the launch `_launch_next` did between steps
             self._observe_step(previous, time.perf_counter() - t1 + launch_s)
-            if self.next.launched is None and not self._boundary_idle():
+            if self.next_step.launched is None and not self._boundary_idle():
                 self._boundary()
         elif self.live_rows:
             t1 = time.perf_counter()
-            kind, previous = self.next.kind or self._choose_step(), self.last_step
-            self.next.kind = None
+            kind, previous = self.next_step.kind or self._choose_step(), self.last_step
+            self.next_step.kind = None
             if kind == "mtp" and self._ahead_ok():
                 self.counters.mtp_cycles += 1
                 self._finish_launched(self._launch_cycle(), True)
@@ -277,7 +279,7 @@ class RunningLane:
                 self._run_step(kind)
             self._observe_step(previous, time.perf_counter() - t1)
         self._mark_rows()           # before a launch: its primaries' draws belong to the next step
-        if self.overlap and self.next.launched is None and self._boundary_idle():
+        if self.overlap and self.next_step.launched is None and self._boundary_idle():
             self._launch_next()
         return self.drain_events()
 
@@ -285,18 +287,18 @@ class RunningLane:
         """The next step's kind, chosen now, and if it is an MTP cycle its launch."""
         kind = self._choose_step()
         if kind != "mtp" or not any(r is not None and r.wants_draft() for r in self.rows):
-            self.next.kind = kind
+            self.next_step.kind = kind
             return
         t0 = time.perf_counter()
-        self.next.launched = self._launch_cycle()
-        self.next.launch_s = time.perf_counter() - t0
+        self.next_step.launched = self._launch_cycle()
+        self.next_step.launch_s = time.perf_counter() - t0
 
     def _finish_launched(self, launched: tuple, ahead: bool) -> None:
         """Finish a launched MTP cycle, first launching the next from it when it runs `ahead`
         (`_ahead_ok`)."""
         if ahead:
             self.counters.ahead_cycles += 1
-            self.next.launched = self._launch_cycle(commit_on_device(self.state, launched))
+            self.next_step.launched = self._launch_cycle(commit_on_device(self.state, launched))
         self._finish_cycle(launched)
         self.last_step = "mtp"
 
@@ -606,7 +608,7 @@ class RunningLane:
             if step.active[b] and not row.live:
                 step.keep[b] = 0
                 self.rows[b] = None
-        self.decisions.log.step(step)
+        self.decisions.ended(step)
 
     # -- a plain AR step -----------------------------------------------------------------------------
 
@@ -691,7 +693,7 @@ class RunningLane:
         self.policy.observe(step.drafted, step.accepted)
         self.counters.lane_host_s += time.perf_counter() - t_host
         if step.device_keep is not None:      # the next cycle, launched ahead, committed this one
-            settle(self.state, self.rows, step)
+            settle_ahead(step, self.rows, self.state)
             return
         T = 1 + step.depth
         self.state.history.record(H, verify[0][:, 1:])

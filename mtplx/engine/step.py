@@ -45,30 +45,3 @@ class Step:
         k = row.req.logprobs
         return None if k is None else logprob_entry(self.lp_host[b, j], token, k)
 
-
-class DecisionLog:
-    """A lane's decisions, recorded for whoever reads them back (the install self-check, tests):
-    each live row's kept positions at each step (`keeps`), and each draft judged (`drafts`:
-    request id, output position, draft, index in its chain). A lane given none records nothing
-    (`NO_DECISION_LOG`)."""
-
-    def __init__(self):
-        self.keeps: list = []
-        self.drafts: list = []
-
-    def step(self, step: "Step") -> None:
-        self.keeps.extend(int(k) for k, a in zip(step.keep, step.active) if a)
-
-    def judged(self, request_id: str, position: int, draft: int, j: int) -> None:
-        self.drafts.append((request_id, position, draft, j))
-
-
-class _NoDecisionLog(DecisionLog):
-    def step(self, step: "Step") -> None:
-        pass
-
-    def judged(self, request_id: str, position: int, draft: int, j: int) -> None:
-        pass
-
-
-NO_DECISION_LOG = _NoDecisionLog()

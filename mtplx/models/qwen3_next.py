@@ -13,7 +13,8 @@ from mlx_lm.models import qwen3_next
 
 from . import hybrid, qwen3
 
-# Same text-model layout as qwen3: post-norm hidden from `target.model`, tied or separate head.
+# Same text-model layout as qwen3 (post-norm hidden from `target.model`, tied or separate head): the
+# architecture interface the loader calls (`embed`, `hidden_states`, ...) is qwen3's.
 embed, hidden_size, hidden_states, logits = qwen3.embed, qwen3.hidden_size, qwen3.hidden_states, qwen3.logits
 rms_norm_eps, text_model = qwen3.rms_norm_eps, qwen3.text_model
 

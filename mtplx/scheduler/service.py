@@ -61,7 +61,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from mtplx.scheduler.budget import KVBudget, row_need
 from mtplx.engine.settings import EngineSettings
-from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, IDLE_HEAP_RELEASE_S, NUMERICS
+from mtplx.scheduler.config import DEFAULT_BATCH_WAIT_S, DEFAULT_WIDTHS, NUMERICS
 from mtplx.scheduler.job import MTPBatchJob, MTPBatchOwnerFinalizeError, MTPBatchServiceClosed
 from mtplx.scheduler.job_queue import JobQueue
 from mtplx.scheduler.ladder import LaneLadder
@@ -724,4 +724,4 @@ class MTPBatchGenerationService(ModelOwnerThread):
             }
 
 
-__all__ = ["MTPBatchGenerationService", "IDLE_HEAP_RELEASE_S"]
+__all__ = ["MTPBatchGenerationService"]
