@@ -67,6 +67,15 @@ def pytest_sessionstart(session):
         reporter.write_line(_seed_line(session.config))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Tests that start Ray (marked `ray`) run after all the others, each group in pytest-randomly's
+    order: the session's shared Serve cluster, once up, stays up to the end, and its idle
+    processes take about a quarter of one core from every test that runs after it."""
+    starts_ray = [item.get_closest_marker("ray") is not None for item in items]
+    items[:] = [i for i, ray in zip(items, starts_ray) if not ray] + [i for i, ray in zip(items, starts_ray) if ray]
+
+
 def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(_seed_line(config))
 
