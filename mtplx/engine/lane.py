@@ -286,7 +286,7 @@ class RunningLane:
     def _launch_next(self) -> None:
         """The next step's kind, chosen now, and if it is an MTP cycle its launch."""
         kind = self._choose_step()
-        if kind != "mtp" or not any(r is not None and r.wants_draft() for r in self.rows):
+        if kind != "mtp" or not self._any_drafting():
             self.next_step.kind = kind
             return
         t0 = time.perf_counter()
@@ -353,13 +353,17 @@ class RunningLane:
         self._publish_stats()
         return [e for e in (row.drain_event() for row in rows.values()) if e is not None]
 
+    def _any_drafting(self) -> bool:
+        """Whether a row would draft in an MTP cycle now (else that cycle is an AR step)."""
+        return any(r is not None and r.wants_draft() for r in self.rows)
+
     def _choose_step(self) -> str:
         """An MTP cycle or a plain AR step for the next cycle (`step_chooser`)."""
         return self.step_chooser(self)
 
     def _run_step(self, kind: str) -> None:
         # an MTP cycle in which no row drafts is an AR step (and the head's history is owed)
-        if kind == "mtp" and any(r is not None and r.wants_draft() for r in self.rows):
+        if kind == "mtp" and self._any_drafting():
             self.counters.mtp_cycles += 1
             self._cycle()
         else:
