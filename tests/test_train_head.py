@@ -117,6 +117,32 @@ def test_own_text_in_padded_batches_is_what_the_target_writes_alone(plain):
         assert np.allclose(shard.lse[b, P - 1:P + 9], lse[len(p) - 1:len(p) + 9], atol=1e-4)
 
 
+def test_own_text_rows_take_the_argmax_or_a_draw_at_their_temperature_and_the_exact_logsumexp():
+    """The host-side step of writing the target's text: greedy rows the argmax, sampled rows
+    distributed as softmax(logits / T) (chi-square at the suite's false-alarm rate), the same
+    draws for a seed, and the logsumexp of the whole row."""
+    from test_sampling import ALPHA, chi2_test
+
+    from mtplx.training.own_text import _lse_and_draw
+
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05, 1e-9]] * 3, dtype=np.float32)) + 3.0
+    temperatures = np.array([0.0, 0.6, 1.0])
+    sampled = np.flatnonzero(temperatures > 0)
+    lse, _ = _lse_and_draw(logits, temperatures, sampled, np.random.default_rng(0))
+    want = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    assert np.allclose(lse, want, atol=1e-6) and lse.dtype == np.float32
+    rng = np.random.default_rng(5)
+    draws = np.array([_lse_and_draw(logits, temperatures, sampled, rng)[1] for _ in range(4000)])
+    assert (draws[:, 0] == 0).all()
+    for b in sampled:
+        probs = np.exp(logits[b].astype(np.float64) / temperatures[b])
+        probs /= probs.sum()
+        counts = dict(zip(*np.unique(draws[:, b], return_counts=True)))
+        p_value, df = chi2_test({int(k): int(v) for k, v in counts.items()}, dict(enumerate(probs)))
+        assert p_value > ALPHA, (b, p_value, df, counts)
+    assert (_lse_and_draw(logits, temperatures, sampled, np.random.default_rng(5))[1] == draws[0]).all()
+
+
 def test_the_chain_loss_trains_the_head_alone_and_equals_the_heads_chain(plain):
     """One gradient of the chained loss: finite, on every head parameter; the chained forward is
     the head run as drafting runs it, through its cache (the gemma3 block included)."""
