@@ -94,8 +94,8 @@ def _lse_and_draw(logits: np.ndarray, temperatures: np.ndarray, sampled: np.ndar
                   rng: np.random.Generator) -> tuple:
     """Each row's logsumexp and next token: the argmax, or for the rows `sampled` a draw at their
     temperature. On the host: MLX's CPU exponential costs ~12 ns an element, numpy's well under
-    one, and a step's [32, 262k] logits made the logsumexp and the draws cost more than the
-    forward on Gemma 3 270M (745 -> ~400 ms a step at B32)."""
+    one: on Gemma 3 270M at B32 MLX's logsumexp and draw took 294 ms after a 265 ms forward, the
+    host's 37 ms."""
     top = logits.max(axis=-1, keepdims=True)
     shifted = logits - top
     lse = top[:, 0] + np.log(np.exp(shifted).sum(axis=-1))
