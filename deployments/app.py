@@ -41,7 +41,8 @@ REFUSAL_SLOTS = 256
 INGRESS_DIRECT_HTTP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 REPLICA_NAME = "MTPReplica"
 # AppArgs' fields the replica hands to the engine's settings (with `repetition_stop`)
-ENGINE_SETTINGS = ("force_width", "draft_draw", "compiled", "overlap", "device_judging", "run_ahead", "kv_budget_gb")
+ENGINE_SETTINGS = ("force_width", "draft_draw", "compiled", "overlap", "device_judging", "run_ahead", "context_drafts",
+                   "kv_budget_gb")
 
 
 class RepetitionStopArgs(BaseModel):
@@ -120,7 +121,10 @@ class AppArgs(BaseModel):
                           "GPU only (on the CPU the device is the host's core: no gain)")
     run_ahead: Optional[bool] = Field(
         None, description="Greedy lanes launch each MTP cycle before the host reads the last one's verify; "
-                          "None: MTPLX_RUN_AHEAD, else on")
+                          "None: MTPLX_RUN_AHEAD, else on (not a lane whose rows take context drafts)")
+    context_drafts: Optional[bool] = Field(
+        None, description="Greedy-drafting rows draft what followed their last tokens' latest earlier occurrence in "
+                          "their own prompt and output, else the head's; None: MTPLX_CONTEXT_DRAFTS, else on")
     kv_budget_gb: Optional[float] = Field(
         None, gt=0.0, description="Decode state (KV and recurrent) all lanes of a replica may hold, GiB; rows "
                                   "wait beyond it. None: MTPLX_KV_BUDGET_GB, else half the replica's memory")

@@ -237,7 +237,7 @@ class MTPReplica:
                  engine: Optional[dict] = None, replica_cpus: Optional[int] = None):
         """Settings as in `deployments.app.AppArgs` (`greedy_depths=None`: chosen by measured cost).
         `engine`: the engine's settings the config gives (`ENGINE_SETTINGS` of AppArgs: force_width,
-        draft_draw, compiled, overlap, device_judging, run_ahead, kv_budget_gb, repetition_stop),
+        draft_draw, compiled, overlap, device_judging, run_ahead, context_drafts, kv_budget_gb, repetition_stop),
         None for unset: unset ones come from this process's environment, else the defaults
         (`mtplx.engine.settings.EngineSettings`, built here once and passed down)."""
         from ._proc import freeze_startup_objects, keep_node_off, pin_replica_cpus, renice_process

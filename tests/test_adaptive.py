@@ -12,6 +12,7 @@ from mtplx.engine.commit import HISTORY_FLUSH_AT
 from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.installed import solo_lane
 from mtplx.engine.lane import RunningLane, draft_acceptance_prior
+from mtplx.engine.settings import EngineSettings
 from mtplx.engine.policy import ScriptedSteps, StepPolicy
 from mtplx.engine.proposer import ScriptedProposer
 from mtplx.engine.row import ROW_PROBE_FIRST, A3BMTPBatchRequest
@@ -40,12 +41,12 @@ def lane3(model):
     return install_a3b_mtp_batch_lane(model, 3, selfcheck=False)
 
 
-def _run(ladder, reqs, plan=None, join_at=None, inject=None, costs=None):
+def _run(ladder, reqs, plan=None, join_at=None, inject=None, costs=None, settings=None):
     """Run requests through a running lane; `join_at` {request index: step} adds rows later;
     `costs` pins the lanes' step costs (a fixed machine for the cost model)."""
     ladder = ladder if isinstance(ladder, list) else [ladder]
     proposer = ScriptedProposer(ladder[0].model.vocab_size, inject) if inject else None
-    running = RunningLane(ladder, decision_log=DecisionLog(), proposer=proposer,
+    running = RunningLane(ladder, decision_log=DecisionLog(), proposer=proposer, settings=settings,
                           step_chooser=ScriptedSteps(plan) if plan is not None else None)
     join_at = join_at or {}
     streams = {i: running.add(r) for i, r in enumerate(reqs) if i not in join_at}
@@ -84,10 +85,12 @@ def test_greedy_equals_plain_ar_whichever_steps_run(model, lane3, plan):
 
 def test_history_owed_by_ar_steps_is_what_mtp_cycles_would_have_written(model, lane3):
     """The head's history after AR steps is exact: every draft made at an output position is the
-    draft an all-MTP run made there (the greedy tokens, hence the history, are the same)."""
+    draft an all-MTP run made there (the greedy tokens, hence the history, are the same). The
+    head's own drafts: a row's context drafts would follow its own score, which AR steps leave."""
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
-    base, _ = _run([lane3], reqs, lambda i: "mtp", join_at={3: 12})
-    mixed, _ = _run([lane3], reqs, PLANS["blocks"], join_at={3: 12})
+    head_only = EngineSettings(context_drafts=False)
+    base, _ = _run([lane3], reqs, lambda i: "mtp", join_at={3: 12}, settings=head_only)
+    mixed, _ = _run([lane3], reqs, PLANS["blocks"], join_at={3: 12}, settings=head_only)
     want = {(rid, pos): d for rid, pos, d, _ in base.decisions.log.drafts}
     got = {(rid, pos): d for rid, pos, d, _ in mixed.decisions.log.drafts}
     common = sorted(set(want) & set(got))
@@ -386,10 +389,11 @@ def test_chained_drafts_equal_plain_ar_whichever_steps_run(model, chained, chain
 def test_history_owed_after_chained_drafts_is_what_mtp_cycles_would_have_written(model, chained):
     """Each draft at an output position and chain index is the draft an all-MTP run made there:
     the history a cycle owes for its accepted drafts (up to two entries a row) is exact, whether
-    the next cycle or an AR step writes it."""
+    the next cycle or an AR step writes it. The head's own drafts, as above."""
     reqs = _greedy_reqs(model, (70, 41, 64, 55))
-    base, _ = _run([chained[2]], reqs, lambda i: "mtp", join_at={3: 12})
-    mixed, _ = _run([chained[2]], reqs, PLANS["alternate"], join_at={3: 12})
+    head_only = EngineSettings(context_drafts=False)
+    base, _ = _run([chained[2]], reqs, lambda i: "mtp", join_at={3: 12}, settings=head_only)
+    mixed, _ = _run([chained[2]], reqs, PLANS["alternate"], join_at={3: 12}, settings=head_only)
     want = {(rid, pos, j): d for rid, pos, d, j in base.decisions.log.drafts}
     got = {(rid, pos, j): d for rid, pos, d, j in mixed.decisions.log.drafts}
     common = sorted(set(want) & set(got))

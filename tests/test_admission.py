@@ -130,7 +130,7 @@ def test_a_lane_running_ahead_decodes_greedy_rows_as_without(model):
 
     def run(depth, run_ahead):
         running = RunningLane(install_a3b_mtp_batch_lane(model, 8, selfcheck=False, depth=depth),
-                              settings=EngineSettings(run_ahead=run_ahead))
+                              settings=EngineSettings(run_ahead=run_ahead, context_drafts=False))
         reqs = [_req(0, prompts[0], 60, stop_token_ids=frozenset({solo[0][23]})),
                 _req(1, prompts[1], 37, omit_speculative_bonus=True),
                 _req(2, prompts[0], 60, speculative=False),

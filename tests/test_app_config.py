@@ -46,10 +46,10 @@ def test_replica_cpus_reach_the_replica_one_replica_to_a_node():
 
 def test_engine_switches_reach_the_replica():
     engine = _replica_kwargs({"force_width": 8, "draft_draw": "host", "compiled": False, "kv_budget_gb": 1.5,
-                              "device_judging": True, "run_ahead": False,
+                              "device_judging": True, "run_ahead": False, "context_drafts": False,
                               "repetition_stop": {"min_tokens": 50}})["engine"]
     assert engine == {"force_width": 8, "draft_draw": "host", "compiled": False, "kv_budget_gb": 1.5,
-                      "device_judging": True, "run_ahead": False,
+                      "device_judging": True, "run_ahead": False, "context_drafts": False,
                       "repetition_stop": {"min_tokens": 50, "min_repeated": 192, "min_repeats": 4, "max_block": 96}}
     assert _replica_kwargs({})["engine"] is None       # nothing given: the environment's, else the defaults
     assert _replica_kwargs({"overlap": False})["engine"] == {"overlap": False}

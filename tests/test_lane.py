@@ -320,7 +320,7 @@ def test_admission_into_a_slot_freed_by_a_cancel(model, lanes, run_ahead, admitt
     there when the lane runs ahead, the boundary after the cycle that was launched ahead."""
     prompts = _prompts(model, 4)
     flag = threading.Event()
-    running = lane_mod.RunningLane(lanes[3], settings=EngineSettings(run_ahead=run_ahead))
+    running = lane_mod.RunningLane(lanes[3], settings=EngineSettings(run_ahead=run_ahead, context_drafts=False))
     streams = [running.add(_req(i, p, 60, cancelled=(flag.is_set if i == 1 else row_mod._never)))
                for i, p in enumerate(prompts[:3])]
     _steps(running, 5)
@@ -581,7 +581,8 @@ def test_ladder_of_mixed_depths_widens_and_narrows_exactly(model, lanes):
     ladder = [solo_lane(model, 3), install_a3b_mtp_batch_lane(model, 3, selfcheck=False, depth=2), lanes[8]]
     prompts = _prompts(model, 6)
     budgets = [160, 40, 30, 50, 45, 35]
-    running = lane_mod.RunningLane(ladder, narrow_after=3)
+    # the head's own drafts: where rows narrow back (to B3, to one row) follows their draft acceptance
+    running = lane_mod.RunningLane(ladder, narrow_after=3, settings=EngineSettings(context_drafts=False))
     owed_at_change, owed_after_change, reshape = [], [], running._reshape
 
     def spy(lane, keep):

@@ -35,9 +35,10 @@ from mtplx.engine.forwards import CycleForwards
 from mtplx.engine.installed import DEPTH, InstalledA3BMTPBatchLane, row_positions, solo_lane
 from mtplx.engine.lane_state import LaneState
 from mtplx.engine.lane_stats import LaneCounters, LaneStats
+from mtplx.engine.ngram import NgramIndex
 from mtplx.engine.policy import NARROW_AFTER_CYCLES, CostSteps, StepCostMeter, StepChooser, StepPolicy
 from mtplx.engine.prefill import PREFILL_CHUNK
-from mtplx.engine.proposer import Proposer
+from mtplx.engine.proposer import ContextScore, Proposer
 from mtplx.engine.settings import EngineSettings
 from mtplx.engine.row import (ROW_ACCEPT_PRIOR, A3BMTPBatchRequest, A3BMTPBatchStreamResult, LaneRow, RowEvent,
                               RowFailure, check_finite, host_logprob, row_work, validate_request)
@@ -104,7 +105,7 @@ class RunningLane:
         # the drafts' source: the model's head, sampled rows' drafts drawn where `draft_draw` says
         # ("device": no wait between the head and the verify; "host": from the whole q, after a
         # wait); the self-check passes a `ScriptedProposer`
-        self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw)
+        self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw, settings.context_drafts)
         # each step's kind: by measured cost, or a test's known sequence (`ScriptedSteps`)
         self.step_chooser = step_chooser or CostSteps(partial(draft_acceptance_prior, self.model))
         # written here, on the thread that steps the lane; other threads read `stats()`
@@ -177,7 +178,7 @@ class RunningLane:
         c, p = self.counters, self.proposer
         self._stats = LaneStats(
             **c.copy_fields(), host_s=c.lane_host_s + p.host_s, device_s=c.lane_wait_s + p.wait_s,
-            device_drafts=p.device_drafts, width=self.width, route_id=self.route_id,
+            device_drafts=p.device_drafts, context_drafts=p.drafts_from_context, width=self.width, route_id=self.route_id,
             depth=self.lane.depth if self.lane is not None else None, live_rows=self.live_rows,
             greedy_rows=self.greedy_rows, prefilling_rows=len(self.admitter.admitting), waiting_rows=len(self.admitter.waiting),
             last_step=self.last_step)
@@ -195,6 +196,9 @@ class RunningLane:
                       self._grammar_tokenizer() if req.constraint is not None and req.constraint.reads_text else None)
         if not row.greedy:
             row.chain_depth = self.shapes.checked_depth(req)
+        if self.proposer.context_drafts and req.speculative and row.greedy and row.grammar is None:
+            row.context = NgramIndex(req.prompt_ids + tuple(row.result.tokens))
+            row.context_score = ContextScore()
         self.admitter.add(row)
         return row.result
 
@@ -307,6 +311,7 @@ class RunningLane:
         `run_ahead`, rows whose keep follows from the verify alone (`rows_may_run_ahead`), the
         boundary idle and an MTP cycle next."""
         return (self.run_ahead and rows_may_run_ahead(self.rows, self.state) and self._boundary_idle()
+                and not any(r is not None and r.context is not None for r in self.rows)
                 and self._choose_step() == "mtp")
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:
@@ -681,6 +686,7 @@ class RunningLane:
         if step.ahead:
             check_ahead_primaries(step, self.rows)
         self.proposer.settle(step.proposal, step.d_host)
+        self.proposer.score_context(step.proposal, step.targets.ids, self.rows)
         t_host = time.perf_counter()
         for b, masks in (step.allowed or {}).items():    # a sampled constrained row's bonus position
             depth = int(step.row_depth[b])

@@ -59,6 +59,7 @@ class LaneStats(LaneCounters):
     host_s: float = 0.0              # host work in cycles: sampling, accept tests, host drafts, books
     device_s: float = 0.0            # time in MLX's evaluation: handing graphs over and waiting for them
     device_drafts: int = 0           # sampled drafts drawn on the device
+    context_drafts: int = 0          # drafts taken from the rows' own context (mtplx.engine.ngram)
     width: int = 0
     route_id: Optional[str] = None
     depth: Optional[int] = None

@@ -1,4 +1,8 @@
-"""The proposer: each drafting row's chain of drafts from the model's own MTP head. The head
+"""The proposer: each drafting row's chain of drafts from the model's own MTP head, or, for a
+greedy row, from its own context (`context_drafts`: mtplx.engine.ngram) where its last tokens
+occurred before and its context has been right more often than the head where the two first
+drafts differed (the row's `ContextScore`: on Gemma 3 270M the context, on the shipped model,
+whose head copies well, the head); a chained draft after a context draft is the head's from it. The head
 runs over [W, 1 + D] (each row's owed history entries, then its draft entry (h_last, primary));
 at depth 2-3 it runs again on its own output and last draft per chained draft. Where a draft
 comes from: the head's argmax for a greedy draft sampler (q a point mass, no draw); otherwise a
@@ -34,6 +38,8 @@ class Proposal:
     depth: int
     q: list = field(default_factory=list)        # [depth][W]: a drawn draft's distribution (None: a point mass)
     device_draws: list = field(default_factory=list)   # per chained draft: (rows drawn on the device, the draw)
+    context: Optional[tuple] = None   # the rows' context drafts (has [W, depth], tokens [W, depth]), used or not
+    head_first: Optional[mx.array] = None    # the head's own first drafts [W], where context drafts exist
 
     def q_of(self, b: int, j: int):
         return self.q[j][b] if self.q else None
@@ -44,9 +50,13 @@ class Proposer:
 
     follows_head = True     # the drafts are the head's own: a cycle may launch before the last is read
 
-    def __init__(self, vocab: int, draft_draw: str):
+    def __init__(self, vocab: int, draft_draw: str, context_drafts: bool = False):
         self.vocab, self.draft_draw = vocab, draft_draw
+        # rows with an `NgramIndex` (`LaneRow.context`) draft from it where it has a match: read on
+        # the host at launch, so a lane of such rows does not run ahead
+        self.context_drafts = context_drafts
         self.device_drafts = 0            # drafts drawn on the device
+        self.drafts_from_context = 0      # drafts taken from the rows' own context
         self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
         self.wait_s = 0.0                 # time in MLX's evaluation of the head (its drafts)
 
@@ -67,21 +77,72 @@ class Proposer:
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
         on_device = isinstance(owed, mx.array)          # a cycle launched before the last one was read
+        context = self._context(rows, row_depth, x0, depth) if self.context_drafts and not on_device else None
         q_logits, g = forwards.draft(history.hidden, h_last, history.tokens, x0,
                                      owed if on_device else mx.array(owed.astype(np.int32)))   # [W, V], [W, 1, H]
         commit_rows(forwards.mtp_caches, D + 1, mx.where(mx.array(keep_history), 1 + owed, 0) if on_device
                     else np.where(keep_history, 1 + owed, 0))
-        drafts = [self._draws(self._masked(q_logits, rows, constrained, row_depth, 0, None, allowed),
-                              rows, row_depth > 0, greedy, proposal, 0)]
+        head_first = self._draws(self._masked(q_logits, rows, constrained, row_depth, 0, None, allowed),
+                                 rows, row_depth > 0, greedy, proposal, 0)
+        proposal.context, proposal.head_first = context, head_first if context is not None else None
+        used = self._preferred(context, rows)
+        drafts = [self._with_context(head_first, used, 0)]
         self._start(drafts[-1])
         for j in range(1, depth):
             q_logits, g = forwards.chain(g, drafts[-1])
             commit_rows(forwards.mtp_caches, 1, np.zeros(W, dtype=np.int64))
             q_logits = self._masked(q_logits, rows, constrained, row_depth, j, drafts[-1], allowed)
-            drafts.append(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j))
+            drafts.append(self._with_context(self._draws(q_logits, rows, row_depth > j, greedy, proposal, j), used, j))
             self._start(drafts[-1])
         proposal.drafts = mx.stack(drafts, axis=1) if depth > 1 else drafts[0][:, None]
         return proposal
+
+    def _context(self, rows, row_depth: np.ndarray, x0: mx.array, depth: int) -> Optional[tuple]:
+        """(has [W, depth], tokens [W, depth]): each row's drafts from its context (`LaneRow.context`),
+        continuing its tokens and its primary; None where no row has one."""
+        takers = [b for b, r in enumerate(rows) if r is not None and r.context is not None and row_depth[b] > 0]
+        if not takers:
+            return None
+        t_host = time.perf_counter()
+        x0_host = np.array(x0)              # a greedy lane's argmaxes of the last verify: computed
+        has = np.zeros((len(rows), depth), dtype=bool)
+        tokens = np.zeros((len(rows), depth), dtype=np.uint32)
+        for b in takers:
+            row = rows[b]
+            # a pending primary is emitted already (in the row's tokens); a drawn one is not yet
+            drafts = row.context.propose(int(row_depth[b]), None if row.pending is not None else int(x0_host[b]))
+            has[b, :len(drafts)] = True
+            tokens[b, :len(drafts)] = drafts
+        self.host_s += time.perf_counter() - t_host
+        return (has, tokens) if has.any() else None
+
+    def score_context(self, proposal: Proposal, target_ids: np.ndarray, rows) -> None:
+        """After the verify: where a row's context and head first drafts differed, which was the
+        target's token (`target_ids` [W, T]: the verify's argmaxes; position 0 judges the first
+        draft, whichever was used), into the row's own score."""
+        if proposal.context is None:
+            return
+        has, tokens = proposal.context
+        head = np.array(proposal.head_first)          # computed with the verify
+        for b in np.flatnonzero(has[:, 0]):
+            if tokens[b, 0] != head[b]:
+                rows[b].context_score.observe(int(tokens[b, 0]) == int(target_ids[b, 0]),
+                                              int(head[b]) == int(target_ids[b, 0]))
+
+    def _preferred(self, context: Optional[tuple], rows) -> Optional[tuple]:
+        """The context drafts of the rows whose score prefers them (the others' are scored, not used)."""
+        if context is None:
+            return None
+        has = context[0] & np.array([r is not None and r.context is not None and r.context_score.prefers_context()
+                                     for r in rows])[:, None]
+        self.drafts_from_context += int(has.sum())
+        return (has, context[1]) if has.any() else None
+
+    @staticmethod
+    def _with_context(draft: mx.array, context: Optional[tuple], j: int) -> mx.array:
+        if context is None or not context[0][:, j].any():
+            return draft
+        return mx.where(mx.array(context[0][:, j]), mx.array(context[1][:, j]), draft)
 
     def _start(self, draft: mx.array) -> None:
         """Set a draft computing as soon as its graph is built: the device works through the head
@@ -173,6 +234,24 @@ class Proposer:
                     raise RuntimeError(f"row {b}'s device draft {int(d_host[b, j])} is not the candidate its "
                                        f"uniform names ({drawn}): the device draw and its q disagree")
         self.host_s += time.perf_counter() - t_host
+
+
+class ContextScore:
+    """Which of a row's two first drafts, its context's or the head's, the target kept more often
+    where they differed: counts decayed by DECAY a disagreement, from one each (a tie prefers the
+    context). Both are scored every cycle, whichever was used. A row's own, so that its drafts
+    never depend on its neighbours."""
+    DECAY = 0.98
+
+    def __init__(self):
+        self.context_right, self.head_right = 1.0, 1.0
+
+    def observe(self, context_right: bool, head_right: bool) -> None:
+        self.context_right = self.DECAY * self.context_right + context_right
+        self.head_right = self.DECAY * self.head_right + head_right
+
+    def prefers_context(self) -> bool:
+        return self.context_right >= self.head_right
 
 
 class ScriptedProposer(Proposer):

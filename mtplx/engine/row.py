@@ -12,6 +12,7 @@ from typing import Callable, Optional, Protocol
 import numpy as np
 
 from mtplx.end import CANCELLED, EOS, GRAMMAR_COMPLETE, LENGTH, REPETITION, STOP_STRING, STOP_TOKEN, End
+from mtplx.engine.ngram import NgramIndex
 from mtplx.engine.prefill import CapacityError
 from mtplx.engine.repetition import RepetitionLimits, repeated_tail
 from mtplx.sampling import SamplerConfig, row_distribution, to_host
@@ -250,6 +251,9 @@ class LaneRow:
         self.pending: Optional[int] = None
         self.owed = 0         # head-history entries owed for drafts its last MTP cycle accepted
         self.chain_depth: Optional[int] = None   # a sampled row's drafts a cycle (greedy: its lane's)
+        # a greedy row's prompt and output, where it drafts from them, and whether it prefers them
+        self.context: Optional[NgramIndex] = None
+        self.context_score = None      # mtplx.engine.proposer.ContextScore
         # its own drafting policy (adaptive rows): from its own accept/reject history only
         self.accept_est = prior
         self.drafting = prior >= ROW_STOP_BELOW
@@ -424,6 +428,8 @@ class LaneRow:
         row has finished."""
         r = self.result
         r.tokens.append(token)
+        if self.context is not None:
+            self.context.append(token)
         self.unreported.append(token)
         self.unreported_times.append(time.perf_counter())
         if self.counts is not None:

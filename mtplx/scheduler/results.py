@@ -137,6 +137,7 @@ def new_service_stats(max_depth: int) -> dict:
         "target_verify_cycles": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0,
         "draft_proposals": 0, "draft_tokens": 0, "accepted_by_position": [0] * max_depth,
         "lane_row_cycles": 0, "graph_retraces": 0, "graph_first_runs": 0, "mtp_cycles": 0, "ar_steps": 0, "ahead_cycles": 0, "device_drafts": 0,
+        "context_drafts": 0,
         "batched_prefills": 0, "cycle_s": 0.0, "device_s": 0.0, "host_s": 0.0, "delivery_s": 0.0, "prefill_s": 0.0, "admissions": 0, "shared_prefills": 0, "lanes_started": 0,
         "widenings": 0, "narrowings": 0, "depth_switches": 0,
         # lane faults: a row blamed and failed alone, or nobody (driver_errors); either way the
@@ -156,7 +157,7 @@ LANE_COUNTERS = {"cycles": "target_verify_cycles", "row_cycles": "lane_row_cycle
                  "cycle_s": "cycle_s", "device_s": "device_s", "host_s": "host_s", "prefill_s": "prefill_s", "graph_retraces": "graph_retraces",
                  "graph_first_runs": "graph_first_runs",
                  "mtp_cycles": "mtp_cycles", "ar_steps": "ar_steps", "ahead_cycles": "ahead_cycles",
-                 "device_drafts": "device_drafts",
+                 "device_drafts": "device_drafts", "context_drafts": "context_drafts",
                  "draft_proposals": "draft_proposals", "draft_tokens": "draft_tokens"}
 
 
@@ -301,6 +302,8 @@ def counters_snapshot(s: dict) -> dict:
         # of the MTP cycles: launched before the host read the last one's verify (greedy lanes run ahead)
         "ahead_cycles": s["ahead_cycles"],
         "device_drafts": s["device_drafts"],
+        # drafts taken from the rows' own prompt and output instead of the head (context_drafts)
+        "context_drafts": s["context_drafts"],
         "accepted_draft_tokens": s["accepted_draft_tokens"],
         "rejected_draft_tokens": s["rejected_draft_tokens"],
         # chained drafts (greedy_depths): rows' drafting cycles, the drafts they proposed, and
