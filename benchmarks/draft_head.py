@@ -1,14 +1,16 @@
 """A trained head's worth, in process: what its draft costs at the draft vocabulary against the
 whole vocabulary, and what lanes of 1 and 8 greedy (or sampled) rows decode with it: plain AR,
-MTP at each depth, and `auto` (rows that may step aside, the lane's depth chosen by cost, as the
-service runs them). Arms run side by side, round by round (the machine is shared and noisy:
-compare ratios from the same round, read medians).
+MTP at each depth (greedy rows drafting from their context where it beats the head, as served;
+`_head_only`: the head's drafts alone), and `auto` (rows that may step aside, the lane's depth
+chosen by cost, as the service runs them). Arms run side by side, round by round (the machine is
+shared and noisy: compare ratios from the same round, read medians).
 
     python -m benchmarks.draft_head MODEL_DIR [--tokens 64] [--rounds 3] [--widths 1,8]
-                                              [--temperatures 0,0.6] [--json]
+                                              [--temperatures 0,0.6] [--prompts heldout|load]
+                                              [--no-full-vocab] [--json]
 
 Prompts: the held-out split of `mtplx train-head`'s default corpus (chat, prose and code the head
-never trained on).
+never trained on), or `load`: `bench load`'s code prompts (its first ones, as its clients send them).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from mtplx.engine.install import install_a3b_mtp_batch_lane
 from mtplx.engine.installed import DEPTHS, solo_lane
 from mtplx.engine.lane import RunningLane
 from mtplx.engine.row import A3BMTPBatchRequest
+from mtplx.engine.settings import EngineSettings
 from mtplx.sampling import SamplerConfig
+
+HEAD_ONLY = EngineSettings(context_drafts=False)
 
 
 def draft_costs(model, widths=(1, 8), reps: int = 30) -> dict:
@@ -87,19 +92,30 @@ def auto_lane(ladder, width: int) -> RunningLane:
                        sampled_ladder=ladder.ladder(ladder.sampled_depth), depth_ladders=by_cost)
 
 
-def bench(model, tokens=64, rounds=3, widths=(1, 8), temperatures=(0.0,), depths=DEPTHS, n_prompts=8) -> dict:
-    from mtplx.scheduler.ladder import LaneLadder
+def bench_prompts(model, which: str, n: int) -> list:
+    if which == "load":
+        from benchmarks.load.workload import prompt_for
+
+        return [model.tokenizer.encode(prompt_for(i)) for i in range(n)]
     from mtplx.training.corpus import build_prompts
     from mtplx.training.train_head import MIX
 
-    prompts = [list(p.ids) for p in build_prompts(model.tokenizer, "heldout", n_prompts * 2, 7, MIX)][:n_prompts]
+    return [list(p.ids) for p in build_prompts(model.tokenizer, "heldout", n * 2, 7, MIX)][:n]
+
+
+def bench(model, tokens=64, rounds=3, widths=(1, 8), temperatures=(0.0,), depths=DEPTHS, n_prompts=8,
+          prompt_set: str = "heldout", full_vocab: bool = True) -> dict:
+    from mtplx.scheduler.ladder import LaneLadder
+
+    prompts = bench_prompts(model, prompt_set, n_prompts)
     full = dataclasses.replace(model, draft_vocab=None)       # the same head, projecting onto every row
     ladder = LaneLadder(model, greedy_depths="cost")
     ladder.install([w for w in widths if w > 1])
     # the draft vocabulary's lanes are the ladder's own (installed and measured once); the whole
     # vocabulary's, the same head's
     lanes = {(w, d, "draft"): {ln.width: ln for ln in ladder.ladder(d)}[w] for w in widths for d in depths}
-    if model.draft_vocab is not None:
+    full_vocab = full_vocab and model.draft_vocab is not None
+    if full_vocab:
         lanes.update({(w, d, "full"): lanes_for(full, w, d) for w in widths for d in depths})
     results: dict = {}
     for r in range(rounds):
@@ -109,7 +125,8 @@ def bench(model, tokens=64, rounds=3, widths=(1, 8), temperatures=(0.0,), depths
                 arms = {"ar": (RunningLane(lanes[(w, 1, "draft")]), "ar")}
                 for d in depths:
                     arms[f"mtp_d{d}"] = (RunningLane(lanes[(w, d, "draft")]), "mtp")
-                    if model.draft_vocab is not None:
+                    arms[f"mtp_d{d}_head_only"] = (RunningLane(lanes[(w, d, "draft")], settings=HEAD_ONLY), "mtp")
+                    if full_vocab:
                         arms[f"mtp_d{d}_full_vocab"] = (RunningLane(lanes[(w, d, "full")]), "mtp")
                 arms["auto"] = (auto_lane(ladder, w), "auto")
                 for name, (running, mode) in arms.items():
@@ -131,7 +148,7 @@ def bench(model, tokens=64, rounds=3, widths=(1, 8), temperatures=(0.0,), depths
                 "ms_per_step": round(statistics.median(x["ms_per_step"] for x in runs), 1),
                 "drafts_kept": round(statistics.median(x["drafts_kept"] for x in runs), 3),
                 "tokens_a_row_step": round(statistics.median(x["tokens_a_row_step"] for x in runs), 3)}
-    return {"model": model.model_id, "draft_vocabulary": None if model.draft_vocab is None else model.draft_vocab.size,
+    return {"model": model.model_id, "prompts": prompt_set, "draft_vocabulary": None if model.draft_vocab is None else model.draft_vocab.size,
             "tokens": tokens, "rounds": rounds, "draft_ms": draft_costs(model, widths), "lanes": summary,
             "greedy_depths_by_cost": {str(k): v for k, v in ladder.greedy_depths.items()}}
 
@@ -144,13 +161,16 @@ def main(argv=None) -> None:
     ap.add_argument("--widths", default="1,8")
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--temperatures", default="0")
+    ap.add_argument("--prompts", choices=("heldout", "load"), default="heldout")
+    ap.add_argument("--no-full-vocab", action="store_true", help="skip the arms drafting over the whole vocabulary")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     model = mtplx.load_model(a.model_dir)
     if model.mtp is None:
         raise SystemExit(f"{a.model_dir} has no MTP head: train one with `mtplx train-head`")
     out = bench(model, a.tokens, a.rounds, tuple(int(w) for w in a.widths.split(",")),
-                tuple(float(t) for t in a.temperatures.split(",")), tuple(int(d) for d in a.depths.split(",")))
+                tuple(float(t) for t in a.temperatures.split(",")), tuple(int(d) for d in a.depths.split(",")),
+                prompt_set=a.prompts, full_vocab=not a.no_full_vocab)
     out["loadavg"] = [round(x, 1) for x in os.getloadavg()]
     print(json.dumps(out, indent=None if a.json else 2))
 

@@ -124,7 +124,7 @@ class AppArgs(BaseModel):
                           "None: MTPLX_RUN_AHEAD, else on (not a lane whose rows take context drafts)")
     context_drafts: Optional[bool] = Field(
         None, description="Greedy-drafting rows draft what followed their last tokens' latest earlier occurrence in "
-                          "their own prompt and output, else the head's; None: MTPLX_CONTEXT_DRAFTS, else on")
+                          "their own prompt and output, else the head's; None: MTPLX_CONTEXT_DRAFTS, else off")
     kv_budget_gb: Optional[float] = Field(
         None, gt=0.0, description="Decode state (KV and recurrent) all lanes of a replica may hold, GiB; rows "
                                   "wait beyond it. None: MTPLX_KV_BUDGET_GB, else half the replica's memory")

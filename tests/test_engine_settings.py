@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_given_over_environment_over_defaults():
     env = {"MTPLX_DRAFT_DRAW": "host", "MTPLX_MTP_BATCH_COMPILE": "0", "MTPLX_RUN_AHEAD": "off",
            "MTPLX_DEVICE_JUDGE": "1", "MTPLX_MTP_BATCH_FORCE_WIDTH": " 8 ", "MTPLX_KV_BUDGET_GB": "1.5",
-           "MTPLX_REPETITION_STOP_MIN_TOKENS": "10", "MTPLX_CONTEXT_DRAFTS": "no"}
+           "MTPLX_REPETITION_STOP_MIN_TOKENS": "10", "MTPLX_CONTEXT_DRAFTS": "yes"}
     s = EngineSettings.from_environ(env)
     assert (s.draft_draw, s.compiled, s.run_ahead, s.device_judging, s.force_width) == ("host", False, False, True, 8)
-    assert not s.context_drafts and EngineSettings().context_drafts
+    assert s.context_drafts and not EngineSettings().context_drafts
     assert s.kv_budget_bytes() == int(1.5 * 2**30) and s.overlap is None
     assert s.repetition_limits == RepetitionLimits(min_tokens=10) and not s.repetition_stop_all
     given = EngineSettings.from_environ(env, draft_draw="device", compiled=True, force_width=None,

@@ -206,7 +206,7 @@ def test_seed_example_server_path_job(model, service):
 @pytest.mark.parametrize("n, fixed", [(2, 3), (5, 8)])
 def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n, fixed):
     # generation_mode "mtp": every cycle drafts, whatever the cycle costs measured on a loaded machine
-    # ("auto" rows may step aside to AR steps)
+    # ("auto" rows may step aside to AR steps, which never run ahead)
     jobs = [job(prompts[i], max_tokens=6 + 3 * i, seed=i, adaptive=False) for i in range(n)]
     results = run_held(service, jobs)
     for i, r in enumerate(results):
@@ -219,8 +219,8 @@ def test_width_choice_narrowest_lane_that_fits(model, service, lanes, prompts, n
         assert r["tokens"] == greedy_ar(model, prompts[i], 6 + 3 * i)
     snap = settle(service)
     assert snap["lanes_started"] == 1 and snap["admissions"] == n and snap["lanes"] == []
-    # greedy rows draft from their context where it repeats: read on the host, so the lane does not run ahead
-    assert snap["context_drafts"] > 0 and snap["ahead_cycles"] == 0
+    assert 0 < snap["ahead_cycles"] <= snap["mtp_cycles"]      # a greedy lane runs ahead between boundaries
+    assert snap["context_drafts"] == 0                           # off by default
     assert snap["last_fixed_width"] == fixed
     assert snap["last_route_id"] == lanes[fixed].route_id
     assert set(snap["fixed_width_histogram"]) == {str(fixed)}

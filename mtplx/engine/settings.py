@@ -49,9 +49,10 @@ class EngineSettings:
     run_ahead: bool = True
     # greedy rows draft what followed the latest earlier occurrence of their last tokens in their
     # own prompt and output, where there is one and it has been right more often than the head's
-    # draft (mtplx.engine.ngram, proposer.ContextScore); on Gemma 3 270M's code, 0.73 of first
-    # drafts kept against the head's 0.40 (BENCHMARKS.md)
-    context_drafts: bool = True
+    # draft (mtplx.engine.ngram, proposer.ContextScore). Off by default: on Gemma 3 270M it keeps
+    # 0.51 of a B8 lane's drafts against the head's 0.31, but its lanes no longer run ahead, which
+    # cost as much on this CPU (355 against 325 ms a cycle: equal tok/s; BENCHMARKS.md)
+    context_drafts: bool = False
     # the limits a row that arms the repetition stop stops within, and whether every row arms it
     # (the app's `repetition_stop`) or only those whose request asks
     repetition_limits: RepetitionLimits = field(default_factory=RepetitionLimits)
