@@ -308,8 +308,9 @@ class RunningLane:
 
     def _ahead_ok(self) -> bool:
         """Whether the next MTP cycle may launch before the host reads this one's verify: with
-        `run_ahead`, rows whose keep follows from the verify alone (`rows_may_run_ahead`), the
-        boundary idle and an MTP cycle next."""
+        `run_ahead`, rows whose keep follows from the verify alone (`rows_may_run_ahead`), none
+        drafting from its context (read on the host at launch), the boundary idle and an MTP
+        cycle next."""
         return (self.run_ahead and rows_may_run_ahead(self.rows, self.state) and self._boundary_idle()
                 and not any(r is not None and r.context is not None for r in self.rows)
                 and self._choose_step() == "mtp")
