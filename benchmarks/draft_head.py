@@ -1,7 +1,7 @@
 """A trained head's worth, in process: what its draft costs at the draft vocabulary against the
 whole vocabulary, and what lanes of 1 and 8 greedy (or sampled) rows decode with it: plain AR,
-MTP at each depth (greedy rows drafting from their context where it beats the head, as served;
-`_head_only`: the head's drafts alone), and `auto` (rows that may step aside, the lane's depth
+MTP at each depth (as served; `_context`: greedy rows drafting from their context where it
+beats the head, `context_drafts` on), and `auto` (rows that may step aside, the lane's depth
 chosen by cost, as the service runs them). Arms run side by side, round by round (the machine is
 shared and noisy: compare ratios from the same round, read medians).
 
@@ -32,7 +32,7 @@ from mtplx.engine.row import A3BMTPBatchRequest
 from mtplx.engine.settings import EngineSettings
 from mtplx.sampling import SamplerConfig
 
-HEAD_ONLY = EngineSettings(context_drafts=False)
+WITH_CONTEXT = EngineSettings(context_drafts=True)
 
 
 def draft_costs(model, widths=(1, 8), reps: int = 30) -> dict:
@@ -125,7 +125,7 @@ def bench(model, tokens=64, rounds=3, widths=(1, 8), temperatures=(0.0,), depths
                 arms = {"ar": (RunningLane(lanes[(w, 1, "draft")]), "ar")}
                 for d in depths:
                     arms[f"mtp_d{d}"] = (RunningLane(lanes[(w, d, "draft")]), "mtp")
-                    arms[f"mtp_d{d}_head_only"] = (RunningLane(lanes[(w, d, "draft")], settings=HEAD_ONLY), "mtp")
+                    arms[f"mtp_d{d}_context"] = (RunningLane(lanes[(w, d, "draft")], settings=WITH_CONTEXT), "mtp")
                     if full_vocab:
                         arms[f"mtp_d{d}_full_vocab"] = (RunningLane(lanes[(w, d, "full")]), "mtp")
                 arms["auto"] = (auto_lane(ladder, w), "auto")

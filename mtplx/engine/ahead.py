@@ -46,10 +46,12 @@ class NextStep:
 
 def rows_may_run_ahead(rows: list, state: LaneState) -> bool:
     """Whether what each of these rows (slot -> row or None) keeps follows from the verify alone:
-    every row greedy, unconstrained and without log-probabilities, one of them drafting, and the
-    lane's caches all ragged KV (their commit can move on the device)."""
+    every row greedy, unconstrained, without log-probabilities and not drafting from its context
+    (read on the host at launch), one of them drafting, and the lane's caches all ragged KV (their
+    commit can move on the device)."""
     live = [r for r in rows if r is not None]
-    if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None for r in live):
+    if any(not r.greedy or r.grammar is not None or r.req.logprobs is not None or r.context is not None
+           for r in live):
         return False
     return state.all_ragged() and any(r.wants_draft() for r in live)
 

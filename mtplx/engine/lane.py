@@ -105,7 +105,8 @@ class RunningLane:
         # the drafts' source: the model's head, sampled rows' drafts drawn where `draft_draw` says
         # ("device": no wait between the head and the verify; "host": from the whole q, after a
         # wait); the self-check passes a `ScriptedProposer`
-        self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw, settings.context_drafts)
+        self.proposer = proposer or Proposer(self.model.vocab_size, settings.draft_draw)
+        self.context_drafts = settings.context_drafts     # greedy rows get an NgramIndex to draft from
         # each step's kind: by measured cost, or a test's known sequence (`ScriptedSteps`)
         self.step_chooser = step_chooser or CostSteps(partial(draft_acceptance_prior, self.model))
         # written here, on the thread that steps the lane; other threads read `stats()`
@@ -196,7 +197,7 @@ class RunningLane:
                       self._grammar_tokenizer() if req.constraint is not None and req.constraint.reads_text else None)
         if not row.greedy:
             row.chain_depth = self.shapes.checked_depth(req)
-        if self.proposer.context_drafts and req.speculative and row.greedy and row.grammar is None:
+        if self.context_drafts and req.speculative and row.greedy and row.grammar is None:
             row.context = NgramIndex(req.prompt_ids + tuple(row.result.tokens))
             row.context_score = ContextScore()
         self.admitter.add(row)
@@ -308,11 +309,9 @@ class RunningLane:
 
     def _ahead_ok(self) -> bool:
         """Whether the next MTP cycle may launch before the host reads this one's verify: with
-        `run_ahead`, rows whose keep follows from the verify alone (`rows_may_run_ahead`), none
-        drafting from its context (read on the host at launch), the boundary idle and an MTP
-        cycle next."""
+        `run_ahead`, rows whose keep follows from the verify alone (`rows_may_run_ahead`), the
+        boundary idle and an MTP cycle next."""
         return (self.run_ahead and rows_may_run_ahead(self.rows, self.state) and self._boundary_idle()
-                and not any(r is not None and r.context is not None for r in self.rows)
                 and self._choose_step() == "mtp")
 
     def _observe_step(self, previous: Optional[str], dt: float) -> None:

@@ -9,8 +9,7 @@ code prompts repeats names, lines and whole blocks; there the head keeps 0.40 of
 and the lookup (falling back to the head) 0.73 (BENCHMARKS.md, "Drafts from the row's context").
 
 Exactness does not depend on where a draft came from: the verify judges every draft against the
-target, and only rows whose draft is a point mass (a greedy draft sampler: accepted when it is
-the target's token, or with the target's probability of it) take context drafts."""
+target. Only greedy rows take context drafts: a sampled row's draws would depend on them."""
 
 from __future__ import annotations
 
@@ -43,14 +42,15 @@ class NgramIndex:
         index): what followed the latest earlier occurrence of their longest matching suffix,
         copied on through the drafts themselves where the match is recent (a repeating period
         shorter than k); [] where no suffix occurred before."""
-        seq = self.tokens if next_token is None else self.tokens + [int(next_token)]
-        end = len(seq)
+        toks = self.tokens
+        tail = toks[-NGRAM_MAX:] + ([] if next_token is None else [int(next_token)])
+        end = len(toks) + (next_token is not None)
         for n in range(min(NGRAM_MAX, end - 1), 0, -1):
-            at = self.after[n].get(tuple(seq[end - n:end]))
-            if at is not None and at < end:
+            at = self.after[n].get(tuple(tail[len(tail) - n:]))
+            if at is not None:
                 out: list = []
                 while len(out) < k:
                     j = at + len(out)
-                    out.append(seq[j] if j < end else out[j - end])
+                    out.append(toks[j] if j < len(toks) else tail[-1] if j < end else out[j - end])
                 return out
         return []

@@ -50,11 +50,8 @@ class Proposer:
 
     follows_head = True     # the drafts are the head's own: a cycle may launch before the last is read
 
-    def __init__(self, vocab: int, draft_draw: str, context_drafts: bool = False):
+    def __init__(self, vocab: int, draft_draw: str):
         self.vocab, self.draft_draw = vocab, draft_draw
-        # rows with an `NgramIndex` (`LaneRow.context`) draft from it where it has a match: read on
-        # the host at launch, so a lane of such rows does not run ahead
-        self.context_drafts = context_drafts
         self.device_drafts = 0            # drafts drawn on the device
         self.drafts_from_context = 0      # drafts taken from the rows' own context
         self.host_s = 0.0                 # host time spent drawing drafts and rebuilding their q
@@ -77,7 +74,8 @@ class Proposer:
         W, D = len(rows), history.hidden.shape[1]
         proposal = Proposal(drafts=None, depth=depth, q=[] if greedy else [[None] * W for _ in range(depth)])
         on_device = isinstance(owed, mx.array)          # a cycle launched before the last one was read
-        context = self._context(rows, row_depth, x0, depth) if self.context_drafts and not on_device else None
+        # rows with an `NgramIndex` (`LaneRow.context`): read on the host, so never run ahead
+        context = None if on_device else self._context(rows, row_depth, x0, depth)
         q_logits, g = forwards.draft(history.hidden, h_last, history.tokens, x0,
                                      owed if on_device else mx.array(owed.astype(np.int32)))   # [W, V], [W, 1, H]
         commit_rows(forwards.mtp_caches, D + 1, mx.where(mx.array(keep_history), 1 + owed, 0) if on_device
